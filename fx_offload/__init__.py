@@ -1,0 +1,36 @@
+"""fx_offload: stream offloaded layers' weights into static GPU slots, as a compiler pass.
+
+    compiled = torch.compile(model, backend="prefetch_offload", options={...})
+    fx_offload.report(model)     # what was offloaded
+    fx_offload.restore(model)    # weights back where they were
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from . import ops as _ops  # noqa: F401  (registers the fx_offload:: custom ops)
+from . import runtime as _runtime
+from .compiler import PrefetchOffloadBackend, backend, prefetch_offload
+from .options import OffloadOptions, parse_options
+from .report import Report, report
+
+__all__ = ["backend", "prefetch_offload", "report", "restore", "Report", "OffloadOptions",
+           "PrefetchOffloadBackend", "parse_options"]
+
+
+def restore(model: nn.Module) -> None:
+    """Return every offloaded weight of ``model`` to its device, bitwise as it was; the model
+    then runs eagerly as before.  A compiled callable of it stays correct (its ops do nothing)."""
+    state = _runtime.state_for_model(model)
+    if state is None:
+        raise ValueError(f"fx_offload.restore: {type(model).__name__} has no offloaded weights")
+    state.restore()
+
+
+def _register_backend_name() -> None:
+    from torch._dynamo.backends import registry
+    if "prefetch_offload" not in registry._COMPILER_FNS:
+        registry.register_backend(name="prefetch_offload")(prefetch_offload)
+
+
+_register_backend_name()

@@ -1,0 +1,141 @@
+"""The ``prefetch_offload`` Dynamo backend.
+
+At each compile of a model's graph:
+
+1. read the graph's placeholders: which model, which parameters (``graph_inputs``);
+2. at the model's first compile, choose layers and parameters (``selection``) and build the
+   offload state (``runtime``); later compiles of the same model reuse it;
+3. plan the ops for the offloaded layers in this graph (``plan``), then insert them
+   (``rewrite``);
+4. compile the result with the inner compiler (``inner``);
+5. only then, at the first compile, move the weights to host masters and point the
+   parameters at their slots, so a failure in steps 1-4 leaves the model untouched.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+import torch
+from torch import fx
+
+from . import runtime
+from .graph_inputs import read_graph_inputs
+from .inner import compile_inner
+from .options import OffloadOptions, parse_options
+from .plan import plan_graph
+from .report import format_bytes
+from .rewrite import apply_plan
+from .selection import find_layer_stack, select_params
+
+log = logging.getLogger("fx_offload")
+
+
+def prefetch_offload(gm: fx.GraphModule, example_inputs, options: Mapping[str, Any] | None = None,
+                     mode: str | None = None, **unexpected):
+    """Dynamo backend: ``torch.compile(model, backend="prefetch_offload", options={...})``."""
+    if unexpected:
+        raise ValueError(f"prefetch_offload got unexpected arguments {sorted(unexpected)}")
+    return compile_graph(gm, example_inputs, parse_options(options, mode=mode),
+                         defaulted=not options)
+
+
+class PrefetchOffloadBackend:
+    """A configured backend: ``torch.compile(model, backend=fx_offload.backend(**options),
+    mode="reduce-overhead")``.  Options are validated when it is made."""
+
+    def __init__(self, **options: Any):
+        self._raw = dict(options)
+        self.options = parse_options(options)
+        self.__name__ = "prefetch_offload"
+
+    def __call__(self, gm, example_inputs, options=None, mode=None, **unexpected):
+        if unexpected:
+            raise ValueError(f"prefetch_offload got unexpected arguments {sorted(unexpected)}")
+        if options:
+            raise ValueError(
+                "fx_offload.backend(...) is already configured; give its options to "
+                "fx_offload.backend(...), not to torch.compile(options=...)")
+        opts = self.options if mode is None else parse_options(self._raw, mode=mode)
+        return compile_graph(gm, example_inputs, opts, defaulted=not self._raw)
+
+    def __repr__(self) -> str:
+        return f"fx_offload.backend({self.options.describe()})"
+
+
+def backend(**options: Any) -> PrefetchOffloadBackend:
+    """A backend object carrying ``options``; see :class:`PrefetchOffloadBackend`."""
+    return PrefetchOffloadBackend(**options)
+
+
+def _state_for_graph(gi, options: OffloadOptions):
+    """The model's offload state (new and not yet materialized at its first compile)."""
+    state = runtime.state_for_model(gi.root)
+    if state is not None:
+        if state.options.placement_key() != options.placement_key():
+            raise ValueError(
+                f"prefetch_offload: {type(gi.root).__name__} is already offloaded with "
+                f"{state.options.describe()}; it cannot be compiled again with "
+                f"{options.describe()}. Call fx_offload.restore(model) first, or use the same "
+                "options")
+        return state, False
+    for name, param in gi.params.values():
+        owner = runtime.owner_of_param(param)
+        if owner is None:
+            continue
+        other, layer = owner
+        raise ValueError(
+            f"prefetch_offload: parameter {name!r} of this graph's {type(gi.root).__name__} is "
+            f"already offloaded as part of layer {layer} of a {other.model_name}. Either a "
+            "graph break inside a layer's forward made Dynamo compile that layer on its own "
+            f"(its graph is then reused for every layer, so per-layer prefetch cannot be "
+            f"placed; recent graph breaks: {_recent_graph_breaks()}; remove the break), or a "
+            "submodule of an offloaded model is being compiled separately (compile the whole "
+            "model once, or fx_offload.restore it first)")
+    stack = find_layer_stack(gi.root, options.layers)
+    params = select_params(gi.root, stack, options)
+    return runtime.OffloadState(gi.root, options, stack, params), True
+
+
+def _recent_graph_breaks() -> list[str]:
+    from torch._dynamo.utils import counters
+    return [str(reason).splitlines()[0][:200] for reason in list(counters["graph_break"])[-3:]]
+
+
+def _check_grad_mode(gi, state) -> None:
+    if not torch.is_grad_enabled():
+        return
+    offloaded = {p.name for ps in state.params.values() for p in ps}
+    trained = [name for name, p in gi.params.values() if name in offloaded and p.requires_grad]
+    if trained:
+        raise RuntimeError(
+            "prefetch_offload supports inference only: this graph was compiled with grad "
+            f"enabled and reads offloaded parameters that require grad ({trained[:3]}...). "
+            "Autograd would save slot contents for backward, which the next prefetch "
+            "overwrites. Call the model under torch.no_grad() or torch.inference_mode(), or "
+            "set requires_grad_(False) on its parameters")
+
+
+def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
+                  defaulted: bool = False):
+    gi = read_graph_inputs(gm, example_inputs)
+    if gi.root is None or not gi.params:
+        log.debug("fx_offload: graph reads no model parameters; compiled without offloading")
+        return compile_inner(gm, example_inputs, options)
+    state, first = _state_for_graph(gi, options)
+    _check_grad_mode(gi, state)
+    plan = plan_graph(gm, gi, state)
+    apply_plan(gm, plan)
+    compiled = compile_inner(gm, example_inputs, options)
+    if first:
+        state.materialize()
+    log.info(
+        "fx_offload: %s graph with %d offloaded layer(s) %s (%d wait, %d start%s); model: %d of "
+        "%d layers of %r offloaded, %s to host, %d slot(s) = %s on %s; %s%s",
+        state.model_name, len(plan.layers), [lp.layer for lp in plan.layers], len(plan.layers),
+        sum(lp.target is not None for lp in plan.layers),
+        ", join" if plan.has_starts and plan.join_acts else "",
+        len(state.layers), len(state.stack.layers), state.stack.path,
+        format_bytes(state.offloaded_bytes), state.num_slots, format_bytes(state.buffer_bytes),
+        state.device, options.describe(), " (defaults)" if defaulted else "")
+    return compiled

@@ -1,0 +1,27 @@
+"""Compile the rewritten graph with the chosen inner compiler."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import fx
+
+from .options import OffloadOptions
+
+
+def compile_inner(gm: fx.GraphModule, example_inputs, options: OffloadOptions) -> Callable:
+    if options.inner_backend == "eager":
+        return gm.forward
+    if options.inner_backend == "aot_eager":
+        from torch._dynamo.backends.registry import lookup_backend
+        return lookup_backend("aot_eager")(gm, example_inputs)
+    import torch._inductor.config as inductor_config
+    from torch._inductor import list_mode_options
+    from torch._inductor.compile_fx import compile_fx
+    if inductor_config.freezing:
+        raise ValueError(
+            "prefetch_offload cannot be used with Inductor freezing "
+            "(torch._inductor.config.freezing=True): freezing folds weights into constants, so "
+            "offloaded layers would read stale copies; turn freezing off")
+    patches = dict(list_mode_options(options.mode)) if options.mode != "default" else {}
+    return compile_fx(gm, example_inputs, config_patches=patches)

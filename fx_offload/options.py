@@ -1,0 +1,144 @@
+"""Options of the ``prefetch_offload`` backend: names, defaults and validation.
+
+Every route into the backend (``options={...}``, a configured :func:`fx_offload.backend`
+object, the bare backend name) ends in :func:`parse_options`, so all of them accept and
+refuse exactly the same things.  Each refusal is a ``ValueError`` that names the option and
+says what to change.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Mapping
+
+INNER_BACKENDS = ("inductor", "aot_eager", "eager")
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadOptions:
+    """Validated options; see ``docs/usage.md`` for what each one does."""
+
+    group_size: int = 2
+    num_in_group: int = 1
+    prefetch_step: int = 1
+    offload_params: tuple[str, ...] | None = None
+    layers: str | None = None
+    inner_backend: str = "inductor"
+    mode: str = "default"
+
+    def offloads_layer(self, index: int) -> bool:
+        """True for the last ``num_in_group`` layers of each group of ``group_size``."""
+        return index % self.group_size >= self.group_size - self.num_in_group
+
+    def placement_key(self) -> tuple:
+        """The options that decide what is offloaded and where; the inner compiler is not
+        part of it, so one model may be compiled by several inner backends."""
+        return (self.group_size, self.num_in_group, self.prefetch_step,
+                self.offload_params, self.layers)
+
+    def describe(self) -> str:
+        parts = [f"group_size={self.group_size}", f"num_in_group={self.num_in_group}",
+                 f"prefetch_step={self.prefetch_step}"]
+        if self.offload_params is not None:
+            parts.append(f"offload_params={list(self.offload_params)}")
+        if self.layers is not None:
+            parts.append(f"layers={self.layers!r}")
+        parts.append(f"inner_backend={self.inner_backend!r}")
+        if self.mode != "default":
+            parts.append(f"mode={self.mode!r}")
+        return ", ".join(parts)
+
+
+VALID_KEYS = tuple(f.name for f in dataclasses.fields(OffloadOptions))
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(
+            f"prefetch_offload option {name!r} must be an int >= {minimum}, "
+            f"got {value!r} of type {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(
+            f"prefetch_offload option {name!r} must be >= {minimum}, got {value}")
+    return value
+
+
+def _check_choice(name: str, value: Any, choices: Iterable[str]) -> str:
+    choices = tuple(choices)
+    if value not in choices:
+        raise ValueError(
+            f"prefetch_offload option {name!r} must be one of {list(choices)}, got {value!r}")
+    return value
+
+
+def _check_offload_params(value: Any) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        raise ValueError(
+            "prefetch_offload option 'offload_params' must be an iterable of parameter-name "
+            f"segments such as ['w13_weight'], not the single string {value!r}: "
+            f"write [{value!r}]")
+    try:
+        names = tuple(value)
+    except TypeError:
+        raise ValueError(
+            "prefetch_offload option 'offload_params' must be an iterable of str, "
+            f"got {type(value).__name__}") from None
+    if not names:
+        raise ValueError(
+            "prefetch_offload option 'offload_params' is empty, so nothing would be "
+            "offloaded: leave it out to offload every parameter of the chosen layers")
+    for name in names:
+        if not isinstance(name, str) or not name or name.startswith(".") or name.endswith("."):
+            raise ValueError(
+                "prefetch_offload option 'offload_params' entries must be non-empty dotted "
+                f"names such as 'w13_weight' or 'mlp.experts.w2_weight', got {name!r}")
+    return names
+
+
+def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None = None,
+                  ) -> OffloadOptions:
+    """Validate user options (and torch.compile's own ``mode=``) into :class:`OffloadOptions`."""
+    options = dict(options or {})
+    if not isinstance(options, dict):
+        raise ValueError("prefetch_offload options must be a dict")
+    unknown = sorted(set(options) - set(VALID_KEYS))
+    if unknown:
+        raise ValueError(
+            f"unknown prefetch_offload option(s) {unknown}; valid options are {list(VALID_KEYS)}")
+    if mode is not None and options.get("mode") not in (None, mode):
+        raise ValueError(
+            f"prefetch_offload got mode={mode!r} from torch.compile and "
+            f"mode={options['mode']!r} in its options: give the mode once")
+    if mode is not None:
+        options["mode"] = mode
+
+    group_size = _check_int("group_size", options.get("group_size", 2), 1)
+    num_in_group = _check_int("num_in_group", options.get("num_in_group", 1), 1)
+    if num_in_group > group_size:
+        raise ValueError(
+            f"prefetch_offload option 'num_in_group' ({num_in_group}) must not exceed "
+            f"'group_size' ({group_size}): it counts the offloaded layers in each group")
+    prefetch_step = _check_int("prefetch_step", options.get("prefetch_step", 1), 1)
+    inner_backend = _check_choice("inner_backend", options.get("inner_backend", "inductor"),
+                                  INNER_BACKENDS)
+    mode_name = _check_choice("mode", options.get("mode") or "default", MODES)
+    if mode_name != "default" and inner_backend != "inductor":
+        raise ValueError(
+            f"prefetch_offload option 'mode' ({mode_name!r}) is an Inductor mode, but "
+            f"inner_backend is {inner_backend!r}: drop the mode or use inner_backend='inductor'")
+    layers = options.get("layers")
+    if layers is not None and not isinstance(layers, str):
+        raise ValueError(
+            "prefetch_offload option 'layers' must be the dotted path of the layer list, "
+            f"such as 'model.layers', got {layers!r}")
+    return OffloadOptions(
+        group_size=group_size,
+        num_in_group=num_in_group,
+        prefetch_step=prefetch_step,
+        offload_params=_check_offload_params(options.get("offload_params")),
+        layers=layers,
+        inner_backend=inner_backend,
+        mode=mode_name,
+    )

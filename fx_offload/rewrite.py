@@ -1,0 +1,79 @@
+"""Step 2 of the pass: insert the planned ops into the Dynamo graph.
+
+For an offloaded layer ``L`` (slot ``s``) whose slot next serves layer ``T``::
+
+    x  = ...                                   # L's input activation(s)
+    wait_prefetch([x], h, L)                   # before L's first weight read
+    y  = linear(x, w_L)                        # w_L: a placeholder whose data is slot s
+    ...                                        # the rest of L
+    out = ...                                  # L's output(s)
+    start_prefetch([out], [], h, L, T)         # after L's last node: slot s <- T
+    ...                                        # later layers, resident or in other slots
+    join_prefetch([result], [], h)             # before the graph's output
+
+``x`` and ``out`` keep their values; the ops only declare them mutated so that no compiler
+moves ``L``'s compute above the wait or below the start.  A layer whose weight reads depend
+only on graph inputs first gets a clone of one (``x2 = clone(x)``), tied to the wait instead.
+"""
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from . import ops
+from .plan import GraphPlan, LayerPlan
+
+
+def _mark(node: fx.Node, op: str, **info) -> fx.Node:
+    node.meta["val"] = None
+    node.meta["example_value"] = None
+    node.meta["fx_offload"] = {"op": op, **info}
+    return node
+
+
+def _insert_clones(graph: fx.Graph, lp: LayerPlan, members: set[fx.Node]) -> list[fx.Node]:
+    clones = []
+    for source in lp.clone_inputs:
+        with graph.inserting_before(lp.first_use):
+            clone = graph.call_function(torch.clone, (source,))
+        clone.meta["example_value"] = source.meta.get("example_value")
+        clone.meta["val"] = source.meta.get("val", clone.meta["example_value"])
+        clone.meta["fx_offload"] = {"op": "clone", "layer": lp.layer}
+        for user in list(source.users):
+            if user in members:
+                user.replace_input_with(source, clone)
+        clones.append(clone)
+    return clones
+
+
+def apply_plan(gm: fx.GraphModule, plan: GraphPlan) -> None:
+    graph = gm.graph
+    for lp in plan.layers:
+        clones = _insert_clones(graph, lp, set(lp.members) & _layer_nodes_between(lp))
+        with graph.inserting_before(lp.first_use):
+            _mark(graph.call_function(ops.WAIT, (lp.wait_acts + clones, plan.handle, lp.layer)),
+                  "wait", layer=lp.layer, slot=lp.slot)
+        if lp.target is not None:
+            with graph.inserting_after(lp.last_node):
+                _mark(graph.call_function(
+                    ops.START, (lp.start_acts, lp.start_reads, plan.handle, lp.layer, lp.target)),
+                    "start", layer=lp.layer, slot=lp.slot, target=lp.target)
+    if plan.has_starts and plan.join_acts:
+        output = next(n for n in reversed(graph.nodes) if n.op == "output")
+        with graph.inserting_before(output):
+            _mark(graph.call_function(ops.JOIN, (plan.join_acts, plan.join_reads, plan.handle)),
+                  "join")
+    graph.lint()
+    gm.recompile()
+
+
+def _layer_nodes_between(lp: LayerPlan) -> set[fx.Node]:
+    """Nodes from the first weight read to the layer's last node: the uses of a cloned input
+    that must read the clone."""
+    found, node = set(), lp.first_use
+    while node is not None:
+        found.add(node)
+        if node is lp.last_node:
+            break
+        node = node.next
+    return found
