@@ -160,6 +160,27 @@ def _split_mutable(nodes, frozen_storages):
     return acts, reads
 
 
+def _cover(users, candidates, externals, order) -> list[fx.Node]:
+    """Few activations such that each of ``users`` is computed from one of them (greedy set
+    cover; ties go to the earlier node).  Fewer declared mutations, fewer copies where the
+    compiler does not re-inplace."""
+    chosen, left = [], list(users)
+    pool = sorted(candidates, key=order.__getitem__)
+    seen_storage = set()
+    while left and pool:
+        best = max(pool, key=lambda a: (sum(a in externals[u] for u in left), -order[a]))
+        if not any(best in externals[u] for u in left):
+            break
+        pool.remove(best)
+        storage = _storage(best)
+        if storage is not None and storage in seen_storage:
+            continue
+        seen_storage.add(storage)
+        chosen.append(best)
+        left = [u for u in left if best not in externals[u]]
+    return sorted(chosen, key=order.__getitem__)
+
+
 def _plan_layer(layer, weight_nodes, layer_nodes, order, state, param_nodes, input_storages,
                 weight_storages) -> LayerPlan | None:
     name = state.stack.prefix(layer)
@@ -178,36 +199,38 @@ def _plan_layer(layer, weight_nodes, layer_nodes, order, state, param_nodes, inp
     first_use, last_node = users[0], ordered[-1]
     reads_weight = set(users)
 
-    # Activations each layer node is computed from (inputs from outside the layer).
+    # The values live at the wait that each later layer node is computed from: inputs of the
+    # layer, or layer nodes computed before its first weight read (a norm's statistics).  The
+    # wait must be tied to values read *after* it, or the compiler drops it as dead code.
+    after = [n for n in ordered if order[n] >= order[first_use]]
+    after_set = set(after)
     externals: dict[fx.Node, frozenset] = {}
-    for node in ordered:
+    for node in after:
         acc = set()
         for arg in node.all_input_nodes:
-            if arg in members:
+            if arg in after_set:
                 acc |= externals.get(arg, frozenset())
             elif arg not in param_nodes and isinstance(_value(arg), torch.Tensor):
                 acc.add(arg)
         externals[node] = frozenset(acc)
 
-    needed = set()
-    for user in users:
-        needed |= externals[user]
-    needed = {a for a in needed if order[a] < order[first_use]}
-    wait_acts = sorted((a for a in needed if _storage(a) not in input_storages),
-                       key=order.__getitem__)
-    # one per storage: two views of one tensor in one mutated list confuse functionalization
-    wait_acts, _ = _split_mutable(wait_acts, set())
-    covered = set(wait_acts)
-    clone_inputs: list[fx.Node] = []
-    weight_only = []
-    for user in users:
-        sources = externals[user] & needed
-        if not sources:
-            weight_only.append(user)
-        elif not sources & covered:
-            pick = min(sources, key=order.__getitem__)
-            clone_inputs.append(pick)
-            covered.add(pick)
+    # Nodes computed from the weights: those that also depend on an activation are ordered
+    # after the wait through it; the rest (dequantizing a weight, say) only by graph order.
+    derived = set()
+    for node in after:
+        if node in reads_weight or any(a in derived for a in node.all_input_nodes):
+            derived.add(node)
+    weight_only = [u for u in after if u in derived and not externals[u]]
+    users = [u for u in after if u in derived and externals[u]]
+    needed = set().union(*(externals[u] for u in users)) if users else set()
+    to_cover = users
+    mutable = [a for a in needed if _storage(a) not in input_storages]
+    wait_acts = _cover(to_cover, mutable, externals, order)
+    covered = {u for u in to_cover if externals[u] & set(wait_acts)}
+    # What only graph inputs feed gets a clone of one of them: the clone is tied instead.
+    inputs_only = [u for u in to_cover if u not in covered]
+    clone_inputs = _cover(inputs_only, sorted(needed - set(mutable), key=order.__getitem__),
+                          externals, order)
     if weight_only:
         log.debug("fx_offload: layer %s reads weights in %s without any activation; their "
                   "order after the wait rests on the graph order", name,

@@ -1,0 +1,23 @@
+"""Command line: ``python -m fx_offload demo`` (more commands in later versions)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import demo
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fx_offload",
+                                     description="fx_offload: compile-time weight prefetch")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo.add_arguments(sub.add_parser(
+        "demo", help="compile a built-in small decoder with offloading, check it and report"))
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        return demo.run(args)
+    return 2  # pragma: no cover
+
+
+if __name__ == "__main__":
+    sys.exit(main())

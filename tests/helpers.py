@@ -1,0 +1,36 @@
+"""Shared test helpers: compile a built-in model with the backend and compare with the model
+without offloading."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from fx_offload import models
+
+
+def compile_pair(name: str, options: dict, build_kwargs: dict | None = None, **compile_kwargs):
+    """(offloaded model, its compiled callable, untouched reference model, inputs)."""
+    model, inputs = models.build(name, **(build_kwargs or {}))
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload", options=options,
+                             **compile_kwargs)
+    return model, compiled, reference, inputs
+
+
+def reference_output(reference, inputs, inner_backend: str):
+    """The model without offloading, run by the same inner compiler where that is
+    deterministic (eager and aot_eager equal eager)."""
+    with torch.no_grad():
+        if inner_backend == "inductor":
+            return torch.compile(reference, backend="inductor")(*inputs)
+        return reference(*inputs)
+
+
+def fresh_inputs(name: str, inputs, call: int):
+    """New input values for call ``call`` (same shapes), so each call's result is checked."""
+    gen = torch.Generator().manual_seed(1000 + call)
+    (x,) = inputs
+    if x.dtype == torch.long:
+        return (torch.randint(0, int(x.max()) + 1, x.shape, generator=gen),)
+    return (torch.randn(x.shape, generator=gen),)
