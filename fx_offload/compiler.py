@@ -20,7 +20,7 @@ import torch
 from torch import fx
 
 from . import runtime
-from .graph_inputs import read_graph_inputs
+from .graph_inputs import find_parent_model, read_graph_inputs
 from .inner import compile_inner
 from .options import OffloadOptions, parse_options
 from .plan import plan_graph
@@ -68,33 +68,57 @@ def backend(**options: Any) -> PrefetchOffloadBackend:
     return PrefetchOffloadBackend(**options)
 
 
+def _check_same_options(state, options: OffloadOptions) -> None:
+    if state.options.placement_key() != options.placement_key():
+        raise ValueError(
+            f"prefetch_offload: {state.model_name} is already offloaded with "
+            f"{state.options.describe()}; it cannot be compiled again with "
+            f"{options.describe()}. Call fx_offload.restore(model) first, or use the same "
+            "options")
+
+
 def _state_for_graph(gi, options: OffloadOptions):
-    """The model's offload state (new and not yet materialized at its first compile)."""
+    """(state, first compile of the model?, graph is one layer's own frame?)."""
     state = runtime.state_for_model(gi.root)
     if state is not None:
-        if state.options.placement_key() != options.placement_key():
-            raise ValueError(
-                f"prefetch_offload: {type(gi.root).__name__} is already offloaded with "
-                f"{state.options.describe()}; it cannot be compiled again with "
-                f"{options.describe()}. Call fx_offload.restore(model) first, or use the same "
-                "options")
-        return state, False
-    for name, param in gi.params.values():
-        owner = runtime.owner_of_param(param)
-        if owner is None:
-            continue
-        other, layer = owner
+        _check_same_options(state, options)
+        return state, False, False
+    owners = {id(o[0]): o for _, p in gi.params.values()
+              for o in [runtime.owner_of_param(p)] if o is not None}
+    if owners:
+        other, layer = next(iter(owners.values()))
+        if gi.frame_is_root_forward and any(gi.root is m for m in other.stack.layers):
+            _check_same_options(other, options)
+            return other, False, True
         raise ValueError(
-            f"prefetch_offload: parameter {name!r} of this graph's {type(gi.root).__name__} is "
-            f"already offloaded as part of layer {layer} of a {other.model_name}. Either a "
-            "graph break inside a layer's forward made Dynamo compile that layer on its own "
-            f"(its graph is then reused for every layer, so per-layer prefetch cannot be "
-            f"placed; recent graph breaks: {_recent_graph_breaks()}; remove the break), or a "
-            "submodule of an offloaded model is being compiled separately (compile the whole "
-            "model once, or fx_offload.restore it first)")
-    stack = find_layer_stack(gi.root, options.layers)
-    params = select_params(gi.root, stack, options)
-    return runtime.OffloadState(gi.root, options, stack, params), True
+            f"prefetch_offload: parameters of this graph's {type(gi.root).__name__} are already "
+            f"offloaded as part of layer {layer} of a {other.model_name}; compile that model "
+            "itself, not a part of it, or call fx_offload.restore on it first")
+    parent = find_parent_model(gi.root) if gi.frame_is_root_forward else None
+    if parent is not None:
+        state = runtime.state_for_model(parent)
+        if state is not None:
+            _check_same_options(state, options)
+            return state, False, True
+    model = parent if parent is not None else gi.root
+    stack = find_layer_stack(model, options.layers)
+    params = select_params(model, stack, options)
+    return runtime.OffloadState(model, options, stack, params), True, parent is not None
+
+
+_WARNED_LAYER_FRAMES: set[int] = set()
+
+
+def _warn_layer_frame(state, gi) -> None:
+    if state.handle in _WARNED_LAYER_FRAMES:
+        return
+    _WARNED_LAYER_FRAMES.add(state.handle)
+    log.warning(
+        "fx_offload: Dynamo compiled %s.forward on its own (a graph break in or between the "
+        "layers of %s; recent graph breaks: %s). That graph is reused for every layer, so no "
+        "prefetch can be placed in it: offloaded layers are loaded synchronously before each "
+        "call instead (correct, but the copy is not hidden). Remove the graph break to get "
+        "prefetching", type(gi.root).__name__, state.model_name, _recent_graph_breaks())
 
 
 def _recent_graph_breaks() -> list[str]:
@@ -122,8 +146,14 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
     if gi.root is None or not gi.params:
         log.debug("fx_offload: graph reads no model parameters; compiled without offloading")
         return compile_inner(gm, example_inputs, options)
-    state, first = _state_for_graph(gi, options)
+    state, first, layer_frame = _state_for_graph(gi, options)
     _check_grad_mode(gi, state)
+    if layer_frame:
+        _warn_layer_frame(state, gi)
+        compiled = compile_inner(gm, example_inputs, options)
+        if first:
+            state.materialize()
+        return compiled
     plan = plan_graph(gm, gi, state)
     apply_plan(gm, plan)
     compiled = compile_inner(gm, example_inputs, options)

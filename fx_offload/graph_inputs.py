@@ -10,6 +10,7 @@ exact whatever form the source takes.  ``grapharg`` only exists while the backen
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import torch
 from torch import fx, nn
@@ -18,6 +19,7 @@ from torch import fx, nn
 @dataclasses.dataclass
 class GraphInputs:
     root: nn.Module | None
+    frame_is_root_forward: bool               # hooks of ``root`` ran eagerly, outside the graph
     root_expr: str | None                     # "L['self']": how nn_module_stack paths begin
     params: dict[fx.Node, tuple[str, nn.Parameter]]  # parameter placeholder -> name, object
     placeholders: list[fx.Node]
@@ -34,15 +36,15 @@ def _innermost(source):
     return source
 
 
-def _frame_scopes():
+def _frame():
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
         tx = InstructionTranslator.current_tx()
     except Exception:  # pragma: no cover - depends on torch internals
-        return None, None
+        return None, None, None
     if tx is None:  # pragma: no cover
-        return None, None
-    return tx.f_locals, tx.f_globals
+        return None, None, None
+    return tx.f_locals, tx.f_globals, tx.f_code
 
 
 def _resolve(source, f_locals, f_globals):
@@ -58,7 +60,7 @@ def _resolve(source, f_locals, f_globals):
 
 def read_graph_inputs(gm: fx.GraphModule, example_inputs) -> GraphInputs:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    f_locals, f_globals = _frame_scopes()
+    f_locals, f_globals, f_code = _frame()
     roots: dict[int, tuple[nn.Module, str]] = {}
     param_nodes: list[tuple[fx.Node, nn.Parameter, object]] = []
     for node, value in zip(placeholders, example_inputs):
@@ -73,7 +75,7 @@ def read_graph_inputs(gm: fx.GraphModule, example_inputs) -> GraphInputs:
             roots.setdefault(id(obj), (obj, expr))
         param_nodes.append((node, value, obj))
     if not roots:
-        return GraphInputs(None, None, {}, placeholders)
+        return GraphInputs(None, False, None, {}, placeholders)
     if len(roots) > 1:
         raise ValueError(
             "prefetch_offload compiles one model per graph, but this graph reads parameters of "
@@ -84,4 +86,35 @@ def read_graph_inputs(gm: fx.GraphModule, example_inputs) -> GraphInputs:
     for name, p in root.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
     params = {node: (names[id(p)], p) for node, p, _ in param_nodes if id(p) in names}
-    return GraphInputs(root, expr, params, placeholders)
+    return GraphInputs(root, _is_forward_frame(root, f_code), expr, params, placeholders)
+
+
+def _is_forward_frame(root: nn.Module, f_code) -> bool:
+    """True when Dynamo compiles ``root``'s own ``forward`` (or what follows a graph break in
+    it): ``Module.__call__`` and its hooks then ran eagerly, outside the graph."""
+    if f_code is None:
+        return False
+    forward = getattr(type(root).forward, "__code__", None)
+    return f_code is forward or (
+        forward is not None and f_code.co_name.startswith("torch_dynamo_resume_in_")
+        and f_code.co_filename == forward.co_filename)
+
+
+def find_parent_model(module: nn.Module, max_frames: int = 256):
+    """The nearest caller whose local is a model with ``module`` in its layer stack, for a
+    graph Dynamo compiled from one layer's own ``forward`` frame (a graph break around it)."""
+    from .selection import _top_level_lists
+    frame = sys._getframe(1)
+    seen = set()
+    for _ in range(max_frames):
+        if frame is None:
+            return None
+        for value in list(frame.f_locals.values()):
+            if not isinstance(value, nn.Module) or value is module or id(value) in seen:
+                continue
+            seen.add(id(value))
+            for _, stack in _top_level_lists(value):
+                if any(layer is module for layer in stack):
+                    return value
+        frame = frame.f_back
+    return None

@@ -46,8 +46,24 @@ def _insert_clones(graph: fx.Graph, lp: LayerPlan, members: set[fx.Node]) -> lis
     return clones
 
 
+def drop_traced_hook_waits(gm: fx.GraphModule, plan: GraphPlan) -> int:
+    """Erase waits that Dynamo traced from the layers' pre-forward hooks for the layers this
+    plan places its own wait for; the hook's wait would sit at the layer's entry and declare
+    its inputs mutated."""
+    planned = {lp.layer for lp in plan.layers}
+    dropped = 0
+    for node in list(gm.graph.nodes):
+        if (node.op == "call_function" and node.target in (ops.WAIT, ops.WAIT.overloadpacket)
+                and "fx_offload" not in node.meta and len(node.args) >= 3
+                and node.args[1] == plan.handle and node.args[2] in planned):
+            gm.graph.erase_node(node)
+            dropped += 1
+    return dropped
+
+
 def apply_plan(gm: fx.GraphModule, plan: GraphPlan) -> None:
     graph = gm.graph
+    drop_traced_hook_waits(gm, plan)
     for lp in plan.layers:
         clones = _insert_clones(graph, lp, set(lp.members) & _layer_nodes_between(lp))
         with graph.inserting_before(lp.first_use):

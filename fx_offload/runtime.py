@@ -93,6 +93,14 @@ class OffloadState:
                 f"prefetch_offload option 'prefetch_step' ({options.prefetch_step}) is larger "
                 f"than the number of offloaded layers ({n}: layers {self.layers}); use "
                 f"prefetch_step <= {n}, or offload more layers (group_size/num_in_group)")
+        for layer, ps in params.items():
+            for p in ps:
+                owner = _BY_PARAM.get(p.param)
+                if owner is not None:
+                    raise ValueError(
+                        f"prefetch_offload: {p.name} is already offloaded (layer {owner[1]} of a "
+                        f"{owner[0].model_name}); a model is offloaded once. Call "
+                        "fx_offload.restore(model) before compiling it again differently")
         self.num_slots = options.prefetch_step
         self.params = params
         self.slot_of = {layer: i % self.num_slots for i, layer in enumerate(self.layers)}
@@ -304,11 +312,6 @@ class OffloadState:
                 stream.wait_event(pending.event)
                 pending.in_capture = False   # joined: after capture only replay touches it
 
-    def ensure_resident(self, layer: int) -> None:
-        if torch.compiler.is_compiling() or self.restored:
-            return
-        self.wait(layer)
-
     # ---- copies ------------------------------------------------------------------------
     def _copy_in(self, layer: int, non_blocking: bool = False) -> None:
         slot = self.slots[self.slot_of[layer]]
@@ -338,9 +341,14 @@ def _capturing() -> bool:
 
 
 def _eager_guard(state: OffloadState, layer: int) -> Callable:
+    """A forward pre-hook that waits for (or loads) the layer's weights.  It calls the op
+    itself, so it is right both when it runs eagerly and when Dynamo traces it into a graph
+    (where ``torch.compiler.is_compiling()`` would turn a Python check into a no-op).  The
+    pass drops such a traced wait where it places the layer's own wait."""
+    handle = state.handle
+
     def hook(module, args):
-        if torch.compiler.is_compiling():
-            return None
-        state.ensure_resident(layer)
+        acts = [a for a in args if isinstance(a, torch.Tensor)]
+        torch.ops.fx_offload.wait_prefetch(acts, handle, layer)
         return None
     return hook
