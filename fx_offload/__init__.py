@@ -28,7 +28,14 @@ def restore(model: nn.Module) -> None:
 
 
 def _register_backend_name() -> None:
+    """Make ``backend="prefetch_offload"`` work when the package is used without being
+    installed; installed, torch finds it lazily through the entry point (registering it here
+    too would make that lookup fail as a duplicate)."""
+    from importlib.metadata import entry_points
+
     from torch._dynamo.backends import registry
+    if entry_points(group="torch_dynamo_backends", name="prefetch_offload"):
+        return
     if "prefetch_offload" not in registry._COMPILER_FNS:
         registry.register_backend(name="prefetch_offload")(prefetch_offload)
 

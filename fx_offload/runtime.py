@@ -47,7 +47,26 @@ _LOCK = threading.Lock()
 _PINNING_WARNED = False
 
 
-def state_for_handle(handle: int) -> "OffloadState":
+_RESTORED: set[int] = set()      # handles of restored states: their ops do nothing
+
+
+class _Restored:
+    """Stands in for a restored state: a compiled graph of a restored model reads the
+    parameters' own (restored) data, and its offload ops have nothing left to do."""
+
+    def wait(self, layer):
+        pass
+
+    def start(self, layer, target):
+        pass
+
+    def join(self):
+        pass
+
+
+def state_for_handle(handle: int) -> "OffloadState | _Restored":
+    if handle in _RESTORED:
+        return _Restored()
     ref = _HANDLES.get(handle)
     state = ref() if ref is not None else None
     if state is None:
@@ -252,6 +271,7 @@ class OffloadState:
         self.masters = {}
         self.restored = True
         self.unregister()
+        _RESTORED.add(self.handle)
         log.info("fx_offload: restored %d offloaded layer(s) of %s to %s",
                  len(self.layers), self.model_name, self.device)
 

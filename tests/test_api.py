@@ -1,0 +1,229 @@
+"""The three routes into the backend, options validation, report, restore, logging."""
+import copy
+import importlib.metadata
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fx_offload
+from fx_offload import models
+from helpers import compile_pair
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_compiled(model, inputs, calls=2, **compile_kwargs):
+    compiled = torch.compile(model, **compile_kwargs)
+    with torch.no_grad():
+        return [compiled(*inputs) for _ in range(calls)]
+
+
+def test_plain_backend_name_uses_defaults_and_says_so(caplog):
+    model, inputs = models.build("mlp", num_layers=6)
+    reference = copy.deepcopy(model)
+    with caplog.at_level(logging.INFO, logger="fx_offload"):
+        outs = run_compiled(model, inputs, backend="prefetch_offload")
+    with torch.no_grad():
+        want = torch.compile(reference, backend="inductor")(*inputs)
+    assert all(torch.equal(o, want) for o in outs)
+    rep = fx_offload.report(model)
+    assert rep.layers == [1, 3, 5] and rep.slots == 1
+    summary = [r.getMessage() for r in caplog.records if "offloaded layer" in r.getMessage()]
+    assert len(summary) == 1, summary
+    assert "group_size=2, num_in_group=1, prefetch_step=1" in summary[0]
+    assert "(defaults)" in summary[0]
+
+
+def test_configured_backend_object_takes_torch_compile_mode(monkeypatch):
+    seen = {}
+    import fx_offload.compiler as compiler
+    real = compiler.compile_inner
+
+    def spy(gm, example_inputs, options):
+        seen["mode"] = options.mode
+        return real(gm, example_inputs, options)
+
+    monkeypatch.setattr(compiler, "compile_inner", spy)
+    model, inputs = models.build("mlp", num_layers=4)
+    reference = copy.deepcopy(model)
+    be = fx_offload.backend(group_size=2, num_in_group=1, inner_backend="inductor")
+    outs = run_compiled(model, inputs, backend=be, mode="max-autotune-no-cudagraphs")
+    assert seen["mode"] == "max-autotune-no-cudagraphs"
+    with torch.no_grad():
+        torch.testing.assert_close(outs[-1], reference(*inputs))
+
+
+def test_mode_inside_options():
+    model, inputs = models.build("mlp", num_layers=4)
+    reference = copy.deepcopy(model)
+    outs = run_compiled(model, inputs, backend="prefetch_offload",
+                        options={"mode": "reduce-overhead"})   # cudagraphs skip on CPU
+    with torch.no_grad():
+        torch.testing.assert_close(outs[-1], reference(*inputs))
+
+
+@pytest.mark.parametrize("options,needle", [
+    ({"group_sise": 2}, "unknown prefetch_offload option(s) ['group_sise']; valid options are"),
+    ({"group_size": 0}, "'group_size' must be >= 1"),
+    ({"group_size": 2.0}, "'group_size' must be an int"),
+    ({"group_size": True}, "'group_size' must be an int"),
+    ({"num_in_group": 3, "group_size": 2}, "'num_in_group' (3) must not exceed 'group_size'"),
+    ({"prefetch_step": 0}, "'prefetch_step' must be >= 1"),
+    ({"offload_params": "w13_weight"}, "write ['w13_weight']"),
+    ({"offload_params": []}, "'offload_params' is empty"),
+    ({"offload_params": ["a..b", ""]}, "entries must be non-empty dotted names"),
+    ({"inner_backend": "cudagraphs"}, "'inner_backend' must be one of"),
+    ({"mode": "fast"}, "'mode' must be one of"),
+    ({"mode": "reduce-overhead", "inner_backend": "eager"}, "is an Inductor mode"),
+    ({"layers": 3}, "'layers' must be the dotted path"),
+])
+def test_bad_options_are_clear_errors_on_every_route(options, needle):
+    with pytest.raises(ValueError) as err:
+        fx_offload.backend(**options)
+    assert needle in str(err.value)
+    model, inputs = models.build("mlp", num_layers=4)
+    with pytest.raises(Exception) as err:
+        run_compiled(model, inputs, backend="prefetch_offload", options=options)
+    assert needle in str(err.value)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert fx_offload.runtime.state_for_model(model) is None   # nothing was offloaded
+
+
+def test_compile_time_errors_name_the_fix():
+    model, inputs = models.build("mlp", num_layers=4)
+    with pytest.raises(Exception, match=r"'prefetch_step' \(3\) is larger than the number "
+                                        r"of offloaded layers \(2"):
+        run_compiled(model, inputs, backend="prefetch_offload", options={"prefetch_step": 3})
+    with pytest.raises(Exception, match="option 'layers'='blocks': the model has no submodule"):
+        run_compiled(model, inputs, backend="prefetch_offload", options={"layers": "blocks"})
+    with pytest.raises(Exception, match="matches no parameter of the selected layers"):
+        run_compiled(model, inputs, backend="prefetch_offload",
+                     options={"offload_params": ["w13_weight"]})
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+def test_grad_enabled_compile_is_refused():
+    model, inputs = models.build("mlp", num_layers=4)
+    compiled = torch.compile(model, backend="prefetch_offload")
+    with pytest.raises(Exception, match="supports inference only"):
+        compiled(*inputs)
+    assert fx_offload.runtime.state_for_model(model) is None
+    with torch.no_grad():
+        compiled(*inputs)                      # fine without grad
+    with pytest.raises(Exception, match="supports inference only"):
+        compiled(*inputs)                      # grad mode is guarded: recompiles, refused
+
+
+def test_report_fields_and_table():
+    model, compiled, reference, inputs = compile_pair(
+        "moe", {"group_size": 3, "num_in_group": 2, "prefetch_step": 3,
+                "inner_backend": "eager"}, {"num_layers": 7})
+    with torch.no_grad():
+        compiled(*inputs)
+    rep = fx_offload.report(model)
+    assert rep.layers == [1, 2, 4, 5]
+    assert rep.slots == 3 and rep.device == "cpu"
+    per_layer = sum(p.numel() * p.element_size() for p in reference.layers[1].parameters())
+    assert rep.offloaded_bytes == 4 * per_layer
+    assert rep.buffer_bytes == 3 * per_layer
+    assert rep.params[2][0].startswith("layers.2.")
+    # 4 layers over 3 slots: slot 0 serves layers 1 and 5; slots 1 and 2 one layer each,
+    # which stay resident and are never refilled
+    assert rep.slot_of == {1: 0, 2: 1, 4: 2, 5: 0}
+    assert rep.target_of == {1: 5, 2: None, 4: None, 5: 1}
+    text = str(rep)
+    for needle in ("layer  slot  prefetches next", "4 of 7 layers of 'layers' offloaded",
+                   "layer 5", "3 slot buffer(s)"):
+        assert needle in text, text
+
+
+def test_slot_rotation_with_counts_not_divisible_by_step():
+    model, compiled, reference, inputs = compile_pair(
+        "mlp", {"group_size": 1, "num_in_group": 1, "prefetch_step": 2,
+                "inner_backend": "eager"}, {"num_layers": 5})
+    with torch.no_grad():
+        compiled(*inputs)
+    rep = fx_offload.report(model)
+    # 5 layers over 2 slots: slot 0 serves 0, 2, 4; slot 1 serves 1, 3
+    assert rep.slot_of == {0: 0, 1: 1, 2: 0, 3: 1, 4: 0}
+    assert rep.target_of == {0: 2, 1: 3, 2: 4, 3: 1, 4: 0}
+    ptr = {i: model.layers[i].fc1.weight.data_ptr() for i in range(5)}
+    assert ptr[0] == ptr[2] == ptr[4] != ptr[1] == ptr[3]
+
+
+def test_restore_returns_weights_bitwise_and_model_runs_eagerly():
+    model, compiled, reference, inputs = compile_pair("decoder", {"prefetch_step": 2,
+                                                                  "inner_backend": "aot_eager"})
+    originals = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for _ in range(3):
+            compiled(*inputs)
+        fx_offload.restore(model)
+        assert fx_offload.runtime.state_for_model(model) is None
+        for name, p in model.named_parameters():
+            assert torch.equal(p, originals[name]), name
+        assert len({p.data_ptr() for p in model.parameters()}) == len(originals)
+        assert torch.equal(model(*inputs), reference(*inputs))
+        assert torch.equal(compiled(*inputs), reference(*inputs))  # ops now do nothing
+    with pytest.raises(ValueError, match="has no offloaded weights"):
+        fx_offload.restore(model)
+
+
+def test_uncompiled_model_after_offload_loads_weights_itself():
+    model, compiled, reference, inputs = compile_pair("mlp", {"inner_backend": "eager"})
+    with torch.no_grad():
+        compiled(*inputs)
+        assert torch.equal(model(*inputs), reference(*inputs))
+        assert torch.equal(compiled(*inputs), reference(*inputs))
+
+
+def test_recompile_reuses_state_and_buffers():
+    model, compiled, reference, inputs = compile_pair("mlp", {"prefetch_step": 2,
+                                                              "inner_backend": "aot_eager"})
+    with torch.no_grad():
+        compiled(*inputs)
+        state = fx_offload.runtime.state_for_model(model)
+        ptrs = [p.data_ptr() for p in model.parameters()]
+        for batch in (7, 1, 13):          # new shapes: Dynamo recompiles
+            x = torch.randn(batch, inputs[0].shape[1])
+            assert torch.equal(compiled(x), reference(x))
+    assert fx_offload.runtime.state_for_model(model) is state
+    assert [p.data_ptr() for p in model.parameters()] == ptrs
+
+
+def test_same_model_other_options_is_refused():
+    model, inputs = models.build("mlp", num_layers=4)
+    run_compiled(model, inputs, backend="prefetch_offload", options={"inner_backend": "eager"})
+    with pytest.raises(Exception, match="already offloaded with"):
+        run_compiled(model, inputs, backend="prefetch_offload",
+                     options={"inner_backend": "eager", "prefetch_step": 2})
+
+
+def test_entry_point_and_cli_demo():
+    """The installed entry point resolves the name without importing fx_offload first, and
+    the README's main job runs."""
+    code = ("import torch, torch.nn as nn\n"
+            "from importlib.metadata import entry_points\n"
+            "names = [e.name for e in entry_points(group='torch_dynamo_backends')]\n"
+            "assert 'prefetch_offload' in names, names\n"
+            "from torch._dynamo.backends.registry import lookup_backend\n"
+            "fn = lookup_backend('prefetch_offload')\n"
+            "print(fn.__module__)\n")
+    try:
+        importlib.metadata.version("fx_offload")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.fail("fx_offload is not installed: run `pip install -e .[test]` first")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd="/")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "fx_offload" in out.stdout
+    demo = subprocess.run([sys.executable, "-m", "fx_offload", "demo", "--layers", "4",
+                           "--inner-backend", "aot_eager", "--calls", "2"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert demo.returncode == 0, demo.stdout + demo.stderr[-2000:]
+    assert "(OK)" in demo.stdout and "fx_offload report for TinyDecoder" in demo.stdout

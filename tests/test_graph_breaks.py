@@ -1,0 +1,109 @@
+"""Graph breaks between and inside layers: correct outputs, never silently wrong."""
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fx_offload
+from fx_offload.models import MLPBlock
+
+
+class BreakingBlock(MLPBlock):
+    def forward(self, x):
+        h = F.gelu(self.fc1(x))
+        torch._dynamo.graph_break()
+        return x + self.fc2(h)
+
+
+class Stack(nn.Module):
+    """``where``: 'loop' (break between layers in the for loop), 'unrolled' (break between
+    layers 2 and 3 of an unrolled forward), 'inside' (break inside every layer)."""
+
+    def __init__(self, where: str, num_layers: int = 6):
+        super().__init__()
+        block = BreakingBlock if where == "inside" else MLPBlock
+        self.layers = nn.ModuleList(block(16, 32) for _ in range(num_layers))
+        self.where = where
+
+    def forward(self, x):
+        x = x * 2
+        if self.where == "unrolled":
+            for layer in self.layers[:3]:
+                x = layer(x)
+            torch._dynamo.graph_break()
+            for layer in self.layers[3:]:
+                x = layer(x)
+            return x
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if self.where == "loop" and i == 2:
+                torch._dynamo.graph_break()
+        return x
+
+
+@pytest.mark.parametrize("inner", ["eager", "aot_eager", "inductor"])
+@pytest.mark.parametrize("where", ["loop", "unrolled", "inside"])
+def test_graph_breaks_give_correct_outputs(where, inner, caplog):
+    torch.manual_seed(0)
+    model = Stack(where).eval()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": inner, "prefetch_step": 2})
+    with caplog.at_level(logging.INFO, logger="fx_offload"), torch.no_grad():
+        for call in range(3):
+            x = torch.randn(4, 16)
+            got, want = compiled(x), reference(x)
+            if inner == "inductor":
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            else:
+                assert torch.equal(got, want), f"call {call}"
+    rep = fx_offload.report(model)
+    assert rep.layers == [1, 3, 5]
+    messages = " ".join(r.getMessage() for r in caplog.records)
+    if where == "unrolled":
+        # two graphs, each with prefetch ops; the last layer refills the first for next call
+        assert "graph with 1 offloaded layer(s) [1]" in messages
+        assert "graph with 2 offloaded layer(s) [3, 5]" in messages
+        assert fx_offload.runtime.state_for_model(model).stats["sync_loads"] == 0
+    else:
+        # Dynamo compiled Block.forward alone and reuses it for every layer: no prefetch in
+        # it, the layers' pre-forward hooks load synchronously, and the user is told why
+        assert "compiled" in messages and "on its own" in messages
+        assert fx_offload.runtime.state_for_model(model).stats["sync_loads"] > 0
+
+
+def test_layer_weights_read_outside_the_layer_are_refused():
+    class Peeking(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(MLPBlock(8, 8) for _ in range(4))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x + self.layers[1].fc1.bias     # reads an offloaded weight outside it
+
+    model = Peeking().eval()
+    with torch.no_grad(), pytest.raises(Exception, match=r"reads a weight of offloaded layer "
+                                                         r"layers\.1 outside"):
+        torch.compile(model, backend="prefetch_offload",
+                      options={"inner_backend": "eager"})(torch.randn(2, 8))
+    assert fx_offload.runtime.state_for_model(model) is None
+
+
+def test_two_models_stay_independent():
+    from fx_offload import models
+    a, (xa,) = models.build("mlp", num_layers=4, seed=1)
+    b, (xb,) = models.build("decoder", num_layers=4, seed=2)
+    ra, rb = copy.deepcopy(a), copy.deepcopy(b)
+    ca = torch.compile(a, backend="prefetch_offload", options={"inner_backend": "eager"})
+    cb = torch.compile(b, backend="prefetch_offload",
+                       options={"inner_backend": "eager", "prefetch_step": 2})
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(ca(xa), ra(xa))
+            assert torch.equal(cb(xb), rb(xb))
+    assert fx_offload.report(a).slots == 1 and fx_offload.report(b).slots == 2
