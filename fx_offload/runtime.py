@@ -327,10 +327,12 @@ class OffloadState:
         stream = torch.cuda.current_stream(self.device)
         if not _capturing():
             return       # eager: let the copies run on into the next call
-        for pending in self.pending.values():
+        for layer, pending in list(self.pending.items()):
             if pending.in_capture:
                 stream.wait_event(pending.event)
-                pending.in_capture = False   # joined: after capture only replay touches it
+                # Joined inside the graph: whoever runs after a replay is ordered after the
+                # copy, and the event itself means nothing outside the capture.
+                del self.pending[layer]
 
     # ---- copies ------------------------------------------------------------------------
     def _copy_in(self, layer: int, non_blocking: bool = False) -> None:

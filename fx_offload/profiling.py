@@ -1,0 +1,59 @@
+"""Measure how much of the weight-copy time a profiler trace shows hidden behind compute."""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class Overlap:
+    copy_ms: float            # host-to-device copy time on the copy stream
+    overlapped_ms: float      # part of it during which a compute kernel ran
+    copies: int
+    kernels: int
+
+    @property
+    def fraction(self) -> float:
+        return self.overlapped_ms / self.copy_ms if self.copy_ms else 0.0
+
+    def __str__(self) -> str:
+        return (f"{self.copies} H2D copies, {self.copy_ms:.3f} ms; {self.overlapped_ms:.3f} ms "
+                f"of it overlapped compute kernels ({self.fraction:.1%}), {self.kernels} kernels")
+
+
+def _merge(intervals):
+    merged = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def overlap_from_events(events, copy_stream_id: int | None = None) -> Overlap:
+    """``events``: ``torch.profiler`` kernel/memcpy events (``prof.events()``).  Copies are
+    the HtoD memcpys (on ``copy_stream_id`` if given); compute is every other GPU kernel."""
+    copies, kernels = [], []
+    for ev in events:
+        name = ev.name
+        kind = getattr(getattr(ev, "device_type", None), "name", "")
+        if kind != "CUDA":
+            continue
+        start = ev.time_range.start
+        end = ev.time_range.end
+        if "Memcpy HtoD" in name:
+            if copy_stream_id is None or getattr(ev, "device_resource_id", None) == copy_stream_id:
+                copies.append((start, end))
+        elif "Memcpy" not in name and "Memset" not in name:
+            kernels.append((start, end))
+    busy = _merge(kernels)
+    total = sum(e - s for s, e in copies)
+    hidden = 0.0
+    for s, e in copies:
+        for ks, ke in busy:
+            if ke <= s:
+                continue
+            if ks >= e:
+                break
+            hidden += min(e, ke) - max(s, ks)
+    return Overlap(total / 1e3, hidden / 1e3, len(copies), len(kernels))

@@ -1,0 +1,175 @@
+"""The product on a GPU: side-stream copies, CUDA graphs, memory saved, overlap.
+
+Run on a CUDA machine with ``python -m pytest -q -m cuda -s`` (``-s`` shows the measured
+numbers); every test here is skipped without a GPU."""
+import copy
+import gc
+import os
+
+import pytest
+import torch
+
+import fx_offload
+from fx_offload import models
+from fx_offload.profiling import overlap_from_events
+
+pytestmark = pytest.mark.cuda
+
+
+def decoder(dtype=torch.float32, num_layers=6, **kw):
+    model, (ids,) = models.build("decoder", num_layers=num_layers, **kw)
+    return model.to("cuda", dtype), ids.cuda()
+
+
+def same(got, want, dtype):
+    if dtype == torch.float32:
+        assert torch.equal(got, want), (got - want).abs().max().item()
+    else:
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inner", ["inductor", "aot_eager", "eager"])
+def test_inner_backends_on_gpu(inner, dtype):
+    model, ids = decoder(dtype)
+    reference = copy.deepcopy(model)
+    ref_fn = torch.compile(reference, backend="inductor") if inner == "inductor" else reference
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": inner, "prefetch_step": 2})
+    with torch.no_grad():
+        for call in range(4):
+            x = torch.randint(0, 256, ids.shape, device="cuda")
+            same(compiled(x), ref_fn(x), dtype)
+    state = fx_offload.runtime.state_for_model(model)
+    assert state.copy_stream is not None and state.pinned
+    assert state.stats["prefetches"] > 0 and state.stats["sync_loads"] == 0
+    assert all(m.is_pinned() for layer in state.masters.values() for m in layer.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reduce_overhead_cudagraph_trees(dtype):
+    model, ids = decoder(dtype)
+    reference = copy.deepcopy(model)
+    ref_fn = torch.compile(reference, backend="inductor")
+    compiled = torch.compile(model, backend=fx_offload.backend(prefetch_step=2),
+                             mode="reduce-overhead")
+    from torch._dynamo.utils import counters
+    counters.clear()
+    with torch.no_grad():
+        for call in range(24):
+            batch = 2 if call % 3 else 4
+            x = torch.randint(0, 256, (batch, 16), device="cuda")
+            got = compiled(x).clone()
+            same(got, ref_fn(x), dtype)
+    skipped = {k: v for k, v in counters["inductor"].items() if "cudagraph_skips" in k}
+    assert not skipped, skipped
+    state = fx_offload.runtime.state_for_model(model)
+    assert state.stats["sync_loads"] == 0
+
+
+def test_manual_cuda_graph_capture_replays_with_new_inputs():
+    model, ids = decoder(torch.float32)
+    reference = copy.deepcopy(model)
+    ref_fn = torch.compile(reference, backend="inductor")
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"prefetch_step": 2})
+    static = ids.clone()
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                compiled(static)                         # warm up: compile, offload
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = compiled(static)
+        for call in range(6):
+            static.copy_(torch.randint(0, 256, ids.shape, device="cuda"))
+            graph.replay()
+            same(out, ref_fn(static), torch.float32)
+        # eager calls after the graph still agree
+        x = torch.randint(0, 256, ids.shape, device="cuda")
+        same(compiled(x), ref_fn(x), torch.float32)
+
+
+def test_dynamic_batch_sizes():
+    model, ids = decoder(torch.float32)
+    reference = copy.deepcopy(model)
+    ref_fn = torch.compile(reference, backend="inductor", dynamic=True)
+    compiled = torch.compile(model, backend="prefetch_offload", dynamic=True)
+    with torch.no_grad():
+        for batch in (1, 3, 8, 3):
+            x = torch.randint(0, 256, (batch, 16), device="cuda")
+            torch.testing.assert_close(compiled(x), ref_fn(x), rtol=1e-5, atol=1e-5)
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_peak_memory_saved_equals_offloaded_minus_slots():
+    kw = dict(hidden=2048, heads=16, kv_heads=8, inner=5632, vocab=1024)
+    model, (ids,) = models.build("decoder", num_layers=24, batch=1, seq=128, **kw)
+    model = model.to("cuda", torch.bfloat16)
+    ids = ids.cuda()
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        eager_ref = model(ids)
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        model(ids)
+        resident_peak = torch.cuda.max_memory_allocated() - base
+        weights_before = torch.cuda.memory_allocated()
+        compiled = torch.compile(model, backend="prefetch_offload",
+                                 options={"inner_backend": "eager"})
+        rss_before = _rss()
+        first = compiled(ids)
+        torch.cuda.synchronize()
+        gc.collect()
+        rep = fx_offload.report(model)
+        host_growth = _rss() - rss_before
+        torch.cuda.reset_peak_memory_stats()
+        after = torch.cuda.memory_allocated()
+        out = compiled(ids)
+        torch.cuda.synchronize()
+        offloaded_peak = torch.cuda.max_memory_allocated() - base
+    saved_peak = resident_peak - offloaded_peak
+    expected = rep.offloaded_bytes - rep.buffer_bytes
+    print(f"\nresident peak {resident_peak / 2**20:.1f} MiB, offloaded peak "
+          f"{offloaded_peak / 2**20:.1f} MiB, saved {saved_peak / 2**20:.1f} MiB, expected "
+          f"{expected / 2**20:.1f} MiB (offloaded {rep.offloaded_bytes / 2**20:.1f} - slots "
+          f"{rep.buffer_bytes / 2**20:.1f}); allocated drop "
+          f"{(weights_before - after) / 2**20:.1f} MiB; host growth "
+          f"{host_growth / 2**20:.1f} MiB")
+    assert abs(saved_peak - expected) <= 0.01 * expected
+    assert abs((weights_before - after) - expected) <= 0.01 * expected
+    state = fx_offload.runtime.state_for_model(model)
+    masters = [m for layer in state.masters.values() for m in layer.values()]
+    assert len({m.data_ptr() for m in masters}) == len(masters)
+    assert sum(m.numel() * m.element_size() for m in masters) == rep.offloaded_bytes
+    assert host_growth < 1.25 * rep.offloaded_bytes      # each weight once on the host
+    torch.testing.assert_close(out, eager_ref, rtol=2e-2, atol=2e-2)
+
+
+def test_copies_overlap_compute_in_a_profiler_trace():
+    kw = dict(hidden=2048, heads=16, kv_heads=8, inner=5632, vocab=1024)
+    model, (ids,) = models.build("decoder", num_layers=8, batch=8, seq=1024, **kw)
+    model = model.to("cuda", torch.bfloat16)
+    ids = ids.cuda()
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"group_size": 2, "num_in_group": 1, "prefetch_step": 1})
+    with torch.no_grad():
+        for _ in range(3):
+            compiled(ids)
+        torch.cuda.synchronize()
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                compiled(ids)
+            torch.cuda.synchronize()
+    overlap = overlap_from_events(prof.events())
+    print("\noverlap:", overlap)
+    assert overlap.copies > 0
+    assert overlap.fraction > 0.5
