@@ -132,8 +132,8 @@ class TinyDecoder(nn.Module):
 
     def forward(self, input_ids):
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        cos, sin = self.rotary(positions)
         hidden, residual = self.embed_tokens(input_ids), None
+        cos, sin = (t.to(hidden.dtype) for t in self.rotary(positions))
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cos, sin)
         return self.lm_head(self.norm(hidden + residual))

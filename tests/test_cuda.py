@@ -21,9 +21,13 @@ def decoder(dtype=torch.float32, num_layers=6, **kw):
     return model.to("cuda", dtype), ids.cuda()
 
 
-def same(got, want, dtype):
-    if dtype == torch.float32:
+def same(got, want, dtype, exact=False):
+    """fp32: bitwise where the inner compiler runs the same kernels (eager, aot_eager); with
+    Inductor the prefetch ops are fusion boundaries, so kernels (and rounding) may differ."""
+    if dtype == torch.float32 and exact:
         assert torch.equal(got, want), (got - want).abs().max().item()
+    elif dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     else:
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
@@ -39,7 +43,7 @@ def test_inner_backends_on_gpu(inner, dtype):
     with torch.no_grad():
         for call in range(4):
             x = torch.randint(0, 256, ids.shape, device="cuda")
-            same(compiled(x), ref_fn(x), dtype)
+            same(compiled(x), ref_fn(x), dtype, exact=inner != "inductor")
     state = fx_offload.runtime.state_for_model(model)
     assert state.copy_stream is not None and state.pinned
     assert state.stats["prefetches"] > 0 and state.stats["sync_loads"] == 0
