@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .host_memory import HostBlock
 from .options import OffloadOptions
 from .selection import LayerStack, OffloadedParam
 
@@ -44,7 +45,6 @@ _BY_MODEL: "weakref.WeakKeyDictionary[nn.Module, OffloadState]" = weakref.WeakKe
 _BY_PARAM = WeakIdKeyDictionary()     # Parameter -> (OffloadState, layer index)
 _NEXT_HANDLE = itertools.count(1)
 _LOCK = threading.Lock()
-_PINNING_WARNED = False
 
 
 _RESTORED: set[int] = set()      # handles of restored states: their ops do nothing
@@ -147,6 +147,7 @@ class OffloadState:
         self.restored = False
         self.pinned = False
         self._hooks: list = []
+        self._host_blocks: list[HostBlock] = []
         self.stats = {"prefetches": 0, "sync_loads": 0}
 
     # ---- bookkeeping -------------------------------------------------------------------
@@ -191,8 +192,7 @@ class OffloadState:
         or device memory) leaves the model as it was."""
         if self.materialized:
             return
-        masters = {layer: {p.suffix: self._make_master(p.param) for p in ps}
-                   for layer, ps in self.params.items()}
+        masters = {layer: self._make_masters(ps) for layer, ps in self.params.items()}
         slot_specs: list[dict[str, torch.Tensor]] = [{} for _ in range(self.num_slots)]
         for layer, ps in self.params.items():
             spec = slot_specs[self.slot_of[layer]]
@@ -226,22 +226,14 @@ class OffloadState:
         self.materialized = True
         self.register()
 
-    def _make_master(self, t: torch.Tensor) -> torch.Tensor:
-        global _PINNING_WARNED
-        data = t.detach()
-        if data.device.type == "cpu":
-            return data          # the original storage becomes the master: no copy
-        master = torch.empty_strided(data.shape, data.stride(), dtype=data.dtype, device="cpu")
-        try:
-            master = master.pin_memory()
-            self.pinned = True
-        except RuntimeError as err:
-            if not _PINNING_WARNED:
-                _PINNING_WARNED = True
-                log.warning("fx_offload: pinned host memory unavailable (%s); copies fall back "
-                            "to pageable memory and will be slower", err)
-        master.copy_(data)
-        return master
+    def _make_masters(self, ps: list[OffloadedParam]) -> dict[str, torch.Tensor]:
+        if self.device.type == "cpu":
+            # the original storage becomes the master: nothing is copied
+            return {p.suffix: p.param.detach() for p in ps}
+        block = HostBlock({p.suffix: p.param for p in ps})
+        self.pinned = block.pinned
+        self._host_blocks.append(block)
+        return block.views
 
     def _install_eager_guards(self) -> None:
         """Make eager (uncompiled) calls of an offloaded layer load its weights first, so the
@@ -269,6 +261,9 @@ class OffloadState:
         self._hooks.clear()
         self.slots = []
         self.masters = {}
+        for block in self._host_blocks:
+            block.release()
+        self._host_blocks = []
         self.restored = True
         self.unregister()
         _RESTORED.add(self.handle)
