@@ -27,6 +27,7 @@ from .plan import plan_graph
 from .report import format_bytes
 from .rewrite import apply_plan
 from .selection import find_layer_stack, select_params
+from .verify import slot_model_for, verify_graph
 
 log = logging.getLogger("fx_offload")
 
@@ -140,6 +141,12 @@ def _check_grad_mode(gi, state) -> None:
             "set requires_grad_(False) on its parameters")
 
 
+def verify_plan(gm, plan, state) -> None:
+    """Run the slot-safety verifier on a rewritten graph."""
+    weight_layer = {w: lp.layer for lp in plan.layers for w in lp.weights}
+    verify_graph(gm, weight_layer, slot_model_for(state, [lp.layer for lp in plan.layers]))
+
+
 def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
                   defaulted: bool = False):
     gi = read_graph_inputs(gm, example_inputs)
@@ -156,6 +163,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
         return compiled
     plan = plan_graph(gm, gi, state)
     apply_plan(gm, plan)
+    verify_plan(gm, plan, state)
     compiled = compile_inner(gm, example_inputs, options)
     if first:
         state.materialize()

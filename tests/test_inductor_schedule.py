@@ -108,8 +108,9 @@ def test_generated_code_keeps_the_schedule(name, options, layers):
 
 
 def test_planted_early_start_is_caught_and_gives_wrong_numbers(monkeypatch):
-    """The check can fail, and slots are really shared: a start placed before its layer's
-    last weight read is flagged, and its refill corrupts that layer's output."""
+    """The checks can fail, and slots are really shared: a start placed before its layer's
+    last weight read is refused by the pass's verifier; let through, the generated-code
+    check flags it, and its refill corrupts that layer's output."""
     real_plan = compiler.plan_graph
 
     def early_start(gm, gi, state):
@@ -120,6 +121,11 @@ def test_planted_early_start_is_caught_and_gives_wrong_numbers(monkeypatch):
         return plan
 
     monkeypatch.setattr(compiler, "plan_graph", early_start)
+    with pytest.raises(Exception, match=r"reads .* of layer 1 from slot 0, but it is being "
+                                        r"refilled with layer 3"):
+        compile_and_read_code("mlp", dict(group_size=2, num_in_group=1, prefetch_step=1), 6)
+    torch._dynamo.reset()
+    monkeypatch.setattr(compiler, "verify_plan", lambda *a: None)   # let it through
     model, reference, inputs, out, code, layer_of_input = compile_and_read_code(
         "mlp", dict(group_size=2, num_in_group=1, prefetch_step=1), 6)
     problems = schedule_violations(code, layer_of_input, fx_offload.report(model))
