@@ -11,11 +11,12 @@ from torch import nn
 from . import ops as _ops  # noqa: F401  (registers the fx_offload:: custom ops)
 from . import runtime as _runtime
 from .compiler import PrefetchOffloadBackend, backend, prefetch_offload
+from .explain import Explanation, explain
 from .options import OffloadOptions, parse_options
 from .report import Report, report
 
-__all__ = ["backend", "prefetch_offload", "report", "restore", "Report", "OffloadOptions",
-           "PrefetchOffloadBackend", "parse_options"]
+__all__ = ["backend", "prefetch_offload", "report", "restore", "explain", "Explanation",
+           "Report", "OffloadOptions", "PrefetchOffloadBackend", "parse_options"]
 
 
 def restore(model: nn.Module) -> None:

@@ -1,10 +1,10 @@
-"""Command line: ``python -m fx_offload demo`` (more commands in later versions)."""
+"""Command line: ``python -m fx_offload demo`` and ``python -m fx_offload inspect``."""
 from __future__ import annotations
 
 import argparse
 import sys
 
-from . import demo
+from . import demo, inspect_cli
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -13,9 +13,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo.add_arguments(sub.add_parser(
         "demo", help="compile a built-in small decoder with offloading, check it and report"))
+    inspect_cli.add_arguments(sub.add_parser(
+        "inspect", help="print the offload plan and the rewritten graphs of a model"))
     args = parser.parse_args(argv)
     if args.command == "demo":
         return demo.run(args)
+    if args.command == "inspect":
+        return inspect_cli.run(args)
     return 2  # pragma: no cover
 
 

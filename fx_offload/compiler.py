@@ -141,6 +141,18 @@ def _check_grad_mode(gi, state) -> None:
             "set requires_grad_(False) on its parameters")
 
 
+def _trace_graph(name: str, gm: fx.GraphModule) -> None:
+    """A structured-trace artifact (``TORCH_TRACE``), so tlparse shows the graph before and
+    after the pass; the text is only built when tracing is on."""
+    from torch._logging import trace_structured
+    trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": name, "encoding": "string"},
+        payload_fn=lambda: gm.print_readable(print_output=False, include_stride=True,
+                                             include_device=True),
+    )
+
+
 def verify_plan(gm, plan, state) -> None:
     """Run the slot-safety verifier on a rewritten graph."""
     weight_layer = {w: lp.layer for lp in plan.layers for w in lp.weights}
@@ -161,9 +173,11 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
         if first:
             state.materialize()
         return compiled
+    _trace_graph("fx_offload_before", gm)
     plan = plan_graph(gm, gi, state)
     apply_plan(gm, plan)
     verify_plan(gm, plan, state)
+    _trace_graph("fx_offload_after", gm)
     compiled = compile_inner(gm, example_inputs, options)
     if first:
         state.materialize()

@@ -174,10 +174,14 @@ class MoE(nn.Module):
 
 
 class MoELayer(nn.Module):
-    def __init__(self, hidden: int, inner: int, num_experts: int, top_k: int):
+    """A MoE layer, or a dense one (``dense=True``, as the first layers of some MoE models):
+    one layer type either way, so the stack is still a list of same-type modules."""
+
+    def __init__(self, hidden: int, inner: int, num_experts: int, top_k: int,
+                 dense: bool = False):
         super().__init__()
         self.norm = RMSNorm(hidden)
-        self.mlp = MoE(hidden, inner, num_experts, top_k)
+        self.mlp = GatedMLP(hidden, inner) if dense else MoE(hidden, inner, num_experts, top_k)
 
     def forward(self, x):
         return x + self.mlp(self.norm(x))
@@ -185,16 +189,35 @@ class MoELayer(nn.Module):
 
 class MoEStack(nn.Module):
     def __init__(self, num_layers: int = 6, hidden: int = 32, inner: int = 32,
-                 num_experts: int = 8, top_k: int = 2):
+                 num_experts: int = 8, top_k: int = 2, dense_every: int = 0):
         super().__init__()
         self.layers = nn.ModuleList(
-            MoELayer(hidden, inner, num_experts, top_k) for _ in range(num_layers))
+            MoELayer(hidden, inner, num_experts, top_k,
+                     dense=bool(dense_every) and i % dense_every == 0)
+            for i in range(num_layers))
         self.norm = RMSNorm(hidden)
 
     def forward(self, x):
         for layer in self.layers:
             x = layer(x)
         return self.norm(x)
+
+
+class SplitMLPStack(MLPStack):
+    """An MLP stack whose forward has a graph break after layer ``split``: Dynamo compiles
+    two graphs of one model."""
+
+    def __init__(self, num_layers: int = 6, split: int = 3, **kw):
+        super().__init__(num_layers, **kw)
+        self.split = split
+
+    def forward(self, x):
+        for layer in self.layers[:self.split]:
+            x = layer(x)
+        torch._dynamo.graph_break()
+        for layer in self.layers[self.split:]:
+            x = layer(x)
+        return x
 
 
 def _randomize(model: nn.Module, seed: int) -> nn.Module:
@@ -225,7 +248,14 @@ def build_moe(num_layers: int = 6, batch: int = 2, seq: int = 8, seed: int = 0, 
     return model, (torch.randn(batch, seq, model.norm.weight.shape[0]),)
 
 
-BUILDERS: dict[str, Callable] = {"mlp": build_mlp, "decoder": build_decoder, "moe": build_moe}
+def build_split_mlp(num_layers: int = 6, split: int = 3, batch: int = 4, seed: int = 0, **kw):
+    torch.manual_seed(seed)
+    model = _randomize(SplitMLPStack(num_layers, split, **kw), seed)
+    return model, (torch.randn(batch, model.layers[0].fc1.in_features),)
+
+
+BUILDERS: dict[str, Callable] = {"mlp": build_mlp, "decoder": build_decoder, "moe": build_moe,
+                                 "split_mlp": build_split_mlp}
 
 
 def build(name: str, **kwargs):

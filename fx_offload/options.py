@@ -36,13 +36,15 @@ class OffloadOptions:
         return (self.group_size, self.num_in_group, self.prefetch_step,
                 self.offload_params, self.layers)
 
-    def describe(self) -> str:
+    def describe(self, placement_only: bool = False) -> str:
         parts = [f"group_size={self.group_size}", f"num_in_group={self.num_in_group}",
                  f"prefetch_step={self.prefetch_step}"]
         if self.offload_params is not None:
             parts.append(f"offload_params={list(self.offload_params)}")
         if self.layers is not None:
             parts.append(f"layers={self.layers!r}")
+        if placement_only:
+            return ", ".join(parts)
         parts.append(f"inner_backend={self.inner_backend!r}")
         if self.mode != "default":
             parts.append(f"mode={self.mode!r}")

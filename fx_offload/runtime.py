@@ -94,7 +94,7 @@ class OffloadState:
     """Masters, slots and the prefetch schedule for one model compiled with the backend."""
 
     def __init__(self, model: nn.Module, options: OffloadOptions, stack: LayerStack,
-                 params: dict[int, list[OffloadedParam]]):
+                 params: dict[int, list[OffloadedParam]], check_owners: bool = True):
         self.handle = next(_NEXT_HANDLE)
         self.model_ref = weakref.ref(model)
         self.model_name = type(model).__name__
@@ -112,7 +112,7 @@ class OffloadState:
                 f"prefetch_offload option 'prefetch_step' ({options.prefetch_step}) is larger "
                 f"than the number of offloaded layers ({n}: layers {self.layers}); use "
                 f"prefetch_step <= {n}, or offload more layers (group_size/num_in_group)")
-        for layer, ps in params.items():
+        for layer, ps in params.items() if check_owners else ():
             for p in ps:
                 owner = _BY_PARAM.get(p.param)
                 if owner is not None:
@@ -163,6 +163,29 @@ class OffloadState:
     def slot_key(self, p: OffloadedParam) -> str:
         return p.suffix
 
+    def slot_specs(self) -> list[dict[str, torch.Tensor]]:
+        """Per slot: slot key -> a parameter whose shape, stride and dtype the slot takes."""
+        specs: list[dict[str, torch.Tensor]] = [{} for _ in range(self.num_slots)]
+        for layer, ps in self.params.items():
+            spec = specs[self.slot_of[layer]]
+            for p in ps:
+                key = self.slot_key(p)
+                have = spec.get(key)
+                if have is None:
+                    spec[key] = p.param
+                elif have.shape != p.param.shape or have.dtype != p.param.dtype:
+                    raise ValueError(
+                        f"prefetch_offload: {p.name} ({tuple(p.param.shape)}, {p.param.dtype}) "
+                        f"shares slot {self.slot_of[layer]} with a parameter of the same name "
+                        f"but shape {tuple(have.shape)}, {have.dtype}; offloaded layers must "
+                        "have matching parameters (restrict them with offload_params)")
+        return specs
+
+    @property
+    def planned_buffer_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for spec in self.slot_specs()
+                   for t in spec.values())
+
     def register(self) -> None:
         with _LOCK:
             _HANDLES[self.handle] = weakref.ref(self)
@@ -193,20 +216,7 @@ class OffloadState:
         if self.materialized:
             return
         masters = {layer: self._make_masters(ps) for layer, ps in self.params.items()}
-        slot_specs: list[dict[str, torch.Tensor]] = [{} for _ in range(self.num_slots)]
-        for layer, ps in self.params.items():
-            spec = slot_specs[self.slot_of[layer]]
-            for p in ps:
-                key = self.slot_key(p)
-                have = spec.get(key)
-                if have is None:
-                    spec[key] = p.param
-                elif have.shape != p.param.shape or have.dtype != p.param.dtype:
-                    raise ValueError(
-                        f"prefetch_offload: {p.name} ({tuple(p.param.shape)}, {p.param.dtype}) "
-                        f"shares slot {self.slot_of[layer]} with a parameter of the same name "
-                        f"but shape {tuple(have.shape)}, {have.dtype}; offloaded layers must "
-                        "have matching parameters (restrict them with offload_params)")
+        slot_specs = self.slot_specs()
         slots = [{key: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
                                            device=self.device)
                   for key, t in spec.items()} for spec in slot_specs]

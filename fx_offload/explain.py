@@ -1,0 +1,159 @@
+"""``fx_offload.explain``: what the pass would do to a model, without changing the model.
+
+The model is traced by Dynamo with a recording backend that runs the pass on a copy of each
+graph, verifies it, and lets the original graph run: weights are not moved, nothing is
+registered, the model runs once on the example inputs (under ``no_grad``).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import fx, nn
+
+from . import runtime
+from .graph_inputs import read_graph_inputs
+from .options import parse_options
+from .plan import GraphPlan, plan_graph
+from .printing import format_graph, source_display_name
+from .report import format_bytes
+from .rewrite import apply_plan
+from .selection import find_layer_stack, select_params
+from .verify import slot_model_for, verify_graph
+
+
+@dataclasses.dataclass
+class GraphRecord:
+    index: int
+    before: fx.GraphModule                 # the graph Dynamo made (a copy)
+    after: fx.GraphModule                  # the rewritten graph
+    plan: GraphPlan | None                 # None: no offloaded layer in this graph
+    weight_tags: dict[fx.Node, tuple[int, int]]     # node of ``after`` -> (layer, slot)
+    aten: fx.GraphModule | None = None     # post-AOTAutograd forward graph, if asked for
+    input_names: list[str] = dataclasses.field(default_factory=list)
+    input_tags: list = dataclasses.field(default_factory=list)
+    note: str = ""
+
+    def text(self) -> str:
+        return format_graph(self.after, self.weight_tags)
+
+    def aten_text(self) -> str | None:
+        if self.aten is None:
+            return None
+        return format_graph(self.aten, input_names=self.input_names,
+                            input_tags=self.input_tags)
+
+
+@dataclasses.dataclass
+class Explanation:
+    model: str
+    options: str
+    state: "runtime.OffloadState"
+    graphs: list[GraphRecord]
+
+    def plan_rows(self) -> list[tuple[str, ...]]:
+        state = self.state
+        where: dict[int, tuple[str, str]] = {}
+        for record in self.graphs:
+            for lp in record.plan.layers if record.plan else []:
+                where[lp.layer] = (f"g{record.index}: before {lp.first_use.name}",
+                                   f"after {lp.last_node.name}" if lp.target is not None
+                                   else "-")
+        rows = [("layer", "slot", "params", "bytes", "wait", "start", "prefetches")]
+        for layer in state.layers:
+            ps = state.params[layer]
+            wait, start = where.get(layer, ("(not in these graphs)", "-"))
+            target = state.target_of[layer]
+            rows.append((str(layer), str(state.slot_of[layer]), str(len(ps)),
+                         str(sum(p.param.numel() * p.param.element_size() for p in ps)),
+                         wait, start, "-" if target is None else f"layer {target}"))
+        return rows
+
+    def plan_text(self) -> str:
+        state = self.state
+        slot_bytes = state.planned_buffer_bytes
+        head = [f"model: {self.model}; layer stack {state.stack.path or '<root>'!r} of "
+                f"{len(state.stack.layers)}; offloaded layers {state.layers}",
+                f"options: {self.options}",
+                f"offloaded {state.offloaded_bytes} bytes ({format_bytes(state.offloaded_bytes)})"
+                f"; {state.num_slots} slot(s) of {slot_bytes} bytes in all on <device>"]
+        rows = self.plan_rows()
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        table = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        params = [f"layer {layer}: {', '.join(p.suffix for p in state.params[layer])}"
+                  for layer in state.layers]
+        return "\n".join(head + [""] + table + [""] + params) + "\n"
+
+    def __str__(self) -> str:
+        parts = [self.plan_text()]
+        for record in self.graphs:
+            note = f" ({record.note})" if record.note else ""
+            parts.append(f"== graph {record.index}: rewritten{note} ==\n{record.text()}")
+            aten = record.aten_text()
+            if aten is not None:
+                parts.append(f"== graph {record.index}: after AOTAutograd (ATen) ==\n{aten}")
+        return "\n".join(parts)
+
+
+def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return fx.GraphModule(gm, graph)
+
+
+def _aten_graph(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+    captured = []
+
+    def record(fw_gm, _inputs):
+        captured.append(fw_gm)
+        return make_boxed_func(fw_gm.forward)
+
+    aot_module_simplified(gm, example_inputs, fw_compiler=record)
+    return captured[0]
+
+
+def explain(model: nn.Module, *example_inputs, aten: bool = False, dynamic: bool | None = None,
+            **options) -> Explanation:
+    """Trace ``model`` on ``example_inputs`` and show the plan and the rewritten graphs the
+    backend would produce with ``options``, without moving any weight."""
+    opts = parse_options(options)
+    existing = runtime.state_for_model(model)
+    if existing is not None and existing.options.placement_key() == opts.placement_key():
+        state = existing
+    else:
+        stack = find_layer_stack(model, opts.layers)
+        state = runtime.OffloadState(model, opts, stack, select_params(model, stack, opts),
+                                     check_owners=existing is None)
+    records: list[GraphRecord] = []
+
+    def backend(gm, inputs):
+        after = _copy_graph_module(gm)
+        gi = read_graph_inputs(after, inputs)
+        index = len(records)
+        names = [source_display_name(n) or n.name for n in gi.placeholders]
+        if gi.root is not model or not gi.params:
+            note = ("no model parameters" if not gi.params else
+                    f"compiled from {type(gi.root).__name__}.forward on its own: no prefetch, "
+                    "the layers' hooks load their weights")
+            records.append(GraphRecord(index, gm, after, None, {}, note=note,
+                                       input_names=names))
+            return gm.forward
+        plan = plan_graph(after, gi, state)
+        apply_plan(after, plan)
+        tags = {w: (lp.layer, lp.slot) for lp in plan.layers for w in lp.weights}
+        verify_graph(after, {w: t[0] for w, t in tags.items()},
+                     slot_model_for(state, [lp.layer for lp in plan.layers]))
+        record = GraphRecord(index, gm, after, plan, tags, input_names=names,
+                             input_tags=[tags.get(n) for n in gi.placeholders])
+        if aten:
+            record.aten = _aten_graph(after, inputs)
+        records.append(record)
+        return gm.forward
+
+    compiled = torch.compile(model, backend=backend, dynamic=dynamic)
+    with torch.no_grad():
+        compiled(*example_inputs)
+    return Explanation(type(model).__name__, opts.describe(placement_only=True), state, records)

@@ -1,0 +1,120 @@
+"""Golden graphs: the plan and the rewritten graph of each scenario, normalized, in
+``golden_graphs/<scenario>.expect``.  ``EXPECTTEST_ACCEPT=1 python -m pytest
+tests/test_golden.py`` rewrites them; otherwise a change fails with a unified diff naming the
+file.  Each golden is paired with an output check of the same scenario, and the slot-safety
+verifier runs on every rewritten graph (``explain`` runs it)."""
+import copy
+import difflib
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import fx_offload
+from fx_offload import models
+from fx_offload.explain import explain
+
+GOLDEN = Path(__file__).resolve().parent.parent / "golden_graphs"
+ACCEPT = os.environ.get("EXPECTTEST_ACCEPT", "") not in ("", "0")
+
+# name: (model, build kwargs, options, dynamic, aten)
+SCENARIOS = {
+    "mlp_g2_n1_s1": ("mlp", {"num_layers": 6}, dict(group_size=2, num_in_group=1), False, True),
+    "mlp_g4_n2_s2": ("mlp", {"num_layers": 8}, dict(group_size=4, num_in_group=2,
+                                                    prefetch_step=2), False, False),
+    "mlp_g8_n2_s1_16layers": ("mlp", {"num_layers": 16}, dict(group_size=8, num_in_group=2),
+                              False, False),
+    "mlp_all_s3_wraparound": ("mlp", {"num_layers": 7}, dict(group_size=1, num_in_group=1,
+                                                             prefetch_step=3), False, False),
+    "mlp_g3_n1_s2_odd": ("mlp", {"num_layers": 9}, dict(group_size=3, num_in_group=1,
+                                                        prefetch_step=2), False, False),
+    "mlp_dynamic": ("mlp", {"num_layers": 6}, dict(group_size=2, num_in_group=1), True, False),
+    "split_mlp_graph_break": ("split_mlp", {"num_layers": 6, "split": 3},
+                              dict(group_size=2, num_in_group=1, prefetch_step=2), False, False),
+    "decoder_tuple_g2_n1_s2": ("decoder", {"num_layers": 6}, dict(group_size=2, num_in_group=1,
+                                                                  prefetch_step=2), False, False),
+    "decoder_q_proj_only": ("decoder", {"num_layers": 4},
+                            dict(group_size=1, num_in_group=1, prefetch_step=2,
+                                 offload_params=["self_attn.q_proj"]), False, False),
+    "moe_g2_n1_s1": ("moe", {"num_layers": 4}, dict(group_size=2, num_in_group=1), False, True),
+    "moe_experts_only": ("moe", {"num_layers": 6}, dict(group_size=2, num_in_group=1,
+                                                        prefetch_step=2,
+                                                        offload_params=["w13_weight",
+                                                                        "w2_weight"]),
+                         False, False),
+    "moe_dense_layers_skipped": ("moe", {"num_layers": 6, "dense_every": 3},
+                                 dict(group_size=1, num_in_group=1, prefetch_step=2,
+                                      offload_params=["experts"]), False, False),
+}
+
+
+def render(name) -> tuple[str, object]:
+    model_name, kwargs, options, dynamic, aten = SCENARIOS[name]
+    model, inputs = models.build(model_name, **kwargs)
+    explanation = explain(model, *inputs, aten=aten, dynamic=dynamic or None, **options)
+    text = f"# scenario {name}: {model_name} {kwargs}, dynamic={dynamic}\n{explanation}"
+    return text, explanation
+
+
+def check_golden(name: str, text: str) -> None:
+    path = GOLDEN / f"{name}.expect"
+    if ACCEPT:
+        GOLDEN.mkdir(exist_ok=True)
+        path.write_text(text)
+        return
+    if not path.exists():
+        pytest.fail(f"{path.relative_to(GOLDEN.parent)} is missing; create it with "
+                    "EXPECTTEST_ACCEPT=1 python -m pytest tests/test_golden.py")
+    want = path.read_text()
+    if want != text:
+        diff = "".join(difflib.unified_diff(
+            want.splitlines(True), text.splitlines(True),
+            fromfile=f"golden_graphs/{name}.expect", tofile=f"{name} (this run)"))
+        pytest.fail(f"golden graph golden_graphs/{name}.expect changed (rerun with "
+                    f"EXPECTTEST_ACCEPT=1 to accept, then review the diff):\n{diff}")
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_golden_graph(name):
+    text, explanation = render(name)
+    assert "/" not in text.replace(" / ", ""), "a path leaked into the golden"
+    check_golden(name, text)
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_golden_scenario_outputs(name):
+    """The scenario's compiled + offloaded outputs equal the model without offloading."""
+    model_name, kwargs, options, dynamic, aten = SCENARIOS[name]
+    model, inputs = models.build(model_name, **kwargs)
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={**options, "inner_backend": "aot_eager"},
+                             dynamic=dynamic or None)
+    with torch.no_grad():
+        for call in range(3):
+            x = inputs if call == 0 else tuple(
+                torch.randint_like(t, 0, 256) if t.dtype == torch.long else torch.randn_like(t)
+                for t in inputs)
+            assert torch.equal(compiled(*x), reference(*x)), f"call {call}"
+    rep = fx_offload.report(model)
+    _, explanation = render(name)
+    assert rep.layers == explanation.state.layers
+
+
+def test_regenerating_twice_gives_identical_text():
+    first, _ = render("decoder_tuple_g2_n1_s2")
+    torch._dynamo.reset()
+    second, _ = render("decoder_tuple_g2_n1_s2")
+    assert first == second
+
+
+def test_explain_leaves_the_model_untouched():
+    model, inputs = models.build("mlp", num_layers=4)
+    before = {n: (p.data_ptr(), p.detach().clone()) for n, p in model.named_parameters()}
+    explanation = explain(model, *inputs, group_size=2)
+    assert fx_offload.runtime.state_for_model(model) is None
+    for n, p in model.named_parameters():
+        assert p.data_ptr() == before[n][0] and torch.equal(p, before[n][1])
+    assert [r.plan is not None for r in explanation.graphs] == [True]
+    assert ">>> wait_prefetch(layer 1)" in str(explanation)

@@ -1,0 +1,122 @@
+"""The slot-safety verifier catches planted broken schedules; inspect/explain work."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import fx
+
+from fx_offload import models, ops
+from fx_offload.explain import explain
+from fx_offload.verify import ScheduleError, slot_model_for, verify_graph
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def explained(name="mlp", **options):
+    model, inputs = models.build(name, num_layers=6)
+    e = explain(model, *inputs, **options)
+    (record,) = e.graphs
+    return e, record
+
+
+def verify(e, record):
+    verify_graph(record.after, {w: t[0] for w, t in record.weight_tags.items()},
+                 slot_model_for(e.state, [lp.layer for lp in record.plan.layers]))
+
+
+def op_nodes(gm, target, layer):
+    return [n for n in gm.graph.nodes if n.target is target and (
+        n.args[2] == layer if target is ops.WAIT else n.args[3] == layer)]
+
+
+def test_verifier_passes_the_real_schedules():
+    for options in (dict(group_size=2), dict(group_size=1, num_in_group=1, prefetch_step=4),
+                    dict(group_size=3, num_in_group=2, prefetch_step=3)):
+        e, record = explained(**options)
+        verify(e, record)
+
+
+def test_start_moved_early_is_caught():
+    e, record = explained(group_size=2)
+    (start,) = op_nodes(record.after, ops.START, 1)
+    (wait,) = op_nodes(record.after, ops.WAIT, 1)
+    wait.append(start)                       # start right after the wait: before the reads
+    with pytest.raises(ScheduleError, match=r"reads .* of layer 1 from slot 0, but it is "
+                                            r"being refilled with layer 3"):
+        verify(e, record)
+
+
+def test_missing_wait_is_caught():
+    e, record = explained(group_size=2)
+    (wait,) = op_nodes(record.after, ops.WAIT, 3)
+    record.after.graph.erase_node(wait)
+    with pytest.raises(ScheduleError, match=r"layer 3 from slot 0, but no wait_prefetch for it "
+                                            r"precedes this read"):
+        verify(e, record)
+
+
+def test_two_layers_in_one_slot_at_once_is_caught():
+    e, record = explained(group_size=2)
+    (start,) = op_nodes(record.after, ops.START, 1)
+    record.after.graph.erase_node(start)     # layer 3 waited for while slot 0 holds layer 1
+    with pytest.raises(ScheduleError, match=r"wait for layer 3, but slot 0 was last filled "
+                                            r"with layer 1"):
+        verify(e, record)
+
+
+def test_missing_circular_prefetch_is_caught():
+    e, record = explained(group_size=2)
+    (start,) = op_nodes(record.after, ops.START, 5)
+    record.after.graph.erase_node(start)
+    with pytest.raises(ScheduleError, match="a circular prefetch is missing"):
+        verify(e, record)
+
+
+def test_prefetch_into_the_wrong_slot_is_caught():
+    e, record = explained(group_size=2, prefetch_step=3)   # layers 1, 3, 5 in slots 0, 1, 2
+    wrong = record.after.graph.call_function(ops.START, ([], [], e.state.handle, 1, 3))
+    (wait,) = op_nodes(record.after, ops.WAIT, 1)
+    wait.append(wrong)
+    with pytest.raises(ScheduleError, match=r"prefetches layer 3, which lives in slot 1"):
+        verify(e, record)
+
+
+def test_inspect_cli_builtin_and_file_targets(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "fx_offload", "inspect", "moe",
+                          "--offload-params", "w13_weight,w2_weight", "--prefetch-step", "2",
+                          "--aten"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "layer  slot  params  bytes  wait" in out.stdout
+    assert ">>> wait_prefetch(layer 1)" in out.stdout and "(ATen)" in out.stdout
+    factory = tmp_path / "my_model.py"
+    factory.write_text("from fx_offload.models import build_decoder\n"
+                       "def make():\n    return build_decoder(num_layers=4)\n")
+    out = subprocess.run([sys.executable, "-m", "fx_offload", "inspect", f"{factory}:make",
+                          "--group-size", "4", "--num-in-group", "2"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "offloaded layers [2, 3]" in out.stdout
+    for bad, message in (["nope"], "unknown target 'nope'"), (
+            [f"{factory}:missing"], "has no callable 'missing'"), (
+            ["mlp", "--group-size", "0"], "'group_size' must be >= 1"):
+        out = subprocess.run([sys.executable, "-m", "fx_offload", "inspect", *bad],
+                             capture_output=True, text=True, cwd=ROOT)
+        assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
+
+
+def test_torch_trace_artifacts_before_and_after(tmp_path):
+    code = ("import torch, fx_offload\n"
+            "from fx_offload import models\n"
+            "m, inp = models.build('mlp', num_layers=4)\n"
+            "with torch.no_grad():\n"
+            "    torch.compile(m, backend='prefetch_offload',"
+            " options={'inner_backend': 'eager'})(*inp)\n")
+    env = dict(os.environ, TORCH_TRACE=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = "".join(p.read_text() for p in tmp_path.iterdir())
+    assert '"name": "fx_offload_before"' in text and '"name": "fx_offload_after"' in text
+    assert "fx_offload.wait_prefetch" in text
