@@ -86,10 +86,9 @@ def _target_str(node: fx.Node) -> str:
         return f"operator.{name}"
     if module.startswith("torch._C._nn") or module == "torch.nn.functional":
         return f"F.{name}"
-    if module.startswith("torch") and not module.startswith("torch._"):
-        return f"torch.{name}"
-    if module.startswith("torch._C"):
-        return f"torch.{name}"
+    if module.startswith("torch") or name.startswith("_VariableFunctionsClass."):
+        # torch functions print by their public name: torch.rsqrt, not where they live
+        return f"torch.{getattr(target, '__name__', name)}"
     return f"{module}.{name}" if module else name
 
 
