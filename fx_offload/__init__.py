@@ -41,4 +41,14 @@ def _register_backend_name() -> None:
         registry.register_backend(name="prefetch_offload")(prefetch_offload)
 
 
+def _register_log_name() -> None:
+    """``TORCH_LOGS=fx_offload`` turns on the summary lines, like torch's own loggers."""
+    try:
+        from torch._logging._internal import register_log
+        register_log("fx_offload", "fx_offload")
+    except Exception:  # pragma: no cover - torch's logging registry is internal
+        pass
+
+
 _register_backend_name()
+_register_log_name()

@@ -120,3 +120,18 @@ def test_torch_trace_artifacts_before_and_after(tmp_path):
     text = "".join(p.read_text() for p in tmp_path.iterdir())
     assert '"name": "fx_offload_before"' in text and '"name": "fx_offload_after"' in text
     assert "fx_offload.wait_prefetch" in text
+
+
+def test_torch_logs_turns_on_the_summary_line():
+    code = ("import torch, fx_offload\n"
+            "from fx_offload import models\n"
+            "m, inp = models.build('mlp', num_layers=4)\n"
+            "with torch.no_grad():\n"
+            "    torch.compile(m, backend='prefetch_offload',"
+            " options={'inner_backend': 'eager'})(*inp)\n")
+    env = dict(os.environ, TORCH_LOGS="fx_offload")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [l for l in out.stderr.splitlines() if "offloaded layer(s) [1, 3]" in l]
+    assert len(lines) == 1, out.stderr[-2000:]
