@@ -138,6 +138,18 @@ class OffloadState:
             raise ValueError(
                 "prefetch_offload cannot offload weights on the meta device: load real "
                 "weights into the model before compiling it")
+        if self.device.type == "cpu":
+            accel = sorted({str(p.device) for p in model.parameters() if p.device.type != "cpu"})
+            if accel:
+                raise ValueError(
+                    "prefetch_offload: the weights of the layers to offload are already on the "
+                    f"host (cpu) while the rest of the model is on {accel}; move the whole "
+                    "model to the GPU (model.to('cuda')) and let the backend offload them")
+            if torch.cuda.is_available():
+                log.warning(
+                    "fx_offload: %s is on the CPU although CUDA is available: offloading "
+                    "weights that are already in host memory saves nothing (it runs as a CPU "
+                    "simulation); move the model to the GPU first", type(model).__name__)
         self.masters: dict[int, dict[str, torch.Tensor]] = {}
         self.slots: list[dict[str, torch.Tensor]] = []
         self.owner: list[int | None] = [None] * self.num_slots
@@ -254,6 +266,15 @@ class OffloadState:
         for layer in self.layers:
             module = self.stack.layers[layer]
             self._hooks.append(module.register_forward_pre_hook(_eager_guard(self, layer)))
+        from . import weights
+        self._hooks.extend(weights.install(self, model))
+
+    def reload_slots(self, layers) -> None:
+        """After masters of ``layers`` changed: reload the slots that hold (or are being
+        filled with) one of them, so no stale copy is used."""
+        for slot, owner in enumerate(self.owner):
+            if owner in layers:
+                self._load_now(owner)
 
     def restore(self) -> None:
         """Return every offloaded weight to its original device, bitwise, and detach."""
@@ -281,9 +302,9 @@ class OffloadState:
                  len(self.layers), self.model_name, self.device)
 
     def synchronize(self) -> None:
+        """Wait for copies in flight (they read the masters about to be changed)."""
         if self.copy_stream is not None:
             self.copy_stream.synchronize()
-        self.pending.clear()
 
     # ---- the operations the graph calls ------------------------------------------------
     def wait(self, layer: int) -> None:

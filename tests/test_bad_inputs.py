@@ -1,0 +1,178 @@
+"""Every row of docs/errors.md: a bad input and the clear error it gets.  Nothing is offloaded
+when an error is raised."""
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import fx_offload
+from fx_offload import models
+from fx_offload.models import MLPBlock
+
+
+class TwoStacks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.ModuleList(MLPBlock(8, 8) for _ in range(3))
+        self.decoder = nn.ModuleList(MLPBlock(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        for layer in [*self.encoder, *self.decoder]:
+            x = layer(x)
+        return x
+
+
+class OneLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([MLPBlock(8, 8)])
+
+    def forward(self, x):
+        return self.layers[0](x)
+
+
+class NoStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def mlp():
+    return models.build("mlp", num_layers=4)
+
+
+def small(cls):
+    return lambda: (cls().eval(), (torch.randn(2, 8),))
+
+
+class Partial(nn.Module):
+    """Runs only the layers in ``run``: the others may sit on another device (here "meta",
+    standing in for a GPU on a CPU-only machine) without the forward touching them."""
+
+    def __init__(self, run):
+        super().__init__()
+        self.layers = nn.ModuleList(MLPBlock(8, 8) for _ in range(4))
+        self.run = run
+
+    def forward(self, x):
+        for i in self.run:
+            x = self.layers[i](x)
+        return x
+
+
+def meta_mlp():
+    model, _ = mlp()
+    return model.to("meta"), (torch.randn(4, 32, device="meta"),)
+
+
+def mixed_devices():
+    model = Partial([0, 1, 2]).eval()
+    model.layers[3].to("meta")       # offloaded layers 1 (cpu) and 3 (elsewhere)
+    return model, (torch.randn(2, 8),)
+
+
+# (id, factory, options, extra compile kwargs, pattern of the error)
+ROWS = [
+    ("unknown_key", mlp, {"prefetch_stpe": 2}, {},
+     r"unknown prefetch_offload option\(s\) \['prefetch_stpe'\]; valid options are"),
+    ("bad_type", mlp, {"group_size": "4"}, {}, r"'group_size' must be an int >= 1"),
+    ("bad_value", mlp, {"prefetch_step": 0}, {}, r"'prefetch_step' must be >= 1"),
+    ("num_over_group", mlp, {"group_size": 2, "num_in_group": 3}, {},
+     r"'num_in_group' \(3\) must not exceed 'group_size' \(2\)"),
+    ("offload_params_str", mlp, {"offload_params": "fc1"}, {}, r"write \['fc1'\]"),
+    ("inner_backend", mlp, {"inner_backend": "tvm"}, {}, r"'inner_backend' must be one of"),
+    ("mode_with_eager", mlp, {"inner_backend": "eager", "mode": "max-autotune"}, {},
+     r"is an Inductor mode"),
+    ("no_stack", small(NoStack), {}, {}, r"found no stack of repeated layers .* pass the "
+                                         r"option 'layers'"),
+    ("ambiguous_stack", small(TwoStacks), {}, {},
+     r"several layer stacks of length 3: \['encoder', 'decoder'\]; pass the option 'layers'"),
+    ("layers_missing", mlp, {"layers": "model.layers"}, {},
+     r"'layers'='model.layers': the model has no submodule at that path; candidates are "
+     r"\['layers'\]"),
+    ("layers_not_list", mlp, {"layers": "layers.0"}, {},
+     r"'layers'='layers.0' names a MLPBlock, not an nn.ModuleList"),
+    ("layer_list_of_one", small(OneLayer), {"layers": "layers"}, {},
+     r"'layers'='layers' has 1 layer\(s\); offloading needs a stack of at least 2"),
+    ("offload_params_nothing", mlp, {"offload_params": ["q_proj"]}, {},
+     r"'offload_params'=\['q_proj'\] matches no parameter .* look like \['fc1.weight'"),
+    ("step_over_count", mlp, {"prefetch_step": 3}, {},
+     r"'prefetch_step' \(3\) is larger than the number of offloaded layers \(2: layers "
+     r"\[1, 3\]\); use prefetch_step <= 2"),
+    ("meta_weights", meta_mlp, {"inner_backend": "eager"}, {},
+     r"cannot offload weights on the meta device"),
+    ("mixed_devices", mixed_devices, {"inner_backend": "eager"}, {},
+     r"needs the offloaded layers' weights on one device, found \['cpu', 'meta'\]"),
+]
+
+
+def compile_and_call(factory, options, **kwargs):
+    model, inputs = factory()
+    with torch.no_grad():
+        torch.compile(model, backend="prefetch_offload", options=options, **kwargs)(*inputs)
+    return model
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r[0] for r in ROWS])
+def test_bad_input_row(row):
+    _, factory, options, kwargs, pattern = row
+    model, inputs = factory()
+    with torch.no_grad(), pytest.raises(Exception) as err:
+        torch.compile(model, backend="prefetch_offload", options=options, **kwargs)(*inputs)
+    assert re.search(pattern, str(err.value), re.S), str(err.value)[:2000]
+    assert fx_offload.runtime.state_for_model(model) is None
+
+
+def test_grad_mode_row():
+    model, inputs = mlp()
+    with pytest.raises(Exception, match="supports inference only"):
+        torch.compile(model, backend="prefetch_offload")(*inputs)
+
+
+def test_inductor_freezing_row():
+    import torch._inductor.config as config
+    model, inputs = mlp()
+    with config.patch(freezing=True), torch.no_grad(), pytest.raises(
+            Exception, match=r"cannot be used with Inductor freezing"):
+        torch.compile(model, backend="prefetch_offload")(*inputs)
+    assert all(not m._forward_pre_hooks for m in model.layers)
+
+
+def test_same_model_other_options_row():
+    model = compile_and_call(mlp, {"inner_backend": "eager"})
+    model_inputs = (torch.randn(4, 32),)
+    torch._dynamo.reset()
+    with torch.no_grad(), pytest.raises(Exception, match=r"already offloaded with "
+                                                         r"group_size=2.*Call "
+                                                         r"fx_offload.restore\(model\) first"):
+        torch.compile(model, backend="prefetch_offload",
+                      options={"inner_backend": "eager", "group_size": 4})(*model_inputs)
+
+
+def test_offloaded_model_offloaded_again_row():
+    """A part of an offloaded model, compiled on its own with its own layer stack."""
+    outer = nn.Module()
+    outer.model, inputs = models.build("mlp", num_layers=4)
+    outer.forward = lambda x: outer.model(x)
+    compile_and_call(lambda: (outer.model, inputs), {"inner_backend": "eager"})
+    wrapper = nn.Sequential(outer.model)           # a new root holding the offloaded model
+    torch._dynamo.reset()
+    with torch.no_grad(), pytest.raises(Exception, match=r"already offloaded"):
+        torch.compile(wrapper, backend="prefetch_offload",
+                      options={"inner_backend": "eager", "layers": "0.layers"})(*inputs)
+
+
+def test_weights_on_host_with_model_on_gpu_row():
+    """Offloaded layers already on the host while the rest is on an accelerator."""
+    model = Partial([1, 3]).eval()
+    model.layers[0].to("meta")          # stands for "the rest is on the GPU"
+    model.layers[2].to("meta")
+    with torch.no_grad(), pytest.raises(Exception, match=r"already on the host \(cpu\) while "
+                                                         r"the rest of the model is on "
+                                                         r"\['meta'\]"):
+        torch.compile(model, backend="prefetch_offload",
+                      options={"inner_backend": "eager"})(torch.randn(2, 8))
