@@ -176,3 +176,28 @@ def test_weights_on_host_with_model_on_gpu_row():
                                                          r"\['meta'\]"):
         torch.compile(model, backend="prefetch_offload",
                       options={"inner_backend": "eager"})(torch.randn(2, 8))
+
+
+def test_layer_output_viewing_an_offloaded_weight_row():
+    class Leaky(MLPBlock):
+        def forward(self, x):
+            return x + self.fc2(self.fc1(x)), self.fc1.weight.t()
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(Leaky(8, 8) for _ in range(4))
+
+        def forward(self, x):
+            total = 0
+            for layer in self.layers:
+                x, w = layer(x)
+                total = total + w.sum()
+            return x + total
+
+    model = Stack().eval()
+    with torch.no_grad(), pytest.raises(Exception, match=r"returns a view of the offloaded "
+                                                         r"weight .*exclude that parameter"):
+        torch.compile(model, backend="prefetch_offload",
+                      options={"inner_backend": "eager"})(torch.randn(2, 8))
+    assert fx_offload.runtime.state_for_model(model) is None

@@ -177,3 +177,26 @@ def test_copies_overlap_compute_in_a_profiler_trace():
     print("\noverlap:", overlap)
     assert overlap.copies > 0
     assert overlap.fraction > 0.5
+
+
+def test_pageable_fallback_warns_once_and_stays_correct(monkeypatch, caplog):
+    import logging
+    from fx_offload import host_memory
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no pinning here")
+
+    monkeypatch.setattr(torch.cuda, "cudart", refuse)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", refuse)
+    monkeypatch.setattr(host_memory, "_FALLBACK_WARNED", False)
+    model, ids = decoder(torch.float32)
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "eager", "prefetch_step": 2})
+    with caplog.at_level(logging.WARNING, logger="fx_offload"), torch.no_grad():
+        for _ in range(3):
+            x = torch.randint(0, 256, ids.shape, device="cuda")
+            same(compiled(x), reference(x), torch.float32, exact=True)
+    warnings = [r for r in caplog.records if "pinned host memory unavailable" in r.getMessage()]
+    assert len(warnings) == 1
+    assert not fx_offload.runtime.state_for_model(model).pinned
