@@ -26,15 +26,34 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def layout_of(tensors: dict[str, torch.Tensor]) -> tuple:
+    """Byte layout of ``tensors`` packed one after the other (aligned): a tuple of
+    ``(key, offset, shape, stride, dtype)`` plus the total size."""
+    entries, total = [], 0
+    for key, t in tensors.items():
+        entries.append((key, total, tuple(t.shape), tuple(t.stride()), t.dtype))
+        total += _round_up(_nbytes(t))
+    return tuple(entries), total
+
+
+def views_into(buffer: torch.Tensor, layout: tuple) -> dict[str, torch.Tensor]:
+    """Tensors laid out in the flat uint8 ``buffer`` as ``layout`` says."""
+    views = {}
+    for key, offset, shape, stride, dtype in layout:
+        n = 1
+        for d in shape:
+            n *= d
+        flat = buffer[offset:offset + n * dtype.itemsize].view(dtype)
+        views[key] = flat.as_strided(shape, stride) if n else flat.view(shape)
+    return views
+
+
 class HostBlock:
     """Contiguous host memory for the masters of one layer."""
 
     def __init__(self, tensors: dict[str, torch.Tensor]):
         global _FALLBACK_WARNED
-        offsets, total = {}, 0
-        for key, t in tensors.items():
-            offsets[key] = total
-            total += _round_up(_nbytes(t))
+        self.layout, total = layout_of(tensors)
         buffer = torch.empty(max(total, 1), dtype=torch.uint8)
         self.registered = False
         self.pinned = False
@@ -52,14 +71,9 @@ class HostBlock:
                     log.warning("fx_offload: pinned host memory unavailable (%s); copies fall "
                                 "back to pageable memory and will be slower", err)
         self.buffer = buffer
-        self.views = {}
+        self.views = views_into(buffer, self.layout)
         for key, t in tensors.items():
-            start = offsets[key]
-            flat = buffer[start:start + _nbytes(t)].view(t.dtype)
-            view = flat.view(t.shape) if t.is_contiguous() else flat.as_strided(
-                t.shape, t.stride())
-            view.copy_(t.detach())
-            self.views[key] = view
+            self.views[key].copy_(t.detach())
 
     @property
     def nbytes(self) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import logging
 import threading
 import weakref
@@ -34,7 +35,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .host_memory import HostBlock
+from .host_memory import HostBlock, views_into
 from .options import OffloadOptions
 from .selection import LayerStack, OffloadedParam
 
@@ -92,6 +93,10 @@ class _Pending:
 
 class OffloadState:
     """Masters, slots and the prefetch schedule for one model compiled with the backend."""
+
+    # One copy per layer from a packed host block into a packed slot, rather than one copy
+    # per parameter (see docs/benchmarks.md for the measurement that chose the default).
+    packed = os.environ.get("FX_OFFLOAD_PACKED", "1") != "0"
 
     def __init__(self, model: nn.Module, options: OffloadOptions, stack: LayerStack,
                  params: dict[int, list[OffloadedParam]], check_owners: bool = True):
@@ -160,6 +165,8 @@ class OffloadState:
         self.pinned = False
         self._hooks: list = []
         self._host_blocks: list[HostBlock] = []
+        self._block_of: dict[int, HostBlock] = {}
+        self.slot_flat: list[torch.Tensor] | None = None
         self.stats = {"prefetches": 0, "sync_loads": 0}
 
     # ---- bookkeeping -------------------------------------------------------------------
@@ -227,11 +234,15 @@ class OffloadState:
         or device memory) leaves the model as it was."""
         if self.materialized:
             return
-        masters = {layer: self._make_masters(ps) for layer, ps in self.params.items()}
+        masters = {layer: self._make_masters(layer, ps) for layer, ps in self.params.items()}
         slot_specs = self.slot_specs()
-        slots = [{key: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
-                                           device=self.device)
-                  for key, t in spec.items()} for spec in slot_specs]
+        packed = self._packed_slots()
+        if packed is not None:
+            self.slot_flat, slots = packed
+        else:
+            slots = [{key: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
+                                               device=self.device)
+                      for key, t in spec.items()} for spec in slot_specs]
         if self.device.type == "cuda":
             self.copy_stream = torch.cuda.Stream(self.device)
         # From here on nothing allocates: swap the parameters over.
@@ -248,14 +259,29 @@ class OffloadState:
         self.materialized = True
         self.register()
 
-    def _make_masters(self, ps: list[OffloadedParam]) -> dict[str, torch.Tensor]:
+    def _make_masters(self, layer: int, ps: list[OffloadedParam]) -> dict[str, torch.Tensor]:
         if self.device.type == "cpu":
             # the original storage becomes the master: nothing is copied
             return {p.suffix: p.param.detach() for p in ps}
         block = HostBlock({p.suffix: p.param for p in ps})
         self.pinned = block.pinned
         self._host_blocks.append(block)
+        self._block_of[layer] = block
         return block.views
+
+    def _packed_slots(self):
+        """One flat device buffer per slot with every layer of the slot laid out as its host
+        block, so a layer moves in one copy; None where layouts differ or not on CUDA."""
+        if not self.packed or self.device.type != "cuda" or not self._block_of:
+            return None
+        layouts = {}
+        for layer in self.layers:
+            layout = self._block_of[layer].layout
+            if layouts.setdefault(self.slot_of[layer], layout) != layout:
+                return None
+        flats = [torch.empty(self._block_of[self.layers[s]].nbytes, dtype=torch.uint8,
+                             device=self.device) for s in range(self.num_slots)]
+        return flats, [views_into(flats[s], layouts[s]) for s in range(self.num_slots)]
 
     def _install_eager_guards(self) -> None:
         """Make eager (uncompiled) calls of an offloaded layer load its weights first, so the
@@ -295,6 +321,8 @@ class OffloadState:
         for block in self._host_blocks:
             block.release()
         self._host_blocks = []
+        self._block_of = {}
+        self.slot_flat = None
         self.restored = True
         self.unregister()
         _RESTORED.add(self.handle)
@@ -362,6 +390,10 @@ class OffloadState:
 
     # ---- copies ------------------------------------------------------------------------
     def _copy_in(self, layer: int, non_blocking: bool = False) -> None:
+        if self.slot_flat is not None:        # one copy for the whole layer
+            self.slot_flat[self.slot_of[layer]].copy_(self._block_of[layer].buffer,
+                                                      non_blocking=non_blocking)
+            return
         slot = self.slots[self.slot_of[layer]]
         master = self.masters[layer]
         with torch.no_grad():
