@@ -200,3 +200,39 @@ def test_pageable_fallback_warns_once_and_stays_correct(monkeypatch, caplog):
     warnings = [r for r in caplog.records if "pinned host memory unavailable" in r.getMessage()]
     assert len(warnings) == 1
     assert not fx_offload.runtime.state_for_model(model).pinned
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_packed_and_per_parameter_copies(packed, monkeypatch):
+    monkeypatch.setattr(fx_offload.runtime.OffloadState, "packed", packed)
+    model, ids = decoder(torch.bfloat16)
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "eager", "prefetch_step": 2})
+    with torch.no_grad():
+        for batch in (2, 3, 2):
+            x = torch.randint(0, 256, (batch, 16), device="cuda")
+            same(compiled(x), reference(x), torch.float32, exact=True)
+    state = fx_offload.runtime.state_for_model(model)
+    assert (state.slot_flat is not None) == packed
+
+
+def test_thousand_calls_keep_device_and_host_memory_flat():
+    model, ids = decoder(torch.float32, num_layers=8)
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload", dynamic=True,
+                             options={"inner_backend": "aot_eager", "prefetch_step": 2})
+    with torch.no_grad():
+        for call in range(1000):
+            x = torch.randint(0, 256, (1 + call % 5, 16), device="cuda")
+            out = compiled(x)
+            if call % 100 == 0:
+                same(out, reference(x), torch.float32, exact=True)
+            if call == 100:
+                torch.cuda.synchronize()
+                gc.collect()
+                dev_100, host_100 = torch.cuda.memory_allocated(), _rss()
+        torch.cuda.synchronize()
+        gc.collect()
+    assert torch.cuda.memory_allocated() <= dev_100
+    assert _rss() - host_100 < 32 * 2**20

@@ -135,3 +135,14 @@ def test_torch_logs_turns_on_the_summary_line():
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [l for l in out.stderr.splitlines() if "offloaded layer(s) [1, 3]" in l]
     assert len(lines) == 1, out.stderr[-2000:]
+
+
+def test_bench_smoke_run_on_cpu(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "fx_offload", "bench", "--device", "cpu",
+                          "--quick", "--configs", "g2n1s1,g4n1s1", "--tokens", "1,16",
+                          "--out", str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    table = (tmp_path / "results.md").read_text()
+    for needle in ("| resident (inductor) | 1 |", "| offload g2n1s1 | 16 |",
+                   "| offload g4n1s1 | 1 |", "bytes copied per forward"):
+        assert needle in table, table

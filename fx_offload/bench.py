@@ -1,0 +1,314 @@
+"""``python -m fx_offload bench``: offloaded forward time against the same model resident,
+the ideal bound, and what users pick today; see docs/benchmarks.md for the method.
+
+Each method runs on its own copy of a decoder stack with Llama-3-8B layer shapes (hidden 4096,
+intermediate 14336, 32 heads, 8 KV heads, bf16, random weights).  A forward is timed with CUDA
+events over back-to-back calls (no synchronization between calls, so copies that run on into
+the next call are counted where they are waited for); the table gives medians.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import gc
+import logging
+import os
+import statistics
+import time
+
+import torch
+
+from . import report
+from .baselines import HookPrefetcher, accelerate_offload
+from .models import TinyDecoder
+
+log = logging.getLogger("fx_offload")
+
+CONFIGS = {  # name: (group_size, num_in_group, prefetch_step)
+    "g2n1s1": (2, 1, 1), "g2n1s2": (2, 1, 2), "g2n1s3": (2, 1, 3), "g4n1s1": (4, 1, 1),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default=None, help="cuda (default when present) or cpu")
+    parser.add_argument("--quick", action="store_true",
+                        help="small shapes and few calls: a smoke run (CPU, CI)")
+    parser.add_argument("--layers", type=int, default=8, help="decoder layers in the stack")
+    parser.add_argument("--tokens", default="1,16,128,1024,4096,16384",
+                        help="comma-separated token counts (batch 1)")
+    parser.add_argument("--configs", default=",".join(CONFIGS),
+                        help=f"offload configs among {list(CONFIGS)}")
+    parser.add_argument("--alternatives", default="hooks,accelerate,reduce-overhead",
+                        help="comma-separated among hooks, accelerate, reduce-overhead")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", default="bench_out", help="folder for results.md and plot")
+    parser.add_argument("--pass-cost", action="store_true",
+                        help="instead: time the pass alone at 8, 32 and 128 layers")
+
+
+@dataclasses.dataclass
+class Row:
+    method: str
+    tokens: int
+    median_ms: float
+    bound_ms: float | None = None
+    peak_gib: float | None = None
+    note: str = ""
+
+
+def _shapes(quick: bool, device: torch.device) -> dict:
+    if quick or device.type == "cpu":
+        return dict(hidden=64, heads=4, kv_heads=2, inner=128, vocab=256)
+    return dict(hidden=4096, heads=32, kv_heads=8, inner=14336, vocab=1024)
+
+
+def _build(layers: int, shapes: dict, device, dtype, seed: int = 0) -> TinyDecoder:
+    with torch.device("meta"):
+        model = TinyDecoder(layers, **shapes)
+    model = model.to_empty(device=device).to(dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32)
+                    .mul_(0.02).to(dtype))
+        model.rotary.__init__(shapes["hidden"] // shapes["heads"])
+        model.rotary.to(device)
+    return model.eval()
+
+
+def _time(fn, ids, repeats: int, device) -> float:
+    with torch.no_grad():
+        for _ in range(2):
+            fn(ids)
+        if device.type != "cuda":
+            samples = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                fn(ids)
+                samples.append((time.perf_counter() - start) * 1e3)
+            return statistics.median(samples)
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(repeats + 1)]
+        events[0].record()
+        for i in range(repeats):
+            fn(ids)
+            events[i + 1].record()
+        torch.cuda.synchronize(device)
+        return statistics.median(events[i].elapsed_time(events[i + 1]) for i in range(repeats))
+
+
+def h2d_bandwidth(device, nbytes: int = 1 << 28) -> float:
+    """Bytes per second of a pinned host-to-device copy, measured now."""
+    if device.type != "cuda":
+        return float("nan")
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    times = []
+    for _ in range(6):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dev.copy_(host, non_blocking=True)
+        end.record()
+        torch.cuda.synchronize(device)
+        times.append(start.elapsed_time(end) / 1e3)
+    return nbytes / statistics.median(times[1:])
+
+
+def _peak(device) -> float | None:
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / 2**30
+
+
+def _reset_peak(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if args.pass_cost:
+        return pass_cost(args)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tokens = [int(t) for t in args.tokens.split(",")]
+    if args.quick:
+        tokens, repeats = [t for t in tokens if t <= 128][:2] or [1, 16], 3
+    else:
+        repeats = args.repeats
+    shapes = _shapes(args.quick, device)
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"unknown config(s) {unknown}; choose among {list(CONFIGS)}")
+    alternatives = [a for a in args.alternatives.split(",") if a]
+    bandwidth = h2d_bandwidth(device)
+    print(f"fx_offload bench: {args.layers} layers {shapes}, {dtype}, on {device} "
+          f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
+          f"torch {torch.__version__}; pinned H2D {bandwidth / 1e9:.1f} GB/s", flush=True)
+    rows: list[Row] = []
+
+    def measure(method, make, bound_bytes=None, only=None, note=""):
+        # every method compiles the same model class afresh: without a reset, Dynamo's
+        # per-code cache would reach its recompile limit and run later methods eagerly
+        torch._dynamo.reset()
+        started = time.perf_counter()
+        fn = make()
+        for t in tokens if only is None else [t for t in tokens if t in only]:
+            ids = torch.randint(0, shapes["vocab"], (1, t), device=device)
+            _reset_peak(device)
+            ms = _time(fn, ids, repeats, device)
+            rows.append(Row(method, t, ms, peak_gib=_peak(device), note=note))
+            if bound_bytes is not None:
+                rows[-1].bound_ms = bound_bytes
+            print(f"  {method:<22} tokens {t:>6}: {ms:9.3f} ms", flush=True)
+        print(f"  ({method}: {time.perf_counter() - started:.0f} s with compile)", flush=True)
+        del fn
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def resident():
+        model = _build(args.layers, shapes, device, dtype)
+        return torch.compile(model, backend="inductor", dynamic=True)
+
+    measure("resident (inductor)", resident)
+    compute = {r.tokens: r.median_ms for r in rows if r.method == "resident (inductor)"}
+
+    moved = {}
+    for name in configs:
+        group, num, step = CONFIGS[name]
+
+        def offloaded(group=group, num=num, step=step, name=name):
+            model = _build(args.layers, shapes, device, dtype)
+            fn = torch.compile(model, backend="prefetch_offload", dynamic=True,
+                               options=dict(group_size=group, num_in_group=num,
+                                            prefetch_step=step))
+            with torch.no_grad():
+                fn(torch.zeros(1, 1, dtype=torch.long, device=device))
+            rep = report(model)
+            moved[name] = sum(rep.layer_bytes[layer] for layer in rep.layers
+                              if rep.target_of[layer] is not None)
+            return fn
+        measure(f"offload {name}", offloaded)
+
+    base_offloaded = [i for i in range(args.layers) if i % 2 >= 1]
+    if "reduce-overhead" in alternatives and device.type == "cuda" and "g2n1s1" in configs:
+        def reduce_overhead():
+            model = _build(args.layers, shapes, device, dtype)
+            from .compiler import backend
+            return torch.compile(model, backend=backend(group_size=2, num_in_group=1),
+                                 mode="reduce-overhead")
+        measure("offload g2n1s1 +cudagraphs", reduce_overhead, only={t for t in tokens
+                                                                    if t <= 128})
+    if "hooks" in alternatives and device.type == "cuda":
+        def hooks():
+            model = _build(args.layers, shapes, device, dtype)
+            HookPrefetcher(model.layers, base_offloaded, device)
+            return model
+        measure("hook prefetcher (eager)", hooks)
+    if "accelerate" in alternatives and device.type == "cuda":
+        def accel():
+            model = _build(args.layers, shapes, device, dtype)
+            if not accelerate_offload(model.layers, base_offloaded, device):
+                raise RuntimeError("accelerate is not installed")
+            return model
+        try:
+            measure("accelerate cpu_offload", accel)
+        except RuntimeError as err:
+            print(f"  accelerate skipped: {err}")
+
+    for row in rows:
+        cfg = row.method.split()[1] if row.method.startswith("offload ") else None
+        if cfg in moved and row.tokens in compute:
+            row.bound_ms = max(compute[row.tokens], moved[cfg] / bandwidth * 1e3) \
+                if bandwidth == bandwidth else compute[row.tokens]
+    table = format_table(rows, compute, moved, bandwidth)
+    print(table)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(table)
+    plot(rows, compute, os.path.join(args.out, "bench.png"))
+    return 0
+
+
+def format_table(rows, compute, moved, bandwidth) -> str:
+    lines = ["| method | tokens | median ms | resident ms | bound ms | x bound | peak GiB |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        bound = f"{r.bound_ms:.3f}" if r.bound_ms is not None else ""
+        ratio = f"{r.median_ms / r.bound_ms:.3f}" if r.bound_ms else ""
+        peak = f"{r.peak_gib:.2f}" if r.peak_gib is not None else ""
+        lines.append(f"| {r.method} | {r.tokens} | {r.median_ms:.3f} | "
+                     f"{compute.get(r.tokens, float('nan')):.3f} | {bound} | {ratio} | {peak} |")
+    lines.append("")
+    lines.append(f"bytes copied per forward: " + ", ".join(
+        f"{k} {v / 2**20:.0f} MiB" for k, v in moved.items()) +
+        f"; pinned H2D bandwidth {bandwidth / 1e9:.1f} GB/s")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows, compute, path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no plot)")
+        return
+    fig, ax = plt.subplots(figsize=(8, 5))
+    methods = sorted({r.method for r in rows}, key=lambda m: [r.method for r in rows].index(m))
+    for m in methods:
+        pts = sorted((r.tokens, r.median_ms) for r in rows if r.method == m)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+    bound = sorted({(r.tokens, r.bound_ms) for r in rows if r.method == "offload g2n1s1"
+                    and r.bound_ms})
+    if bound:
+        ax.plot([b[0] for b in bound], [b[1] for b in bound], "k--", label="bound g2n1s1")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens per forward")
+    ax.set_ylabel("median forward time (ms)")
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
+
+
+def pass_cost(args) -> int:
+    """Time the pass alone (plan + rewrite + verify) against the whole first compile."""
+    from . import compiler
+    print("layers | pass ms | whole first compile ms (aot_eager) | pass share")
+    for layers in (8, 32, 128):
+        torch._dynamo.reset()
+        spent = []
+        real = {name: getattr(compiler, name) for name in ("plan_graph", "apply_plan",
+                                                            "verify_plan")}
+
+        def timed(fn):
+            def wrapper(*a, **k):
+                start = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    spent.append(time.perf_counter() - start)
+            return wrapper
+
+        for name, fn in real.items():
+            setattr(compiler, name, timed(fn))
+        try:
+            model = _build(layers, _shapes(True, torch.device("cpu")), "cpu", torch.float32)
+            ids = torch.randint(0, 256, (1, 8))
+            start = time.perf_counter()
+            with torch.no_grad():
+                torch.compile(model, backend="prefetch_offload",
+                              options={"inner_backend": "aot_eager"})(ids)
+            total = time.perf_counter() - start
+        finally:
+            for name, fn in real.items():
+                setattr(compiler, name, fn)
+        print(f"{layers:6d} | {sum(spent) * 1e3:7.1f} | {total * 1e3:10.1f} | "
+              f"{sum(spent) / total:.1%}", flush=True)
+    return 0
