@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alternatives", default="hooks,accelerate,reduce-overhead",
                         help="comma-separated among hooks, accelerate, reduce-overhead")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--per-param-copies", action="store_true",
+                        help="also run each config with one copy per parameter instead of "
+                             "one packed copy per layer")
     parser.add_argument("--out", default="bench_out", help="folder for results.md and plot")
     parser.add_argument("--pass-cost", action="store_true",
                         help="instead: time the pass alone at 8, 32 and 128 layers")
@@ -177,21 +180,26 @@ def run(args: argparse.Namespace) -> int:
     compute = {r.tokens: r.median_ms for r in rows if r.method == "resident (inductor)"}
 
     moved = {}
+    from .runtime import OffloadState
+    default_packed = OffloadState.packed
+    modes = [(default_packed, "")] + ([(False, "/per-param")] if args.per_param_copies else [])
     for name in configs:
         group, num, step = CONFIGS[name]
-
-        def offloaded(group=group, num=num, step=step, name=name):
-            model = _build(args.layers, shapes, device, dtype)
-            fn = torch.compile(model, backend="prefetch_offload", dynamic=True,
-                               options=dict(group_size=group, num_in_group=num,
-                                            prefetch_step=step))
-            with torch.no_grad():
-                fn(torch.zeros(1, 1, dtype=torch.long, device=device))
-            rep = report(model)
-            moved[name] = sum(rep.layer_bytes[layer] for layer in rep.layers
-                              if rep.target_of[layer] is not None)
-            return fn
-        measure(f"offload {name}", offloaded)
+        for packed, suffix in modes:
+            def offloaded(group=group, num=num, step=step, name=name + suffix, packed=packed):
+                OffloadState.packed = packed
+                model = _build(args.layers, shapes, device, dtype)
+                fn = torch.compile(model, backend="prefetch_offload", dynamic=True,
+                                   options=dict(group_size=group, num_in_group=num,
+                                                prefetch_step=step))
+                with torch.no_grad():
+                    fn(torch.zeros(1, 1, dtype=torch.long, device=device))
+                OffloadState.packed = default_packed
+                rep = report(model)
+                moved[name] = sum(rep.layer_bytes[layer] for layer in rep.layers
+                                  if rep.target_of[layer] is not None)
+                return fn
+            measure(f"offload {name}{suffix}", offloaded)
 
     base_offloaded = [i for i in range(args.layers) if i % 2 >= 1]
     if "reduce-overhead" in alternatives and device.type == "cuda" and "g2n1s1" in configs:
