@@ -156,13 +156,19 @@ def run(args: argparse.Namespace) -> int:
         # every method compiles the same model class afresh: without a reset, Dynamo's
         # per-code cache would reach its recompile limit and run later methods eagerly
         torch._dynamo.reset()
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         started = time.perf_counter()
         fn = make()
         for t in tokens if only is None else [t for t in tokens if t in only]:
             ids = torch.randint(0, shapes["vocab"], (1, t), device=device)
             _reset_peak(device)
             ms = _time(fn, ids, repeats, device)
-            rows.append(Row(method, t, ms, peak_gib=_peak(device), note=note))
+            peak = _peak(device)
+            rows.append(Row(method, t, ms, note=note,
+                            peak_gib=None if peak is None else peak - before / 2**30))
             if bound_bytes is not None:
                 rows[-1].bound_ms = bound_bytes
             print(f"  {method:<22} tokens {t:>6}: {ms:9.3f} ms", flush=True)
@@ -242,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_table(rows, compute, moved, bandwidth) -> str:
-    lines = ["| method | tokens | median ms | resident ms | bound ms | x bound | peak GiB |",
+    lines = ["| method | tokens | median ms | resident ms | bound ms | x bound | peak GPU GiB |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         bound = f"{r.bound_ms:.3f}" if r.bound_ms is not None else ""
