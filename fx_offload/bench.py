@@ -9,7 +9,6 @@ the next call are counted where they are waited for); the table gives medians.
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import gc
 import logging

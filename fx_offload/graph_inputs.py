@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-import torch
 from torch import fx, nn
 
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch
 from torch import fx
 
 from .options import OffloadOptions

@@ -9,7 +9,6 @@ import dataclasses
 import logging
 from typing import Iterable
 
-import torch
 from torch import nn
 
 from .options import OffloadOptions

@@ -4,14 +4,18 @@ import subprocess
 import sys
 
 import pytest
-import torch
-from torch import fx
 
 from fx_offload import models, ops
 from fx_offload.explain import explain
 from fx_offload.verify import ScheduleError, slot_model_for, verify_graph
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMPILE_MLP = ("import torch, fx_offload\n"
+               "from fx_offload import models\n"
+               "m, inp = models.build('mlp', num_layers=4)\n"
+               "with torch.no_grad():\n"
+               "    torch.compile(m, backend='prefetch_offload',"
+               " options={'inner_backend': 'eager'})(*inp)\n")
 
 
 def explained(name="mlp", **options):
@@ -107,14 +111,8 @@ def test_inspect_cli_builtin_and_file_targets(tmp_path):
 
 
 def test_torch_trace_artifacts_before_and_after(tmp_path):
-    code = ("import torch, fx_offload\n"
-            "from fx_offload import models\n"
-            "m, inp = models.build('mlp', num_layers=4)\n"
-            "with torch.no_grad():\n"
-            "    torch.compile(m, backend='prefetch_offload',"
-            " options={'inner_backend': 'eager'})(*inp)\n")
     env = dict(os.environ, TORCH_TRACE=str(tmp_path))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", COMPILE_MLP], capture_output=True, text=True,
                          cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     text = "".join(p.read_text() for p in tmp_path.iterdir())
@@ -123,14 +121,8 @@ def test_torch_trace_artifacts_before_and_after(tmp_path):
 
 
 def test_torch_logs_turns_on_the_summary_line():
-    code = ("import torch, fx_offload\n"
-            "from fx_offload import models\n"
-            "m, inp = models.build('mlp', num_layers=4)\n"
-            "with torch.no_grad():\n"
-            "    torch.compile(m, backend='prefetch_offload',"
-            " options={'inner_backend': 'eager'})(*inp)\n")
     env = dict(os.environ, TORCH_LOGS="fx_offload")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", COMPILE_MLP], capture_output=True, text=True,
                          cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [l for l in out.stderr.splitlines() if "offloaded layer(s) [1, 3]" in l]
