@@ -14,8 +14,10 @@ from .compiler import PrefetchOffloadBackend, backend, prefetch_offload
 from .explain import Explanation, explain
 from .options import OffloadOptions, parse_options
 from .report import Report, report
+from .weights import named_weights, update_weights
 
 __all__ = ["backend", "prefetch_offload", "report", "restore", "explain", "Explanation",
+           "named_weights", "update_weights",
            "Report", "OffloadOptions", "PrefetchOffloadBackend", "parse_options"]
 
 
