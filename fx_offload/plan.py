@@ -221,14 +221,15 @@ def _plan_layer(layer, weight_nodes, layer_nodes, order, state, param_nodes, inp
         if node in reads_weight or any(a in derived for a in node.all_input_nodes):
             derived.add(node)
     weight_only = [u for u in after if u in derived and not externals[u]]
-    users = [u for u in after if u in derived and externals[u]]
-    needed = set().union(*(externals[u] for u in users)) if users else set()
-    to_cover = users
+    anchored = [u for u in after if u in derived and externals[u]]
+    # only values that exist at the wait can be tied to it (a value the parent computes in
+    # the middle of the layer cannot)
+    needed = {a for u in anchored for a in externals[u] if order[a] < order[first_use]}
     mutable = [a for a in needed if _storage(a) not in input_storages]
-    wait_acts = _cover(to_cover, mutable, externals, order)
-    covered = {u for u in to_cover if externals[u] & set(wait_acts)}
+    wait_acts = _cover(anchored, mutable, externals, order)
+    covered = {u for u in anchored if externals[u] & set(wait_acts)}
     # What only graph inputs feed gets a clone of one of them: the clone is tied instead.
-    inputs_only = [u for u in to_cover if u not in covered]
+    inputs_only = [u for u in anchored if u not in covered]
     clone_inputs = _cover(inputs_only, sorted(needed - set(mutable), key=order.__getitem__),
                           externals, order)
     if weight_only:

@@ -150,7 +150,7 @@ class OffloadState:
                     "prefetch_offload: the weights of the layers to offload are already on the "
                     f"host (cpu) while the rest of the model is on {accel}; move the whole "
                     "model to the GPU (model.to('cuda')) and let the backend offload them")
-            if torch.cuda.is_available():
+            if _cuda_available():
                 log.warning(
                     "fx_offload: %s is on the CPU although CUDA is available: offloading "
                     "weights that are already in host memory saves nothing (it runs as a CPU "
@@ -414,6 +414,10 @@ class OffloadState:
         self.owner[slot] = layer
         self.stats["sync_loads"] += 1
         log.debug("fx_offload: loaded layer %d into slot %d synchronously", layer, slot)
+
+
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()
 
 
 def _capturing() -> bool:

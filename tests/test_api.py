@@ -95,6 +95,7 @@ def test_bad_options_are_clear_errors_on_every_route(options, needle):
 
 def test_compile_time_errors_name_the_fix():
     model, inputs = models.build("mlp", num_layers=4)
+    before = {n: (p.data_ptr(), p.detach().clone()) for n, p in model.named_parameters()}
     with pytest.raises(Exception, match=r"'prefetch_step' \(3\) is larger than the number "
                                         r"of offloaded layers \(2"):
         run_compiled(model, inputs, backend="prefetch_offload", options={"prefetch_step": 3})
@@ -103,8 +104,9 @@ def test_compile_time_errors_name_the_fix():
     with pytest.raises(Exception, match="matches no parameter of the selected layers"):
         run_compiled(model, inputs, backend="prefetch_offload",
                      options={"offload_params": ["w13_weight"]})
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    for n, p in model.named_parameters():     # weights untouched by the refused compiles
+        assert p.data_ptr() == before[n][0] and torch.equal(p, before[n][1]), n
+    assert fx_offload.runtime.state_for_model(model) is None
 
 
 def test_grad_enabled_compile_is_refused():

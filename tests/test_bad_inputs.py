@@ -201,3 +201,35 @@ def test_layer_output_viewing_an_offloaded_weight_row():
         torch.compile(model, backend="prefetch_offload",
                       options={"inner_backend": "eager"})(torch.randn(2, 8))
     assert fx_offload.runtime.state_for_model(model) is None
+
+
+def test_layer_weight_read_outside_the_layer_row():
+    class Peeking(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(MLPBlock(8, 8) for _ in range(4))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x + self.layers[1].fc1.bias     # reads an offloaded weight outside it
+
+    model = Peeking().eval()
+    with torch.no_grad(), pytest.raises(Exception, match=r"reads a weight of offloaded layer "
+                                                         r"layers\.1 outside"):
+        torch.compile(model, backend="prefetch_offload",
+                      options={"inner_backend": "eager"})(torch.randn(2, 8))
+    assert fx_offload.runtime.state_for_model(model) is None
+
+
+def test_cpu_model_while_cuda_is_available_row(monkeypatch, caplog):
+    """Offloading weights that already live in host memory saves nothing: said, not refused
+    (it is how the CPU simulation runs)."""
+    import logging
+    monkeypatch.setattr(fx_offload.runtime, "_cuda_available", lambda: True)
+    model, inputs = mlp()
+    with caplog.at_level(logging.WARNING, logger="fx_offload"), torch.no_grad():
+        torch.compile(model, backend="prefetch_offload",
+                      options={"inner_backend": "eager"})(*inputs)
+    assert any("is on the CPU although CUDA is available" in r.getMessage()
+               for r in caplog.records)
