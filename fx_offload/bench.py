@@ -21,6 +21,8 @@ import torch
 from . import report
 from .baselines import HookPrefetcher, accelerate_offload
 from .models import TinyDecoder
+from .options import parse_size
+from .planner import simulate, weights_bytes
 
 log = logging.getLogger("fx_offload")
 
@@ -40,6 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"offload configs among {list(CONFIGS)}")
     parser.add_argument("--alternatives", default="hooks,accelerate,reduce-overhead",
                         help="comma-separated among hooks, accelerate, reduce-overhead")
+    parser.add_argument("--budgets", default=None,
+                        help="memory budgets for the planner (memory_budget): a config name "
+                             "stands for the device memory that config's weights take, or "
+                             "give sizes such as 3GiB; empty for none (default: those of "
+                             "g2n1s1, g2n1s2, g4n1s1 that are run)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--per-param-copies", action="store_true",
                         help="also run each config with one copy per parameter instead of "
@@ -56,6 +63,7 @@ class Row:
     median_ms: float
     bound_ms: float | None = None
     sched_ms: float | None = None
+    predicted_ms: float | None = None
     peak_gib: float | None = None
     note: str = ""
 
@@ -162,7 +170,10 @@ def run(args: argparse.Namespace) -> int:
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         started = time.perf_counter()
         fn = make()
-        for t in tokens if only is None else [t for t in tokens if t in only]:
+        if isinstance(fn, tuple):    # (callable, the token counts it is timed at)
+            fn, only = fn
+        timed = [t for t in tokens if only is None or t in only]
+        for t in timed:
             ids = torch.randint(0, shapes["vocab"], (1, t), device=device)
             _reset_peak(device)
             ms = _time(fn, ids, repeats, device)
@@ -177,12 +188,15 @@ def run(args: argparse.Namespace) -> int:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        return timed
 
     def resident():
         model = _build(args.layers, shapes, device, dtype)
         return torch.compile(model, backend="inductor", dynamic=True)
 
     measure("resident (inductor)", resident)
+    weights_on_device: dict[str, int] = {}
+    planner_rep: dict[tuple[str, int], object] = {}
     compute = {r.tokens: r.median_ms for r in rows if r.method == "resident (inductor)"}
 
     moved, plans = {}, {}
@@ -195,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
             def offloaded(group=group, num=num, step=step, name=name + suffix, packed=packed):
                 OffloadState.packed = packed
                 model = _build(args.layers, shapes, device, dtype)
+                total = weights_bytes(model, device)
                 fn = torch.compile(model, backend="prefetch_offload", dynamic=True,
                                    options=dict(group_size=group, num_in_group=num,
                                                 prefetch_step=step))
@@ -205,8 +220,45 @@ def run(args: argparse.Namespace) -> int:
                 moved[name] = sum(rep.layer_bytes[layer] for layer in rep.layers
                                   if rep.target_of[layer] is not None)
                 plans[name] = rep
+                weights_on_device[name] = total - rep.offloaded_bytes + rep.buffer_bytes
                 return fn
             measure(f"offload {name}{suffix}", offloaded)
+
+    cost_model, chosen = None, {}
+    specs = [b for b in args.budgets.split(",") if b] if args.budgets is not None else \
+        [c for c in ("g2n1s1", "g2n1s2", "g4n1s1") if c in configs]
+    for spec in specs:
+        if spec in CONFIGS:
+            if spec not in weights_on_device:
+                raise SystemExit(f"budget {spec!r} names a config that was not run; add it "
+                                 "to --configs")
+            budget = weights_on_device[spec]
+        else:
+            budget = parse_size("--budgets", spec)
+        name = f"planner@{spec}"
+        # The plan depends on the workload: each token count is timed with the plan chosen
+        # for it alone (plan_tokens=[T]); token counts that get the same plan share a compile.
+        todo = list(tokens)
+        while todo:
+            def planned(budget=budget, first=todo[0], name=name):
+                model = _build(args.layers, shapes, device, dtype)
+                fn = torch.compile(model, backend="prefetch_offload", dynamic=True,
+                                   options=dict(memory_budget=budget, plan_tokens=[first]))
+                with torch.no_grad():   # two tokens: a size-1 dimension would be traced static
+                    fn(torch.zeros(1, 2, dtype=torch.long, device=device))
+                rep = report(model)
+                result = rep.planner
+                mine = result.chosen.candidate
+                same = [t for t in todo if result.best_for([t]).candidate == mine]
+                for t in same:
+                    planner_rep[(name, t)] = rep
+                chosen.setdefault(name, (spec, budget, {}))[2].update({t: rep for t in same})
+                print(f"  planner, budget {spec} ({budget} bytes), tokens {same}: "
+                      f"{mine.describe() if mine else 'nothing offloaded'}", flush=True)
+                return fn, same
+            done = measure(name, planned)
+            todo = [t for t in todo if t not in done]
+            cost_model = cost_model or planner_rep[(name, done[0])].planner.cost_model
 
     base_offloaded = [i for i in range(args.layers) if i % 2 >= 1]
     if "reduce-overhead" in alternatives and device.type == "cuda" and "g2n1s1" in configs:
@@ -235,7 +287,15 @@ def run(args: argparse.Namespace) -> int:
             print(f"  accelerate skipped: {err}")
 
     for row in rows:
-        cfg = row.method.split()[1] if row.method.startswith("offload ") else None
+        cfg = row.method.split()[1] if row.method.startswith("offload ") else (
+            row.method if row.method.startswith("planner@") else None)
+        rep = planner_rep.get((row.method, row.tokens)) or plans.get(cfg)
+        if rep is not None and cost_model is not None and rep.layers:
+            row.predicted_ms = 1e3 * cost_model.predict(
+                rep.layers, rep.slots, rep.layer_bytes, row.tokens)
+        if rep is not None and row.method.startswith("planner@"):
+            plans[cfg], moved[cfg] = rep, sum(rep.layer_bytes[layer] for layer in rep.layers
+                                               if rep.target_of[layer] is not None)
         if cfg in moved and row.tokens in compute:
             row.bound_ms = max(compute[row.tokens], moved[cfg] / bandwidth * 1e3) \
                 if bandwidth == bandwidth else compute[row.tokens]
@@ -245,7 +305,14 @@ def run(args: argparse.Namespace) -> int:
                     args.layers, rep.layers, rep.slot_of, rep.target_of,
                     compute[row.tokens] / args.layers,
                     {layer: rep.layer_bytes[layer] / bandwidth * 1e3 for layer in rep.layers})
+    if cost_model is not None:
+        for t in tokens:
+            rows.append(Row("resident (predicted)", t, 1e3 * cost_model.resident(t)))
     table = format_table(rows, compute, moved, bandwidth, plans)
+    table += planner_summary(rows, chosen, weights_on_device, configs, plans)
+    if cost_model is not None:
+        table += (f"cost model: {cost_model.costs.describe()}; "
+                  f"{cost_model.rates.describe()}\n")
     print(table)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.md"), "w") as f:
@@ -257,38 +324,63 @@ def run(args: argparse.Namespace) -> int:
 def schedule_bound(num_layers: int, offloaded: list[int], slot_of: dict, target_of: dict,
                    layer_ms: float, copy_ms: dict, calls: int = 4) -> float:
     """The fastest a forward can be under the slot constraints, from measured inputs: every
-    layer computes for ``layer_ms``; the copy into a slot starts only when the layer using the
-    slot has finished (and the copy stream is free) and its layer waits for it.  Simulated
-    over a few calls; the last call's duration is returned."""
-    compute_free = copy_free = 0.0
-    ready = {layer: 0.0 for layer in offloaded}
-    start = 0.0
-    for _ in range(calls):
-        start = compute_free
-        for layer in range(num_layers):
-            begin = max(compute_free, ready.get(layer, 0.0))
-            compute_free = begin + layer_ms
-            target = target_of.get(layer)
-            if target is not None:
-                copy_begin = max(compute_free, copy_free)
-                copy_free = ready[target] = copy_begin + copy_ms[target]
-    return compute_free - start
+    layer computes for ``layer_ms`` (the resident model's time over the layers); see
+    :func:`fx_offload.planner.simulate`."""
+    return simulate(0.0, [layer_ms] * num_layers, 0.0, offloaded, slot_of, target_of, copy_ms,
+                    calls=calls)
+
+
+def planner_summary(rows, chosen, weights_on_device, configs, plans) -> str:
+    """Per budget and token count: the plan the planner chose for that token count against
+    every grid config that fits the same budget."""
+    if not chosen:
+        return ""
+    ms = {(r.method, r.tokens): r.median_ms for r in rows}
+    lines = ["", "planner (plan chosen per token count) against the grid configs that fit the "
+             "same budget (median ms; ratio < 1: the planner's plan is faster):"]
+    for name, (spec, budget, reps) in chosen.items():
+        fits = [c for c in configs if weights_on_device.get(c, budget + 1) <= budget]
+        lines.append(f"- budget {spec} = {budget / 2**30:.3f} GiB; grid configs that fit: "
+                     f"{fits or 'none'}")
+        for t, rep in sorted(reps.items()):
+            plan = rep.planner.chosen.candidate
+            same = [c for c in fits if plan and plans[c].layers == list(plan.layers)
+                    and plans[c].slots == plan.slots]
+            best = min(((ms[(f'offload {c}', t)], c) for c in fits
+                        if (f'offload {c}', t) in ms), default=None)
+            mine = ms[(name, t)]
+            text = (f"  tokens {t}: {plan.describe() if plan else 'nothing offloaded'}"
+                    f"{f' (the plan of {same[0]})' if same else ''}: {mine:.3f}")
+            if best is not None:
+                text += f"; best grid {best[1]} {best[0]:.3f}, ratio {mine / best[0]:.3f}"
+            lines.append(text)
+    errors = [r.median_ms / r.predicted_ms for r in rows if r.predicted_ms]
+    resident = [(r.median_ms, ms.get(("resident (predicted)", r.tokens))) for r in rows
+                if r.method == "resident (inductor)"]
+    errors_res = [m / p for m, p in resident if p]
+    if errors:
+        lines.append(f"measured / predicted, offloaded rows: {min(errors):.3f} .. "
+                     f"{max(errors):.3f} over {len(errors)} rows; resident: "
+                     f"{min(errors_res):.3f} .. {max(errors_res):.3f}")
+    return "\n".join(lines) + "\n"
 
 
 def format_table(rows, compute, moved, bandwidth, plans=None) -> str:
     plans = plans or {}
     lines = ["| method | tokens | median ms | resident ms | bound ms | x bound | "
-             "schedule bound ms | x schedule | peak GPU GiB |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "schedule bound ms | x schedule | predicted ms | x predicted | peak GPU GiB |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         bound = f"{r.bound_ms:.3f}" if r.bound_ms is not None else ""
         ratio = f"{r.median_ms / r.bound_ms:.3f}" if r.bound_ms else ""
         sched = f"{r.sched_ms:.3f}" if r.sched_ms is not None else ""
         sratio = f"{r.median_ms / r.sched_ms:.3f}" if r.sched_ms else ""
         peak = f"{r.peak_gib:.2f}" if r.peak_gib is not None else ""
+        pred = f"{r.predicted_ms:.3f}" if r.predicted_ms else ""
+        pratio = f"{r.median_ms / r.predicted_ms:.3f}" if r.predicted_ms else ""
         lines.append(f"| {r.method} | {r.tokens} | {r.median_ms:.3f} | "
                      f"{compute.get(r.tokens, float('nan')):.3f} | {bound} | {ratio} | "
-                     f"{sched} | {sratio} | {peak} |")
+                     f"{sched} | {sratio} | {pred} | {pratio} | {peak} |")
     lines.append("")
     lines.append("bytes copied per forward: " + ", ".join(
         f"{k} {v / 2**20:.0f} MiB" for k, v in moved.items()) +

@@ -14,6 +14,7 @@ At each compile of a model's graph:
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Mapping
 
 import torch
@@ -22,7 +23,7 @@ from torch import fx
 from . import runtime
 from .graph_inputs import find_parent_model, read_graph_inputs
 from .inner import compile_inner
-from .options import OffloadOptions, parse_options
+from .options import OffloadOptions, format_budget, parse_options
 from .plan import plan_graph
 from .report import format_bytes
 from .rewrite import apply_plan
@@ -78,8 +79,9 @@ def _check_same_options(state, options: OffloadOptions) -> None:
             "options")
 
 
-def _state_for_graph(gi, options: OffloadOptions):
-    """(state, first compile of the model?, graph is one layer's own frame?)."""
+def _state_for_graph(gm, gi, options: OffloadOptions):
+    """(state, first compile of the model?, graph is one layer's own frame?); state None
+    where the planner offloads nothing."""
     state = runtime.state_for_model(gi.root)
     if state is not None:
         _check_same_options(state, options)
@@ -102,9 +104,75 @@ def _state_for_graph(gi, options: OffloadOptions):
             _check_same_options(state, options)
             return state, False, True
     model = parent if parent is not None else gi.root
+    if model in _NOT_OFFLOADED:
+        _check_same_options(_NOT_OFFLOADED[model], options)
+        return None, False, False
+    state = new_state(gm, gi, model, options, layer_frame=parent is not None)
+    if isinstance(state, PlannedNothing):
+        log.warning("fx_offload: memory_budget %s holds all %s of %s's weights: nothing is "
+                    "offloaded", format_budget(state.planner.budget),
+                    format_bytes(state.planner.weights_bytes), state.model_name)
+        _NOT_OFFLOADED[model] = state
+        return None, True, False
+    return state, True, parent is not None
+
+
+class PlannedNothing:
+    """What a model whose whole weights fit its memory_budget keeps: the planner's result."""
+
+    def __init__(self, model, options, planner, stack):
+        self.model_name, self.options = type(model).__name__, options
+        self.planner, self.stack = planner, stack
+
+    def describe(self) -> str:
+        return self.options.describe()
+
+
+_NOT_OFFLOADED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def new_state(gm, gi, model, options: OffloadOptions, layer_frame: bool = False,
+              check_owners: bool = True):
+    """The offload state of ``model``: from the options, or under ``memory_budget`` from the
+    planner, which weighs plans with this graph's costs; a :class:`PlannedNothing` when the
+    planner keeps every weight on the device."""
     stack = find_layer_stack(model, options.layers)
-    params = select_params(model, stack, options)
-    return runtime.OffloadState(model, options, stack, params), True, parent is not None
+    if not options.planned:
+        return runtime.OffloadState(model, options, stack, select_params(model, stack, options),
+                                    check_owners=check_owners)
+    from . import planner
+    from .costs import graph_costs
+    from .device_rates import RATE_NAMES, rates_for
+    device, dtype = _weights_device_and_dtype(stack)
+    whole = next((i for i, m in enumerate(stack.layers) if m is gi.root), None) \
+        if layer_frame else None
+    costs = graph_costs(gm, gi, {stack.prefix(i): i for i in range(len(stack.layers))},
+                        whole_graph_layer=whole)
+    rates = rates_for(device, dtype, {n: getattr(options, n) for n in RATE_NAMES})
+    result = planner.plan(model, stack, options, costs, rates, device)
+    if not result.offloads:
+        return PlannedNothing(model, options, result, stack)
+    chosen = result.chosen.candidate
+    params = select_params(model, stack, options, layers=chosen.layers, patterns=chosen.params)
+    state = runtime.OffloadState(model, options, stack, params, check_owners=check_owners,
+                                 num_slots=chosen.slots)
+    state.planner = result
+    return state
+
+
+def _weights_device_and_dtype(stack):
+    params = [p for layer in stack.layers for p in layer.parameters()]
+    if not params:
+        raise ValueError("prefetch_offload: the layers of the stack have no parameters")
+    device = params[0].device
+    if device.type == "meta":
+        raise ValueError(
+            "prefetch_offload cannot offload weights on the meta device: load real "
+            "weights into the model before compiling it")
+    sizes: dict[torch.dtype, int] = {}
+    for p in params:
+        sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    return device, max(sizes, key=sizes.get)
 
 
 _WARNED_LAYER_FRAMES: set[int] = set()
@@ -165,7 +233,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
     if gi.root is None or not gi.params:
         log.debug("fx_offload: graph reads no model parameters; compiled without offloading")
         return compile_inner(gm, example_inputs, options)
-    state, first, layer_frame = _state_for_graph(gi, options)
+    state, first, layer_frame = _state_for_graph(gm, gi, options)
+    if state is None:
+        return compile_inner(gm, example_inputs, options)
     _check_grad_mode(gi, state)
     if layer_frame:
         _warn_layer_frame(state, gi)

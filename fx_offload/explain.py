@@ -12,6 +12,7 @@ import torch
 from torch import fx, nn
 
 from . import runtime
+from .compiler import PlannedNothing
 from .graph_inputs import read_graph_inputs
 from .options import parse_options
 from .plan import GraphPlan, plan_graph
@@ -71,6 +72,9 @@ class Explanation:
 
     def plan_text(self) -> str:
         state = self.state
+        if isinstance(state, PlannedNothing):
+            return (f"model: {self.model}; options: {self.options}\nnothing offloaded\n"
+                    f"{state.planner}\n")
         slot_bytes = state.planned_buffer_bytes
         head = [f"model: {self.model}; layer stack {state.stack.path or '<root>'!r} of "
                 f"{len(state.stack.layers)}; offloaded layers {state.layers}",
@@ -82,7 +86,8 @@ class Explanation:
         table = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         params = [f"layer {layer}: {', '.join(p.suffix for p in state.params[layer])}"
                   for layer in state.layers]
-        return "\n".join(head + [""] + table + [""] + params) + "\n"
+        planner = [] if state.planner is None else ["", str(state.planner)]
+        return "\n".join(head + [""] + table + [""] + params + planner) + "\n"
 
     def __str__(self) -> str:
         parts = [self.plan_text()]
@@ -123,6 +128,8 @@ def explain(model: nn.Module, *example_inputs, aten: bool = False, dynamic: bool
     existing = runtime.state_for_model(model)
     if existing is not None and existing.options.placement_key() == opts.placement_key():
         state = existing
+    elif opts.planned:
+        state = None        # the planner needs the first graph's costs
     else:
         stack = find_layer_stack(model, opts.layers)
         state = runtime.OffloadState(model, opts, stack, select_params(model, stack, opts),
@@ -130,10 +137,18 @@ def explain(model: nn.Module, *example_inputs, aten: bool = False, dynamic: bool
     records: list[GraphRecord] = []
 
     def backend(gm, inputs):
+        nonlocal state
         after = _copy_graph_module(gm)
         gi = read_graph_inputs(after, inputs)
         index = len(records)
         names = [source_display_name(n) or n.name for n in gi.placeholders]
+        if state is None and gi.root is model and gi.params:
+            from .compiler import new_state
+            state = new_state(after, gi, model, opts, check_owners=existing is None)
+        if isinstance(state, PlannedNothing):
+            records.append(GraphRecord(index, gm, after, None, {}, input_names=names,
+                                       note="nothing offloaded"))
+            return gm.forward
         if gi.root is not model or not gi.params:
             note = ("no model parameters" if not gi.params else
                     f"compiled from {type(gi.root).__name__}.forward on its own: no prefetch, "
@@ -156,4 +171,7 @@ def explain(model: nn.Module, *example_inputs, aten: bool = False, dynamic: bool
     compiled = torch.compile(model, backend=backend, dynamic=dynamic)
     with torch.no_grad():
         compiled(*example_inputs)
+    if state is None:
+        raise ValueError(f"fx_offload.explain: no graph of {type(model).__name__} read its "
+                         "parameters, so the planner had nothing to weigh")
     return Explanation(type(model).__name__, opts.describe(placement_only=True), state, records)

@@ -24,6 +24,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offload-params", default=None,
                         help="comma-separated parameter-name segments, e.g. w13_weight,w2_weight")
     parser.add_argument("--layers", default=None, help="dotted path of the layer list")
+    parser.add_argument("--memory-budget", default=None,
+                        help="let the planner choose (instead of the three options above): "
+                             "device memory for weights, such as 3GiB or a number of bytes")
+    parser.add_argument("--plan-tokens", default=None,
+                        help="comma-separated token counts the planner chooses for")
     parser.add_argument("--dynamic", action="store_true", help="trace with dynamic shapes")
     parser.add_argument("--aten", action="store_true",
                         help="also print the graph after AOTAutograd (ATen ops)")
@@ -68,16 +73,26 @@ def run(args: argparse.Namespace) -> int:
     except TargetError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    options = {"group_size": args.group_size, "num_in_group": args.num_in_group,
-               "prefetch_step": args.prefetch_step, "layers": args.layers}
+    options = {"layers": args.layers}
+    if args.memory_budget is not None:
+        budget = args.memory_budget
+        options["memory_budget"] = int(budget) if budget.isdigit() else budget
+        if args.plan_tokens:
+            options["plan_tokens"] = [int(t) for t in args.plan_tokens.split(",") if t.strip()]
+    else:
+        options.update(group_size=args.group_size, num_in_group=args.num_in_group,
+                       prefetch_step=args.prefetch_step)
     if args.offload_params:
         options["offload_params"] = [p.strip() for p in args.offload_params.split(",")
                                      if p.strip()]
     try:
         explanation = explain(model.eval(), *inputs, aten=args.aten,
                               dynamic=True if args.dynamic else None, **options)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
+    except Exception as err:   # Dynamo wraps what the pass raised while compiling
+        inner = getattr(err, "inner_exception", err)
+        if not isinstance(inner, ValueError):
+            raise
+        print(f"error: {inner}", file=sys.stderr)
         return 2
     print(explanation)
     return 0

@@ -8,6 +8,8 @@ says what to change.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from typing import Any, Iterable, Mapping
 
 INNER_BACKENDS = ("inductor", "aot_eager", "eager")
@@ -25,6 +27,18 @@ class OffloadOptions:
     layers: str | None = None
     inner_backend: str = "inductor"
     mode: str = "default"
+    # the planner (used instead of group_size/num_in_group/prefetch_step)
+    memory_budget: int | None = None
+    plan_tokens: tuple[int, ...] | None = None
+    flop_rate: float | None = None
+    memory_bandwidth: float | None = None
+    h2d_bandwidth: float | None = None
+    launch_overhead: float | None = None
+
+    @property
+    def planned(self) -> bool:
+        """True when the planner chooses the layers and the prefetch depth."""
+        return self.memory_budget is not None
 
     def offloads_layer(self, index: int) -> bool:
         """True for the last ``num_in_group`` layers of each group of ``group_size``."""
@@ -34,11 +48,17 @@ class OffloadOptions:
         """The options that decide what is offloaded and where; the inner compiler is not
         part of it, so one model may be compiled by several inner backends."""
         return (self.group_size, self.num_in_group, self.prefetch_step,
-                self.offload_params, self.layers)
+                self.offload_params, self.layers) + tuple(
+                    getattr(self, name) for name in PLANNER_KEYS)
 
     def describe(self, placement_only: bool = False) -> str:
-        parts = [f"group_size={self.group_size}", f"num_in_group={self.num_in_group}",
-                 f"prefetch_step={self.prefetch_step}"]
+        if self.planned:
+            parts = [f"memory_budget={format_budget(self.memory_budget)}"]
+            parts += [f"{name}={getattr(self, name)!r}" for name in PLANNER_KEYS[1:]
+                      if getattr(self, name) is not None]
+        else:
+            parts = [f"group_size={self.group_size}", f"num_in_group={self.num_in_group}",
+                     f"prefetch_step={self.prefetch_step}"]
         if self.offload_params is not None:
             parts.append(f"offload_params={list(self.offload_params)}")
         if self.layers is not None:
@@ -52,6 +72,65 @@ class OffloadOptions:
 
 
 VALID_KEYS = tuple(f.name for f in dataclasses.fields(OffloadOptions))
+PLANNER_KEYS = ("memory_budget", "plan_tokens", "flop_rate", "memory_bandwidth",
+                "h2d_bandwidth", "launch_overhead")
+HAND_PICKED_KEYS = ("group_size", "num_in_group", "prefetch_step")
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def format_budget(n: int) -> str:
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        size = _UNITS[unit.lower()]
+        if n >= size:
+            return f"{n / size:.4g}{unit}"
+    return f"{n}B"
+
+
+def parse_size(name: str, value: Any) -> int:
+    """Bytes from an int or a string such as ``"40GiB"``, ``"512 MiB"``, ``"1.5e9"``."""
+    if isinstance(value, bool):
+        value = None
+    if isinstance(value, int) and value >= 1:
+        return value
+    if isinstance(value, str):
+        match = _SIZE.match(value)
+        if match and match.group(2).lower() in _UNITS:
+            size = float(match.group(1)) * _UNITS[match.group(2).lower()]
+            if size >= 1 and math.isfinite(size):
+                return int(size)
+    raise ValueError(
+        f"prefetch_offload option {name!r} must be a positive number of bytes (an int) or a "
+        f"string such as '40GiB', '512MiB' or '2.5GB', got {value!r}")
+
+
+def _check_rate(name: str, value: Any, unit: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and value > 0):
+        raise ValueError(
+            f"prefetch_offload option {name!r} must be a positive number ({unit}), "
+            f"got {value!r}")
+    return float(value)
+
+
+def _check_plan_tokens(value: Any) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    values = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
+    try:
+        values = tuple(values)
+    except TypeError:
+        values = ()
+    if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1
+                         for v in values):
+        raise ValueError(
+            "prefetch_offload option 'plan_tokens' must be a token count >= 1 or a list of "
+            f"them (the workload the plan is chosen for), got {value!r}")
+    return tuple(sorted(set(values)))
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -116,6 +195,7 @@ def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None 
     if mode is not None:
         options["mode"] = mode
 
+    planner = _check_planner_options(options)
     group_size = _check_int("group_size", options.get("group_size", 2), 1)
     num_in_group = _check_int("num_in_group", options.get("num_in_group", 1), 1)
     if num_in_group > group_size:
@@ -143,4 +223,31 @@ def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None 
         layers=layers,
         inner_backend=inner_backend,
         mode=mode_name,
+        **planner,
+    )
+
+
+def _check_planner_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    given = [k for k in PLANNER_KEYS if options.get(k) is not None]
+    if options.get("memory_budget") is None:
+        if given:
+            raise ValueError(
+                f"prefetch_offload option(s) {given} only apply to the planner: give "
+                "'memory_budget' too, or leave them out")
+        return {}
+    hand = [k for k in HAND_PICKED_KEYS if k in options]
+    if hand:
+        raise ValueError(
+            f"prefetch_offload options {hand} and 'memory_budget' both decide what is "
+            "offloaded: give 'memory_budget' and let the planner choose the layers and the "
+            f"prefetch depth, or drop 'memory_budget' and pick {hand} by hand")
+    return dict(
+        memory_budget=parse_size("memory_budget", options["memory_budget"]),
+        plan_tokens=_check_plan_tokens(options.get("plan_tokens")),
+        flop_rate=_check_rate("flop_rate", options.get("flop_rate"), "FLOP/s"),
+        memory_bandwidth=_check_rate("memory_bandwidth", options.get("memory_bandwidth"),
+                                     "bytes/s"),
+        h2d_bandwidth=_check_rate("h2d_bandwidth", options.get("h2d_bandwidth"), "bytes/s"),
+        launch_overhead=_check_rate("launch_overhead", options.get("launch_overhead"),
+                                    "seconds per kernel"),
     )

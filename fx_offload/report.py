@@ -31,6 +31,7 @@ class Report:
     layer_bytes: dict[int, int]
     pinned: bool
     options: str
+    planner: object = None             # planner.PlannerResult under memory_budget, else None
 
     @property
     def saved_bytes(self) -> int:
@@ -54,12 +55,22 @@ class Report:
         lines.append(f"  offloaded to {host}: {format_bytes(self.offloaded_bytes)}; "
                      f"{self.slots} slot buffer(s): {format_bytes(self.buffer_bytes)} on "
                      f"{self.device}; device memory saved: {format_bytes(self.saved_bytes)}")
+        if self.planner is not None:
+            lines.append(str(self.planner))
         return "\n".join(lines)
 
 
 def report(model: nn.Module) -> Report:
     state = runtime.state_for_model(model)
     if state is None:
+        from .compiler import _NOT_OFFLOADED
+        kept = _NOT_OFFLOADED.get(model)
+        if kept is not None:
+            return Report(model=kept.model_name, stack=kept.stack.path,
+                          num_layers=len(kept.stack.layers), layers=[], params={},
+                          offloaded_bytes=0, buffer_bytes=0, slots=0, device="-", slot_of={},
+                          target_of={}, layer_bytes={}, pinned=False,
+                          options=kept.options.describe(), planner=kept.planner)
         raise ValueError(
             f"fx_offload.report: {type(model).__name__} has no offloaded weights; compile it "
             "with backend='prefetch_offload' and run it once first (compilation happens at the "
@@ -80,4 +91,5 @@ def report(model: nn.Module) -> Report:
                                 for p in state.params[layer]) for layer in state.layers},
         pinned=state.pinned,
         options=state.options.describe(),
+        planner=state.planner,
     )

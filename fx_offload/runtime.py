@@ -37,7 +37,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .host_memory import HostBlock, views_into
 from .options import OffloadOptions
-from .selection import LayerStack, OffloadedParam
+from .selection import LayerStack, OffloadedParam, rotation
 
 log = logging.getLogger("fx_offload")
 
@@ -99,7 +99,8 @@ class OffloadState:
     packed = os.environ.get("FX_OFFLOAD_PACKED", "1") != "0"
 
     def __init__(self, model: nn.Module, options: OffloadOptions, stack: LayerStack,
-                 params: dict[int, list[OffloadedParam]], check_owners: bool = True):
+                 params: dict[int, list[OffloadedParam]], check_owners: bool = True,
+                 num_slots: int | None = None):
         self.handle = next(_NEXT_HANDLE)
         self.model_ref = weakref.ref(model)
         self.model_name = type(model).__name__
@@ -112,7 +113,8 @@ class OffloadState:
                 "prefetch_offload selected no layer to offload with "
                 f"group_size={options.group_size}, num_in_group={options.num_in_group} on a "
                 f"stack of {len(stack.layers)} layers at {stack.path or '<root>'!r}")
-        if options.prefetch_step > n:
+        num_slots = options.prefetch_step if num_slots is None else num_slots
+        if num_slots > n:
             raise ValueError(
                 f"prefetch_offload option 'prefetch_step' ({options.prefetch_step}) is larger "
                 f"than the number of offloaded layers ({n}: layers {self.layers}); use "
@@ -125,14 +127,10 @@ class OffloadState:
                         f"prefetch_offload: {p.name} is already offloaded (layer {owner[1]} of a "
                         f"{owner[0].model_name}); a model is offloaded once. Call "
                         "fx_offload.restore(model) before compiling it again differently")
-        self.num_slots = options.prefetch_step
+        self.num_slots = num_slots
         self.params = params
-        self.slot_of = {layer: i % self.num_slots for i, layer in enumerate(self.layers)}
-        self.target_of: dict[int, int | None] = {}
-        for i, layer in enumerate(self.layers):
-            nxt = i + self.num_slots
-            target = self.layers[nxt] if nxt < n else self.layers[i % self.num_slots]
-            self.target_of[layer] = None if target == layer else target
+        self.slot_of, self.target_of = rotation(self.layers, num_slots)
+        self.planner = None     # the planner's choice and runner-ups, under memory_budget
         devices = {p.param.device for ps in params.values() for p in ps}
         if len(devices) != 1:
             raise ValueError(

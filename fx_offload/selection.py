@@ -104,9 +104,19 @@ class OffloadedParam:
     param: nn.Parameter
 
 
+_OPTION = object()
+
+
 def select_params(root: nn.Module, stack: LayerStack, options: OffloadOptions,
+                  layers: Iterable[int] | None = None, patterns=_OPTION,
                   ) -> dict[int, list[OffloadedParam]]:
-    """Layer index -> its offloaded parameters; layers left with none are skipped."""
+    """Layer index -> its offloaded parameters; layers left with none are skipped.
+
+    ``layers`` (indices) and ``patterns`` (an ``offload_params`` value) override the options:
+    the planner uses them for the plans it weighs and the one it picks."""
+    if patterns is _OPTION:
+        patterns = options.offload_params
+    wanted = None if layers is None else set(layers)
     owners: dict[int, list[str]] = {}
     for name, p in root.named_parameters(remove_duplicate=False):
         owners.setdefault(id(p), []).append(name)
@@ -114,13 +124,12 @@ def select_params(root: nn.Module, stack: LayerStack, options: OffloadOptions,
     chosen: dict[int, list[OffloadedParam]] = {}
     any_match = False
     for index, layer in enumerate(stack.layers):
-        if not options.offloads_layer(index):
+        if not (options.offloads_layer(index) if wanted is None else index in wanted):
             continue
         prefix = stack.prefix(index)
         picked = []
         for suffix, p in layer.named_parameters(remove_duplicate=False):
-            if options.offload_params is not None and not matches_segments(
-                    suffix, options.offload_params):
+            if patterns is not None and not matches_segments(suffix, patterns):
                 continue
             any_match = True
             names = owners.get(id(p), [])
@@ -133,10 +142,25 @@ def select_params(root: nn.Module, stack: LayerStack, options: OffloadOptions,
             chosen[index] = picked
         else:
             log.debug("fx_offload: layer %s has no parameter to offload; skipped", prefix)
-    if options.offload_params is not None and not any_match:
+    if patterns is not None and not any_match:
         sample = [n for n, _ in stack.layers[0].named_parameters()][:8]
         raise ValueError(
-            f"prefetch_offload option 'offload_params'={list(options.offload_params)} matches "
+            f"prefetch_offload option 'offload_params'={list(patterns)} matches "
             f"no parameter of the selected layers; parameter names inside a layer look like "
             f"{sample}")
     return chosen
+
+
+def rotation(layers: list[int], num_slots: int) -> tuple[dict[int, int], dict[int, int | None]]:
+    """Slot of each offloaded layer and the layer its slot is refilled with after it runs:
+    ``layers[i]`` lives in slot ``i % num_slots`` and is followed in that slot by
+    ``layers[i + num_slots]``, or past the end by the first layer of the slot (for the next
+    call); None where a slot holds one layer only."""
+    n = len(layers)
+    slot_of = {layer: i % num_slots for i, layer in enumerate(layers)}
+    target_of: dict[int, int | None] = {}
+    for i, layer in enumerate(layers):
+        nxt = i + num_slots
+        target = layers[nxt] if nxt < n else layers[i % num_slots]
+        target_of[layer] = None if target == layer else target
+    return slot_of, target_of

@@ -1,3 +1,6 @@
+import os
+import tempfile
+
 import pytest
 import torch
 import torch._dynamo
@@ -17,3 +20,7 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+# the planner's device-rate cache goes to a throwaway folder, not the user's home
+os.environ.setdefault("FX_OFFLOAD_CACHE_DIR", tempfile.mkdtemp(prefix="fx_offload_rates_"))

@@ -45,6 +45,10 @@ def mlp():
     return models.build("mlp", num_layers=4)
 
 
+# device rates given, so the planner measures nothing
+RATES = dict(flop_rate=1e12, memory_bandwidth=1e11, h2d_bandwidth=1e10, launch_overhead=5e-6)
+
+
 def small(cls):
     return lambda: (cls().eval(), (torch.randn(2, 8),))
 
@@ -107,6 +111,16 @@ ROWS = [
      r"cannot offload weights on the meta device"),
     ("mixed_devices", mixed_devices, {"inner_backend": "eager"}, {},
      r"needs the offloaded layers' weights on one device, found \['cpu', 'meta'\]"),
+    ("budget_malformed", mlp, {"memory_budget": "40 gigs"}, {},
+     r"'memory_budget' must be a positive number of bytes \(an int\) or a string such as "
+     r"'40GiB'"),
+    ("budget_and_hand_picked", mlp, {"memory_budget": "1GiB", "prefetch_step": 2}, {},
+     r"options \['prefetch_step'\] and 'memory_budget' both decide what is offloaded"),
+    ("planner_option_alone", mlp, {"h2d_bandwidth": 5e10}, {},
+     r"option\(s\) \['h2d_bandwidth'\] only apply to the planner: give 'memory_budget'"),
+    ("budget_below_minimum", mlp, {"memory_budget": 1000, **RATES}, {},
+     r"'memory_budget' \(1000B, 1000 bytes\) is below the least this model can run in: "
+     r".* \(\d+ bytes\) = the weights that stay on the device plus one slot buffer"),
 ]
 
 

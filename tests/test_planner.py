@@ -1,0 +1,280 @@
+"""The planner (``memory_budget``): cost model, schedule simulation, choice, budget accounting,
+outputs, report/inspect, device-rate cache."""
+import copy
+import dataclasses
+import itertools
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import fx_offload
+from fx_offload import device_rates, models, planner
+from fx_offload.bench import schedule_bound
+from fx_offload.planner import simulate, weights_bytes
+
+# given rates: the planner measures nothing and its choice is the same on every machine
+RATES = dict(flop_rate=1e12, memory_bandwidth=1e11, h2d_bandwidth=1e10, launch_overhead=5e-6)
+
+
+def compile_planned(name, budget, build_kwargs=None, inner_backend="eager", dynamic=True,
+                    **options):
+    model, inputs = models.build(name, **(build_kwargs or {}))
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload", dynamic=dynamic,
+                             options=dict(memory_budget=budget, inner_backend=inner_backend,
+                                          **RATES, **options))
+    with torch.no_grad():
+        out = compiled(*inputs)
+        expected = reference(*inputs)
+    return model, compiled, reference, inputs, out, expected
+
+
+def layer_bytes(model):
+    return sum(p.numel() * p.element_size() for p in model.layers[0].parameters())
+
+
+def device_weights_now(model):
+    """Bytes the model's weights take where its non-offloaded weights live: resident
+    parameters plus the slot buffers (offloaded parameters point into the slots)."""
+    state = fx_offload.runtime.state_for_model(model)
+    offloaded = {id(p.param) for ps in state.params.values() for p in ps}
+    resident = sum(t.numel() * t.element_size()
+                   for t in itertools.chain(model.parameters(), model.buffers())
+                   if id(t) not in offloaded)
+    return resident + state.buffer_bytes
+
+
+# ---- the schedule simulation ------------------------------------------------------------
+
+def test_simulate_copy_bound_and_compute_bound():
+    layers, slots = [1, 3, 5, 7], 2
+    slot_of, target_of = fx_offload.selection.rotation(layers, slots)
+    copy = {layer: 10.0 for layer in layers}
+    # copies dominate: every call moves 4 layers one after another on one copy stream
+    assert simulate(0, [0.1] * 8, 0, layers, slot_of, target_of, copy) == pytest.approx(40.0)
+    # compute dominates: the copies hide
+    assert simulate(0, [30.0] * 8, 0, layers, slot_of, target_of, copy) == pytest.approx(240.0)
+    # without overlap (the CPU) they add
+    assert simulate(0, [1.0] * 8, 0, layers, slot_of, target_of, copy, overlapped=False) == \
+        pytest.approx(48.0)
+    # the bench's bound is the same simulation
+    assert schedule_bound(8, layers, slot_of, target_of, 30.0, copy) == pytest.approx(240.0)
+
+
+def test_one_slot_schedule_waits_for_the_previous_layer():
+    # one slot: layer 3's copy starts only after layer 1 ran, and only layer 2 (1 unit) hides
+    # its 3 units; likewise layer 1's copy for the next call behind layer 0: 2 + 2 waited
+    slot_of, target_of = fx_offload.selection.rotation([1, 3], 1)
+    t = simulate(0, [1.0] * 4, 0, [1, 3], slot_of, target_of, {1: 3.0, 3: 3.0})
+    assert t == pytest.approx(4.0 + 2.0 + 2.0)
+    # two slots would start each copy a call ahead: fully hidden with 4 units per call
+    slot_of, target_of = fx_offload.selection.rotation([0, 1, 2, 3], 2)
+    t = simulate(0, [3.0] * 4, 0, [0, 1, 2, 3], slot_of, target_of, dict.fromkeys(range(4), 3.0))
+    assert t == pytest.approx(12.0)
+
+
+# ---- the cost model ---------------------------------------------------------------------
+
+def _costs_of(name, tokens, **build):
+    model, inputs = models.build(name, **build)
+    seen = {}
+
+    def backend(gm, example_inputs):
+        from fx_offload.costs import graph_costs
+        from fx_offload.graph_inputs import read_graph_inputs
+        gi = read_graph_inputs(gm, example_inputs)
+        stack = fx_offload.selection.find_layer_stack(model, None)
+        seen["costs"] = graph_costs(gm, gi, {stack.prefix(i): i
+                                             for i in range(len(stack.layers))})
+        return gm.forward
+    with torch.no_grad():
+        torch.compile(model, backend=backend, dynamic=True)(*inputs)
+    return model, inputs, seen["costs"]
+
+
+def test_symbolic_flops_match_the_flop_counter_at_other_sizes():
+    model, inputs, costs = _costs_of("mlp", None, batch=5)
+    assert costs.symbolic and costs.traced_tokens == 5
+    for batch in (3, 17, 64):
+        x = torch.randn(batch, inputs[0].shape[1])
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            model.layers[2](x)
+        assert costs.layers[2].flops(batch) == counter.get_total_flops()
+
+
+def test_attention_flops_are_quadratic_and_causal_is_half():
+    _, _, costs = _costs_of("decoder", None, batch=1, seq=6, hidden=32, heads=4, kv_heads=2,
+                            inner=64)
+    f = costs.layers[0].flops
+    linear = 2 * (32 * 32 * 2 + 32 * 16 * 2 + 3 * 32 * 64)     # q, o; k, v; gate, up, down
+    causal_attention = 2 * 4 * (8 + 8) // 2   # 2 * heads * (head_dim q.k + v), halved
+    for t in (6, 50):
+        assert f(t) == pytest.approx(linear * t + causal_attention * t * t)
+
+
+def test_static_graph_costs_scale_linearly_from_the_traced_shape():
+    model, inputs = models.build("mlp", batch=4)
+    seen = {}
+
+    def backend(gm, example_inputs):
+        from fx_offload.costs import graph_costs
+        from fx_offload.graph_inputs import read_graph_inputs
+        seen["c"] = graph_costs(gm, read_graph_inputs(gm, example_inputs),
+                                {f"layers.{i}": i for i in range(8)})
+        return gm.forward
+    with torch.no_grad():
+        torch.compile(model, backend=backend, dynamic=False)(*inputs)
+    c = seen["c"]
+    assert not c.symbolic and c.traced_tokens == 4
+    assert c.layers[0].flops(8) == 2 * c.layers[0].flops(4) > 0
+
+
+# ---- choosing under a budget ------------------------------------------------------------
+
+@pytest.mark.parametrize("layers_resident", [3.2, 5.0, 6.5])
+def test_chosen_plan_fits_the_budget_and_outputs_are_exact(layers_resident):
+    probe, _ = models.build("mlp")
+    total = weights_bytes(probe, torch.device("cpu"))
+    budget = int(total - (8 - layers_resident) * layer_bytes(probe))
+    model, compiled, reference, inputs, out, expected = compile_planned("mlp", budget)
+    assert torch.equal(out, expected)
+    rep = fx_offload.report(model)
+    chosen = rep.planner.chosen.candidate
+    assert rep.layers == list(chosen.layers) and rep.slots == chosen.slots
+    assert chosen.weights_bytes <= budget
+    assert device_weights_now(model) == chosen.weights_bytes
+    # the choice is the best prediction among every plan that fits (ties within NEAR)
+    result = rep.planner
+    best = min(planner.rank(result.fitting, False, result.cost_model,
+                            result.plan_tokens), key=lambda s: s.slowdown)
+    assert rep.planner.chosen.slowdown <= best.slowdown * planner.NEAR
+    assert all(c.weights_bytes <= budget for c in result.fitting)
+    for call in range(3):
+        x = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(call))
+        with torch.no_grad():
+            assert torch.equal(compiled(x), reference(x))
+
+
+def test_decode_moves_fewest_bytes_and_prefill_hides_the_copies():
+    probe, _ = models.build("mlp")
+    total = weights_bytes(probe, torch.device("cpu"))
+    model, *_ = compile_planned("mlp", total - 4 * layer_bytes(probe))
+    result = fx_offload.report(model).planner
+    # weigh the same plans as on a GPU, where copies overlap compute, with a slow link
+    slow = dataclasses.replace(result.cost_model.rates, h2d_bandwidth=1e7)
+    cm = planner.CostModel(result.cost_model.costs, slow, 8, overlapped=True)
+    decode = planner.rank(result.fitting, False, cm, (1,))[0]
+    prefill = planner.rank(result.fitting, False, cm, (1 << 20,))[0]
+    # one token: nothing hides a copy, so the plan that copies least wins
+    assert decode.candidate.moved_bytes == min(c.moved_bytes for c in result.fitting)
+    assert decode.slowdown > 1.5
+    # many tokens: enough compute per layer to hide every copy
+    assert prefill.slowdown <= planner.HIDDEN_WITHIN
+    assert prefill.break_even is not None and prefill.break_even <= 1 << 20
+
+
+def test_break_even_is_where_the_copies_hide():
+    model, *_ = compile_planned("mlp", "60KiB")
+    result = fx_offload.report(model).planner
+    c, cm = result.chosen.candidate, result.cost_model
+    sizes = dict(zip(c.layers, c.layer_bytes))
+    be = result.chosen.break_even
+    assert be is not None and be > 1
+    assert cm.predict(list(c.layers), c.slots, sizes, be) <= 1.01 * cm.resident(be)
+    assert cm.predict(list(c.layers), c.slots, sizes, be - 1) > 1.01 * cm.resident(be - 1)
+
+
+def test_minimum_budget_is_exact():
+    probe, _ = models.build("mlp", num_layers=4)
+    with pytest.raises(Exception, match=r"below the least this model can run in") as err:
+        compile_planned("mlp", 1000, build_kwargs={"num_layers": 4})
+    minimum = int(str(err.value).split("(")[2].split(" bytes")[0].split()[-1])
+    expected = weights_bytes(probe, torch.device("cpu")) - 3 * layer_bytes(probe)
+    assert minimum == expected
+    model, *_, out, ref = compile_planned("mlp", minimum, build_kwargs={"num_layers": 4})
+    assert torch.equal(out, ref)
+    assert fx_offload.report(model).layers == [0, 1, 2, 3]
+    assert device_weights_now(model) == minimum
+
+
+def test_budget_holding_everything_offloads_nothing(caplog):
+    model, compiled, reference, inputs, out, expected = compile_planned("mlp", "1GiB")
+    assert torch.equal(out, expected)
+    assert fx_offload.runtime.state_for_model(model) is None
+    rep = fx_offload.report(model)
+    assert rep.layers == [] and rep.planner.chosen.candidate is None
+    assert "nothing offloaded" in str(rep)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_offload_params_subsets_are_weighed():
+    model, inputs = models.build("moe")
+    total = weights_bytes(model, torch.device("cpu"))
+    w13 = sum(p.numel() * p.element_size() for n, p in model.layers[0].named_parameters()
+              if n.endswith("w13_weight"))
+    del model
+    budget = total - 2 * w13
+    model, compiled, reference, inputs, out, expected = compile_planned(
+        "moe", budget, offload_params=["w13_weight", "w2_weight"])
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    rep = fx_offload.report(model)
+    chosen = rep.planner.chosen.candidate
+    assert chosen.params is not None and set(chosen.params) <= {"w13_weight", "w2_weight"}
+    for names in rep.params.values():
+        assert all(n.split(".")[-1] in chosen.params for n in names)
+    assert device_weights_now(model) <= budget
+
+
+def test_report_and_inspect_show_plan_prediction_and_runner_ups():
+    model, *_ = compile_planned("decoder", "600KiB", plan_tokens=[1, 512])
+    text = str(fx_offload.report(model))
+    for needle in ("planner: memory_budget 600KiB", "device rates: 1 TFLOP/s", "cost model:",
+                   "ms at 1", "ms at 512", "hidden from", "*  layers"):
+        assert needle in text, text
+    assert len(fx_offload.report(model).planner.runner_ups) >= 1
+    out = subprocess.run([sys.executable, "-m", "fx_offload", "inspect", "decoder",
+                          "--memory-budget", "600KiB", "--plan-tokens", "1,512", "--dynamic"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "planner: memory_budget 600KiB" in out.stdout and "wait" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "fx_offload", "inspect", "decoder",
+                          "--memory-budget", "1KiB"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "raise memory_budget to at least" in bad.stderr
+
+
+def test_same_model_other_budget_is_refused():
+    model, compiled, *_ = compile_planned("mlp", "60KiB")
+    _, inputs = models.build("mlp")
+    with pytest.raises(Exception, match="already offloaded with memory_budget=60KiB"):
+        with torch.no_grad():
+            torch.compile(model, backend="prefetch_offload",
+                          options=dict(memory_budget="50KiB", inner_backend="eager",
+                                       **RATES))(*inputs)
+
+
+# ---- device rates -----------------------------------------------------------------------
+
+def test_rates_are_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FX_OFFLOAD_CACHE_DIR", str(tmp_path))
+    calls = []
+    real = device_rates.measure
+
+    def counting(device, dtype):
+        calls.append(device)
+        return real(device, dtype)
+    monkeypatch.setattr(device_rates, "measure", counting)
+    cpu = torch.device("cpu")
+    first = device_rates.rates_for(cpu, torch.float32, {})
+    second = device_rates.rates_for(cpu, torch.float32, {})
+    assert len(calls) == 1 and (tmp_path / "device_rates.json").exists()
+    assert first.flop_rate == second.flop_rate > 0 and second.source.startswith("cached")
+    assert second.matmul_curve and second.attention_curve
+    given = device_rates.rates_for(cpu, torch.float32, dict(RATES))
+    assert len(calls) == 1 and given.flop_rate == 1e12 and given.source == "given"
+    # a given FLOP rate holds for every kernel size
+    assert given.rate(10.0) == given.rate(1e15) == 1e12
+    half = device_rates.rates_for(cpu, torch.float32, {"h2d_bandwidth": 123.0})
+    assert half.h2d_bandwidth == 123.0 and half.memory_bandwidth == first.memory_bandwidth
