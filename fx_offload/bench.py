@@ -286,25 +286,33 @@ def run(args: argparse.Namespace) -> int:
         except RuntimeError as err:
             print(f"  accelerate skipped: {err}")
 
+    def moved_by(rep) -> int:
+        return sum(rep.layer_bytes[layer] for layer in rep.layers
+                   if rep.target_of[layer] is not None)
+
     for row in rows:
-        cfg = row.method.split()[1] if row.method.startswith("offload ") else (
-            row.method if row.method.startswith("planner@") else None)
+        cfg = row.method.split()[1] if row.method.startswith("offload ") else None
         rep = planner_rep.get((row.method, row.tokens)) or plans.get(cfg)
-        if rep is not None and cost_model is not None and rep.layers:
+        if rep is None or not rep.layers:
+            continue
+        if cost_model is not None:
             row.predicted_ms = 1e3 * cost_model.predict(
                 rep.layers, rep.slots, rep.layer_bytes, row.tokens)
-        if rep is not None and row.method.startswith("planner@"):
-            plans[cfg], moved[cfg] = rep, sum(rep.layer_bytes[layer] for layer in rep.layers
-                                               if rep.target_of[layer] is not None)
-        if cfg in moved and row.tokens in compute:
-            row.bound_ms = max(compute[row.tokens], moved[cfg] / bandwidth * 1e3) \
-                if bandwidth == bandwidth else compute[row.tokens]
+        if row.tokens in compute:
+            copy_ms = moved_by(rep) / bandwidth * 1e3 if bandwidth == bandwidth else 0.0
+            row.bound_ms = max(compute[row.tokens], copy_ms)
             if bandwidth == bandwidth:
-                rep = plans[cfg]
                 row.sched_ms = schedule_bound(
                     args.layers, rep.layers, rep.slot_of, rep.target_of,
                     compute[row.tokens] / args.layers,
                     {layer: rep.layer_bytes[layer] / bandwidth * 1e3 for layer in rep.layers})
+    # each distinct plan the planner chose gets its own line in the byte counts below
+    for (name, _), rep in planner_rep.items():
+        if not rep.layers:
+            continue
+        key = f"{name} ({rep.planner.chosen.candidate.describe()})"
+        plans.setdefault(key, rep)
+        moved.setdefault(key, moved_by(rep))
     if cost_model is not None:
         for t in tokens:
             rows.append(Row("resident (predicted)", t, 1e3 * cost_model.resident(t)))
