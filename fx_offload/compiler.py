@@ -1,34 +1,33 @@
-"""The ``prefetch_offload`` Dynamo backend.
+"""The ``prefetch_offload`` Dynamo backend: its three entry routes and, for each graph Dynamo
+hands it, the compile sequence :func:`compile_graph`:
 
-At each compile of a model's graph:
-
-1. read the graph's placeholders: which model, which parameters (``graph_inputs``);
-2. at the model's first compile, choose layers and parameters (``selection``) and build the
-   offload state (``runtime``); later compiles of the same model reuse it;
-3. plan the ops for the offloaded layers in this graph (``plan``), then insert them
-   (``rewrite``);
-4. compile the result with the inner compiler (``inner``);
-5. only then, at the first compile, move the weights to host masters and point the
-   parameters at their slots, so a failure in steps 1-4 leaves the model untouched.
+1. inputs: which model and which parameters the placeholders are (``graph_inputs``);
+2. choice: at the model's first compile, what is offloaded (``selection.choose``) and the
+   model's offload state (``runtime``); later compiles of the same model reuse it;
+3. the pass: plan, rewrite and verify the ops (``passes.run_prefetch_pass``);
+4. inner compile: Inductor, ``aot_eager`` or ``eager`` (``inner``);
+5. materialize: only now, at the first compile, move the weights to host masters and point
+   the parameters at their slots, so a failure in steps 1-4 leaves the model untouched;
+6. summary: one INFO line (``TORCH_LOGS=fx_offload``).
 """
 from __future__ import annotations
 
 import logging
-import weakref
 from typing import Any, Mapping
 
 import torch
 from torch import fx
 
-from . import runtime
-from .graph_inputs import find_parent_model, read_graph_inputs
+from . import registry
+from .errors import GradModeError, OffloadError
+from .graph_inputs import GraphInputs, read_graph_inputs
 from .inner import compile_inner
-from .options import OffloadOptions, format_budget, parse_options
-from .plan import plan_graph
-from .report import format_bytes
-from .rewrite import apply_plan
-from .selection import find_layer_stack, select_params
-from .verify import slot_model_for, verify_graph
+from .options import OffloadOptions, parse_options
+from .passes.prefetch import run_prefetch_pass
+from .runtime.state import OffloadState
+from .selection import NothingOffloaded, choose
+from .selection.stack import find_parent_model
+from .text import format_bytes
 
 log = logging.getLogger("fx_offload")
 
@@ -37,7 +36,7 @@ def prefetch_offload(gm: fx.GraphModule, example_inputs, options: Mapping[str, A
                      mode: str | None = None, **unexpected):
     """Dynamo backend: ``torch.compile(model, backend="prefetch_offload", options={...})``."""
     if unexpected:
-        raise ValueError(f"prefetch_offload got unexpected arguments {sorted(unexpected)}")
+        raise OffloadError(f"got unexpected arguments {sorted(unexpected)}")
     return compile_graph(gm, example_inputs, parse_options(options, mode=mode),
                          defaulted=not options)
 
@@ -53,9 +52,9 @@ class PrefetchOffloadBackend:
 
     def __call__(self, gm, example_inputs, options=None, mode=None, **unexpected):
         if unexpected:
-            raise ValueError(f"prefetch_offload got unexpected arguments {sorted(unexpected)}")
+            raise OffloadError(f"got unexpected arguments {sorted(unexpected)}")
         if options:
-            raise ValueError(
+            raise OffloadError(
                 "fx_offload.backend(...) is already configured; give its options to "
                 "fx_offload.backend(...), not to torch.compile(options=...)")
         opts = self.options if mode is None else parse_options(self._raw, mode=mode)
@@ -70,112 +69,97 @@ def backend(**options: Any) -> PrefetchOffloadBackend:
     return PrefetchOffloadBackend(**options)
 
 
-def _check_same_options(state, options: OffloadOptions) -> None:
-    if state.options.placement_key() != options.placement_key():
-        raise ValueError(
-            f"prefetch_offload: {state.model_name} is already offloaded with "
-            f"{state.options.describe()}; it cannot be compiled again with "
-            f"{options.describe()}. Call fx_offload.restore(model) first, or use the same "
-            "options")
+def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
+                  defaulted: bool = False):
+    # 1. inputs
+    gi = read_graph_inputs(gm, example_inputs)
+    if gi.root is None or not gi.params:
+        log.debug("fx_offload: graph reads no model parameters; compiled without offloading")
+        return compile_inner(gm, example_inputs, options)
+    # 2. choice and state
+    state, first, layer_frame = _state_for_graph(gm, gi, options)
+    if state is None:
+        return compile_inner(gm, example_inputs, options)
+    _check_grad_mode(gi, state)
+    # 3. the pass (a graph of one layer's own frame is reused for every layer: no ops)
+    plan = None
+    if layer_frame:
+        _warn_layer_frame(state, gi)
+    else:
+        plan = run_prefetch_pass(gm, gi, state.choice, state.handle)
+    # 4. inner compile
+    compiled = compile_inner(gm, example_inputs, options)
+    # 5. materialize
+    if first:
+        state.materialize()
+    # 6. summary
+    if plan is not None:
+        log.info(
+            "fx_offload: %s graph with %d offloaded layer(s) %s (%d wait, %d start%s); model: "
+            "%d of %d layers of %r offloaded, %s to host, %d slot(s) = %s on %s; %s%s",
+            state.model_name, len(plan.layers), [lp.layer for lp in plan.layers],
+            len(plan.layers), sum(lp.refill is not None for lp in plan.layers),
+            ", join" if plan.has_starts and plan.join_acts else "",
+            len(state.layers), len(state.stack.modules), state.stack.path,
+            format_bytes(state.offloaded_bytes), state.num_slots,
+            format_bytes(state.buffer_bytes), state.device, options.describe(),
+            " (defaults)" if defaulted else "")
+    return compiled
 
 
-def _state_for_graph(gm, gi, options: OffloadOptions):
+def _check_same_options(decided, options: OffloadOptions) -> None:
+    """``decided``: the model's state or NothingOffloaded."""
+    asked = decided.choice.options if isinstance(decided, OffloadState) else decided.options
+    if asked.placement_key() != options.placement_key():
+        raise OffloadError(
+            f"{decided.model_name} is already offloaded with {asked.describe()}; it cannot be "
+            f"compiled again with {options.describe()}. Call fx_offload.restore(model) first, "
+            "or use the same options")
+
+
+def _state_for_graph(gm, gi: GraphInputs, options: OffloadOptions):
     """(state, first compile of the model?, graph is one layer's own frame?); state None
     where the planner offloads nothing."""
-    state = runtime.state_for_model(gi.root)
+    state = registry.state_for_model(gi.root)
     if state is not None:
         _check_same_options(state, options)
         return state, False, False
     owners = {id(o[0]): o for _, p in gi.params.values()
-              for o in [runtime.owner_of_param(p)] if o is not None}
+              for o in [registry.owner_of_param(p)] if o is not None}
     if owners:
         other, layer = next(iter(owners.values()))
-        if gi.frame_is_root_forward and any(gi.root is m for m in other.stack.layers):
+        if gi.frame_is_root_forward and any(gi.root is m for m in other.stack.modules):
             _check_same_options(other, options)
             return other, False, True
-        raise ValueError(
-            f"prefetch_offload: parameters of this graph's {type(gi.root).__name__} are already "
-            f"offloaded as part of layer {layer} of a {other.model_name}; compile that model "
-            "itself, not a part of it, or call fx_offload.restore on it first")
+        raise OffloadError(
+            f"parameters of this graph's {type(gi.root).__name__} are already offloaded as "
+            f"part of layer {layer} of a {other.model_name}; compile that model itself, not a "
+            "part of it, or call fx_offload.restore on it first")
     parent = find_parent_model(gi.root) if gi.frame_is_root_forward else None
     if parent is not None:
-        state = runtime.state_for_model(parent)
+        state = registry.state_for_model(parent)
         if state is not None:
             _check_same_options(state, options)
             return state, False, True
     model = parent if parent is not None else gi.root
-    if model in _NOT_OFFLOADED:
-        _check_same_options(_NOT_OFFLOADED[model], options)
+    kept = registry.nothing_offloaded(model)
+    if kept is not None:
+        _check_same_options(kept, options)
         return None, False, False
-    state = new_state(gm, gi, model, options, layer_frame=parent is not None)
-    if isinstance(state, PlannedNothing):
+    choice = choose(model, options, graph=(gm, gi), layer_frame=parent is not None)
+    if isinstance(choice, NothingOffloaded):
         log.warning("fx_offload: memory_budget %s holds all %s of %s's weights: nothing is "
-                    "offloaded", format_budget(state.planner.budget),
-                    format_bytes(state.planner.weights_bytes), state.model_name)
-        _NOT_OFFLOADED[model] = state
+                    "offloaded", format_bytes(options.memory_budget, as_option=True),
+                    format_bytes(choice.planner.weights_bytes), choice.model_name)
+        registry.record_nothing_offloaded(model, choice)
         return None, True, False
-    return state, True, parent is not None
-
-
-class PlannedNothing:
-    """What a model whose whole weights fit its memory_budget keeps: the planner's result."""
-
-    def __init__(self, model, options, planner, stack):
-        self.model_name, self.options = type(model).__name__, options
-        self.planner, self.stack = planner, stack
-
-    def describe(self) -> str:
-        return self.options.describe()
-
-
-_NOT_OFFLOADED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def new_state(gm, gi, model, options: OffloadOptions, layer_frame: bool = False,
-              check_owners: bool = True):
-    """The offload state of ``model``: from the options, or under ``memory_budget`` from the
-    planner, which weighs plans with this graph's costs; a :class:`PlannedNothing` when the
-    planner keeps every weight on the device."""
-    stack = find_layer_stack(model, options.layers)
-    if not options.planned:
-        return runtime.OffloadState(model, options, stack, select_params(model, stack, options),
-                                    check_owners=check_owners)
-    from . import planner
-    from .costs import graph_costs
-    from .device_rates import RATE_NAMES, rates_for
-    device, dtype = _weights_device_and_dtype(stack)
-    whole = next((i for i, m in enumerate(stack.layers) if m is gi.root), None) \
-        if layer_frame else None
-    costs = graph_costs(gm, gi, {stack.prefix(i): i for i in range(len(stack.layers))},
-                        whole_graph_layer=whole)
-    rates = rates_for(device, dtype, {n: getattr(options, n) for n in RATE_NAMES})
-    result = planner.plan(model, stack, options, costs, rates, device)
-    if not result.offloads:
-        return PlannedNothing(model, options, result, stack)
-    chosen = result.chosen.candidate
-    params = select_params(model, stack, options, layers=chosen.layers, patterns=chosen.params)
-    state = runtime.OffloadState(model, options, stack, params, check_owners=check_owners,
-                                 num_slots=chosen.slots)
-    state.planner = result
-    return state
-
-
-def _weights_device_and_dtype(stack):
-    params = [p for layer in stack.layers for p in layer.parameters()]
-    if not params:
-        raise ValueError("prefetch_offload: the layers of the stack have no parameters")
-    device = params[0].device
-    if device.type == "meta":
-        raise ValueError(
-            "prefetch_offload cannot offload weights on the meta device: load real "
-            "weights into the model before compiling it")
-    sizes: dict[torch.dtype, int] = {}
-    for p in params:
-        sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
-    return device, max(sizes, key=sizes.get)
+    return OffloadState(model, choice), True, parent is not None
 
 
 _WARNED_LAYER_FRAMES: set[int] = set()
+GRAPH_BREAKS_SHOWN = 3          # the most recent graph-break reasons a warning quotes
+REASON_CHARS = 200              # of each reason's first line
+NAMES_SHOWN = 3                 # parameter names an error quotes
 
 
 def _warn_layer_frame(state, gi) -> None:
@@ -192,7 +176,8 @@ def _warn_layer_frame(state, gi) -> None:
 
 def _recent_graph_breaks() -> list[str]:
     from torch._dynamo.utils import counters
-    return [str(reason).splitlines()[0][:200] for reason in list(counters["graph_break"])[-3:]]
+    return [str(reason).splitlines()[0][:REASON_CHARS]
+            for reason in list(counters["graph_break"])[-GRAPH_BREAKS_SHOWN:]]
 
 
 def _check_grad_mode(gi, state) -> None:
@@ -201,63 +186,27 @@ def _check_grad_mode(gi, state) -> None:
     offloaded = {p.name for ps in state.params.values() for p in ps}
     trained = [name for name, p in gi.params.values() if name in offloaded and p.requires_grad]
     if trained:
-        raise RuntimeError(
-            "prefetch_offload supports inference only: this graph was compiled with grad "
-            f"enabled and reads offloaded parameters that require grad ({trained[:3]}...). "
-            "Autograd would save slot contents for backward, which the next prefetch "
-            "overwrites. Call the model under torch.no_grad() or torch.inference_mode(), or "
-            "set requires_grad_(False) on its parameters")
+        raise GradModeError(
+            "supports inference only: this graph was compiled with grad enabled and reads "
+            f"offloaded parameters that require grad ({trained[:NAMES_SHOWN]}...). Autograd would save "
+            "slot contents for backward, which the next prefetch overwrites. Call the model "
+            "under torch.no_grad() or torch.inference_mode(), or set requires_grad_(False) on "
+            "its parameters")
 
 
-def _trace_graph(name: str, gm: fx.GraphModule) -> None:
-    """A structured-trace artifact (``TORCH_TRACE``), so tlparse shows the graph before and
-    after the pass; the text is only built when tracing is on."""
-    from torch._logging import trace_structured
-    trace_structured(
-        "artifact",
-        metadata_fn=lambda: {"name": name, "encoding": "string"},
-        payload_fn=lambda: gm.print_readable(print_output=False, include_stride=True,
-                                             include_device=True),
-    )
+def register_names() -> None:
+    """Make ``backend="prefetch_offload"`` work when the package is used without being
+    installed (installed, torch finds it lazily through the entry point, and registering it
+    here too would make that lookup fail as a duplicate), and ``TORCH_LOGS=fx_offload`` turn
+    on the summary lines, like torch's own loggers."""
+    from importlib.metadata import entry_points
 
-
-def verify_plan(gm, plan, state) -> None:
-    """Run the slot-safety verifier on a rewritten graph."""
-    weight_layer = {w: lp.layer for lp in plan.layers for w in lp.weights}
-    verify_graph(gm, weight_layer, slot_model_for(state, [lp.layer for lp in plan.layers]))
-
-
-def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
-                  defaulted: bool = False):
-    gi = read_graph_inputs(gm, example_inputs)
-    if gi.root is None or not gi.params:
-        log.debug("fx_offload: graph reads no model parameters; compiled without offloading")
-        return compile_inner(gm, example_inputs, options)
-    state, first, layer_frame = _state_for_graph(gm, gi, options)
-    if state is None:
-        return compile_inner(gm, example_inputs, options)
-    _check_grad_mode(gi, state)
-    if layer_frame:
-        _warn_layer_frame(state, gi)
-        compiled = compile_inner(gm, example_inputs, options)
-        if first:
-            state.materialize()
-        return compiled
-    _trace_graph("fx_offload_before", gm)
-    plan = plan_graph(gm, gi, state)
-    apply_plan(gm, plan)
-    verify_plan(gm, plan, state)
-    _trace_graph("fx_offload_after", gm)
-    compiled = compile_inner(gm, example_inputs, options)
-    if first:
-        state.materialize()
-    log.info(
-        "fx_offload: %s graph with %d offloaded layer(s) %s (%d wait, %d start%s); model: %d of "
-        "%d layers of %r offloaded, %s to host, %d slot(s) = %s on %s; %s%s",
-        state.model_name, len(plan.layers), [lp.layer for lp in plan.layers], len(plan.layers),
-        sum(lp.target is not None for lp in plan.layers),
-        ", join" if plan.has_starts and plan.join_acts else "",
-        len(state.layers), len(state.stack.layers), state.stack.path,
-        format_bytes(state.offloaded_bytes), state.num_slots, format_bytes(state.buffer_bytes),
-        state.device, options.describe(), " (defaults)" if defaulted else "")
-    return compiled
+    from torch._dynamo.backends import registry as dynamo_registry
+    if not entry_points(group="torch_dynamo_backends", name="prefetch_offload") and \
+            "prefetch_offload" not in dynamo_registry._COMPILER_FNS:
+        dynamo_registry.register_backend(name="prefetch_offload")(prefetch_offload)
+    try:
+        from torch._logging._internal import register_log
+        register_log("fx_offload", "fx_offload")
+    except Exception:  # pragma: no cover - torch's logging registry is internal
+        pass

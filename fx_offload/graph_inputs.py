@@ -10,9 +10,13 @@ exact whatever form the source takes.  ``grapharg`` only exists while the backen
 from __future__ import annotations
 
 import dataclasses
-import sys
+import re
 
+import torch
 from torch import fx, nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from .errors import OffloadError
 
 
 @dataclasses.dataclass
@@ -76,8 +80,8 @@ def read_graph_inputs(gm: fx.GraphModule, example_inputs) -> GraphInputs:
     if not roots:
         return GraphInputs(None, False, None, {}, placeholders)
     if len(roots) > 1:
-        raise ValueError(
-            "prefetch_offload compiles one model per graph, but this graph reads parameters of "
+        raise OffloadError(
+            "compiles one model per graph, but this graph reads parameters of "
             f"{len(roots)} models ({[type(m).__name__ for m, _ in roots.values()]}); compile "
             "each model separately")
     (root, expr), = roots.values()
@@ -99,21 +103,50 @@ def _is_forward_frame(root: nn.Module, f_code) -> bool:
         and f_code.co_filename == forward.co_filename)
 
 
-def find_parent_model(module: nn.Module, max_frames: int = 256):
-    """The nearest caller whose local is a model with ``module`` in its layer stack, for a
-    graph Dynamo compiled from one layer's own ``forward`` frame (a graph break around it)."""
-    from .selection import _top_level_lists
-    frame = sys._getframe(1)
-    seen = set()
-    for _ in range(max_frames):
-        if frame is None:
+def value_of(node: fx.Node):
+    """The example value a node carries: ``example_value`` in a Dynamo graph, ``val`` in an
+    ATen graph (nodes the pass inserts carry both)."""
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def storage_of(value):
+    """A weak reference to the storage of a node's (or a tensor's) value, to tell aliases;
+    None for values without one."""
+    if isinstance(value, fx.Node):
+        value = value_of(value)
+    if isinstance(value, torch.Tensor):
+        try:
+            return StorageWeakRef(value.untyped_storage())
+        except Exception:  # pragma: no cover - tensors without storage (sparse, nested)
             return None
-        for value in list(frame.f_locals.values()):
-            if not isinstance(value, nn.Module) or value is module or id(value) in seen:
-                continue
-            seen.add(id(value))
-            for _, stack in _top_level_lists(value):
-                if any(layer is module for layer in stack):
-                    return value
-        frame = frame.f_back
     return None
+
+
+_INDEX = re.compile(r"\[\s*'?([^'\]]+)'?\s*\]")
+
+
+def module_path(stack_path: str, root_expr: str | None) -> str | None:
+    """``L['self'].layers.1.mlp`` -> ``layers.1.mlp`` (relative to the graph's model)."""
+    if root_expr is None or not stack_path.startswith(root_expr):
+        return None
+    rest = _INDEX.sub(r".\1", stack_path[len(root_expr):])
+    return rest.lstrip(".")
+
+
+def layers_of_nodes(gm: fx.GraphModule, gi: GraphInputs, layer_paths: dict[str, int],
+                    ) -> dict[fx.Node, list[int]]:
+    """Call node -> the layers (indices, from ``layer_paths``: dotted path -> index) whose
+    ``forward`` it was traced in, read from ``nn_module_stack``; nodes of no layer are left
+    out."""
+    membership: dict[fx.Node, list[int]] = {}
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        found = []
+        for entry in (node.meta.get("nn_module_stack") or {}).values():
+            layer = layer_paths.get(module_path(entry[0], gi.root_expr))
+            if layer is not None and layer not in found:
+                found.append(layer)
+        if found:
+            membership[node] = found
+    return membership

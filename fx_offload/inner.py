@@ -5,6 +5,7 @@ from typing import Callable
 
 from torch import fx
 
+from .errors import OffloadError
 from .options import OffloadOptions
 
 
@@ -18,8 +19,8 @@ def compile_inner(gm: fx.GraphModule, example_inputs, options: OffloadOptions) -
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
     if inductor_config.freezing:
-        raise ValueError(
-            "prefetch_offload cannot be used with Inductor freezing "
+        raise OffloadError(
+            "cannot be used with Inductor freezing "
             "(torch._inductor.config.freezing=True): freezing folds weights into constants, so "
             "offloaded layers would read stale copies; turn freezing off")
     patches = dict(list_mode_options(options.mode)) if options.mode != "default" else {}

@@ -1,4 +1,5 @@
-"""The custom ops the pass inserts, in the ``fx_offload`` namespace.
+"""The custom ops the pass inserts, in the ``fx_offload`` namespace, and the one reader of
+their arguments.
 
 Each op names the offload state by an integer handle and declares that it mutates the
 activations it is tied to.  It never changes their values: the declared mutation is what
@@ -10,20 +11,28 @@ its start.  Parameters are never declared mutated: that would make them mutated 
 
     wait_prefetch(acts, h, layer)          acts: the layer's inputs that feed weight reads
     start_prefetch(acts, reads, h, layer, target)
-                                           acts/reads: the layer's outputs
+                                           acts/reads: the layer's outputs; target: the layer
+                                           that refills the slot (the schedule's refill)
     join_prefetch(acts, reads, h)          acts/reads: the graph's outputs
+
+Other modules read these ops' arguments only through :meth:`OpCall.of`, which understands
+both a direct call (positional arguments, a Dynamo graph) and the ``auto_functionalized``
+form AOTAutograd turns it into (keyword arguments, an ATen graph).
 """
 from __future__ import annotations
 
-import torch
+import dataclasses
 
-from . import runtime
+import torch
+from torch import fx
+
+from . import registry
 
 
 @torch.library.custom_op("fx_offload::wait_prefetch", mutates_args=("activations",))
 def wait_prefetch(activations: list[torch.Tensor], handle: int, layer: int) -> None:
     """Block the compute stream until ``layer``'s weights are in its slot."""
-    runtime.state_for_handle(handle).wait(layer)
+    registry.state_for_handle(handle).wait(layer)
 
 
 @wait_prefetch.register_fake
@@ -35,7 +44,7 @@ def _(activations, handle, layer):
 def start_prefetch(activations: list[torch.Tensor], reads: list[torch.Tensor], handle: int,
                    layer: int, target: int) -> None:
     """``layer`` is done with its slot: begin copying ``target``'s weights into it."""
-    runtime.state_for_handle(handle).start(layer, target)
+    registry.state_for_handle(handle).start(layer, target)
 
 
 @start_prefetch.register_fake
@@ -47,7 +56,7 @@ def _(activations, reads, handle, layer, target):
 def join_prefetch(activations: list[torch.Tensor], reads: list[torch.Tensor],
                   handle: int) -> None:
     """End of the forward: inside a CUDA-graph capture, join the copy stream back."""
-    runtime.state_for_handle(handle).join()
+    registry.state_for_handle(handle).join()
 
 
 @join_prefetch.register_fake
@@ -58,3 +67,46 @@ def _(activations, reads, handle):
 WAIT = torch.ops.fx_offload.wait_prefetch.default
 START = torch.ops.fx_offload.start_prefetch.default
 JOIN = torch.ops.fx_offload.join_prefetch.default
+NAMES = {WAIT: "wait_prefetch", START: "start_prefetch", JOIN: "join_prefetch"}
+_KIND = {WAIT: "wait", START: "start", JOIN: "join"}
+_OP_TYPES = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+_OF_TARGET = {**{op: op for op in _KIND}, **{op.overloadpacket: op for op in _KIND}}
+
+
+@dataclasses.dataclass(frozen=True)
+class OpCall:
+    """One call of our ops in a graph, its arguments by name."""
+
+    op: torch._ops.OpOverload
+    kind: str                           # "wait", "start" or "join"
+    handle: int
+    layer: int | None = None            # wait, start
+    refill: int | None = None           # start: the layer copied into the slot
+    acts: object = ()                   # nodes declared mutated (direct calls only)
+    reads: object = ()                  # nodes only read
+
+    @property
+    def name(self) -> str:
+        return NAMES[self.op]
+
+    @staticmethod
+    def of(node: fx.Node) -> "OpCall | None":
+        """The call ``node`` makes of one of our ops, or None."""
+        if node.op != "call_function":
+            return None
+        op = _OF_TARGET.get(node.target) if isinstance(node.target, _OP_TYPES) else None
+        if op is not None:
+            names = [a.name for a in op._schema.arguments]
+            args = dict(zip(names, node.args))
+            args.update(node.kwargs)
+        elif node.args and isinstance(node.args[0], _OP_TYPES) and node.args[0] in _OF_TARGET:
+            op, args = _OF_TARGET[node.args[0]], dict(node.kwargs)   # auto_functionalized
+        else:
+            return None
+        return OpCall(op, _KIND[op], args.get("handle"), args.get("layer"),
+                      args.get("target"), args.get("activations", ()), args.get("reads", ()))
+
+    @staticmethod
+    def is_ours(node: fx.Node) -> bool:
+        return (node.op == "call_function" and isinstance(node.target, _OP_TYPES)
+                and node.target in _OF_TARGET)

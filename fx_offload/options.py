@@ -2,8 +2,8 @@
 
 Every route into the backend (``options={...}``, a configured :func:`fx_offload.backend`
 object, the bare backend name) ends in :func:`parse_options`, so all of them accept and
-refuse exactly the same things.  Each refusal is a ``ValueError`` that names the option and
-says what to change.
+refuse exactly the same things.  Each refusal is an :class:`~fx_offload.errors.OffloadError`
+(a ``ValueError``) that names the option and says what to change.
 """
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ import dataclasses
 import math
 import re
 from typing import Any, Iterable, Mapping
+
+from .errors import OffloadError
+from .text import format_bytes
 
 INNER_BACKENDS = ("inductor", "aot_eager", "eager")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -37,7 +40,7 @@ class OffloadOptions:
 
     @property
     def planned(self) -> bool:
-        """True when the planner chooses the layers and the prefetch depth."""
+        """True when the planner chooses the layers and the slot count."""
         return self.memory_budget is not None
 
     def offloads_layer(self, index: int) -> bool:
@@ -53,7 +56,7 @@ class OffloadOptions:
 
     def describe(self, placement_only: bool = False) -> str:
         if self.planned:
-            parts = [f"memory_budget={format_budget(self.memory_budget)}"]
+            parts = [f"memory_budget={format_bytes(self.memory_budget, as_option=True)}"]
             parts += [f"{name}={getattr(self, name)!r}" for name in PLANNER_KEYS[1:]
                       if getattr(self, name) is not None]
         else:
@@ -81,14 +84,6 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
-def format_budget(n: int) -> str:
-    for unit in ("TiB", "GiB", "MiB", "KiB"):
-        size = _UNITS[unit.lower()]
-        if n >= size:
-            return f"{n / size:.4g}{unit}"
-    return f"{n}B"
-
-
 def parse_size(name: str, value: Any) -> int:
     """Bytes from an int or a string such as ``"40GiB"``, ``"512 MiB"``, ``"1.5e9"``."""
     if isinstance(value, bool):
@@ -101,8 +96,8 @@ def parse_size(name: str, value: Any) -> int:
             size = float(match.group(1)) * _UNITS[match.group(2).lower()]
             if size >= 1 and math.isfinite(size):
                 return int(size)
-    raise ValueError(
-        f"prefetch_offload option {name!r} must be a positive number of bytes (an int) or a "
+    raise OffloadError(
+        f"option {name!r} must be a positive number of bytes (an int) or a "
         f"string such as '40GiB', '512MiB' or '2.5GB', got {value!r}")
 
 
@@ -111,8 +106,8 @@ def _check_rate(name: str, value: Any, unit: str) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
             math.isfinite(value) and value > 0):
-        raise ValueError(
-            f"prefetch_offload option {name!r} must be a positive number ({unit}), "
+        raise OffloadError(
+            f"option {name!r} must be a positive number ({unit}), "
             f"got {value!r}")
     return float(value)
 
@@ -127,28 +122,28 @@ def _check_plan_tokens(value: Any) -> tuple[int, ...] | None:
         values = ()
     if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1
                          for v in values):
-        raise ValueError(
-            "prefetch_offload option 'plan_tokens' must be a token count >= 1 or a list of "
+        raise OffloadError(
+            "option 'plan_tokens' must be a token count >= 1 or a list of "
             f"them (the workload the plan is chosen for), got {value!r}")
     return tuple(sorted(set(values)))
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(
-            f"prefetch_offload option {name!r} must be an int >= {minimum}, "
+        raise OffloadError(
+            f"option {name!r} must be an int >= {minimum}, "
             f"got {value!r} of type {type(value).__name__}")
     if value < minimum:
-        raise ValueError(
-            f"prefetch_offload option {name!r} must be >= {minimum}, got {value}")
+        raise OffloadError(
+            f"option {name!r} must be >= {minimum}, got {value}")
     return value
 
 
 def _check_choice(name: str, value: Any, choices: Iterable[str]) -> str:
     choices = tuple(choices)
     if value not in choices:
-        raise ValueError(
-            f"prefetch_offload option {name!r} must be one of {list(choices)}, got {value!r}")
+        raise OffloadError(
+            f"option {name!r} must be one of {list(choices)}, got {value!r}")
     return value
 
 
@@ -156,24 +151,24 @@ def _check_offload_params(value: Any) -> tuple[str, ...] | None:
     if value is None:
         return None
     if isinstance(value, str):
-        raise ValueError(
-            "prefetch_offload option 'offload_params' must be an iterable of parameter-name "
+        raise OffloadError(
+            "option 'offload_params' must be an iterable of parameter-name "
             f"segments such as ['w13_weight'], not the single string {value!r}: "
             f"write [{value!r}]")
     try:
         names = tuple(value)
     except TypeError:
-        raise ValueError(
-            "prefetch_offload option 'offload_params' must be an iterable of str, "
+        raise OffloadError(
+            "option 'offload_params' must be an iterable of str, "
             f"got {type(value).__name__}") from None
     if not names:
-        raise ValueError(
-            "prefetch_offload option 'offload_params' is empty, so nothing would be "
+        raise OffloadError(
+            "option 'offload_params' is empty, so nothing would be "
             "offloaded: leave it out to offload every parameter of the chosen layers")
     for name in names:
         if not isinstance(name, str) or not name or name.startswith(".") or name.endswith("."):
-            raise ValueError(
-                "prefetch_offload option 'offload_params' entries must be non-empty dotted "
+            raise OffloadError(
+                "option 'offload_params' entries must be non-empty dotted "
                 f"names such as 'w13_weight' or 'mlp.experts.w2_weight', got {name!r}")
     return names
 
@@ -183,14 +178,14 @@ def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None 
     """Validate user options (and torch.compile's own ``mode=``) into :class:`OffloadOptions`."""
     options = dict(options or {})
     if not isinstance(options, dict):
-        raise ValueError("prefetch_offload options must be a dict")
+        raise OffloadError("options must be a dict")
     unknown = sorted(set(options) - set(VALID_KEYS))
     if unknown:
-        raise ValueError(
-            f"unknown prefetch_offload option(s) {unknown}; valid options are {list(VALID_KEYS)}")
+        raise OffloadError(
+            f"unknown option(s) {unknown}; valid options are {list(VALID_KEYS)}")
     if mode is not None and options.get("mode") not in (None, mode):
-        raise ValueError(
-            f"prefetch_offload got mode={mode!r} from torch.compile and "
+        raise OffloadError(
+            f"got mode={mode!r} from torch.compile and "
             f"mode={options['mode']!r} in its options: give the mode once")
     if mode is not None:
         options["mode"] = mode
@@ -199,21 +194,21 @@ def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None 
     group_size = _check_int("group_size", options.get("group_size", 2), 1)
     num_in_group = _check_int("num_in_group", options.get("num_in_group", 1), 1)
     if num_in_group > group_size:
-        raise ValueError(
-            f"prefetch_offload option 'num_in_group' ({num_in_group}) must not exceed "
+        raise OffloadError(
+            f"option 'num_in_group' ({num_in_group}) must not exceed "
             f"'group_size' ({group_size}): it counts the offloaded layers in each group")
     prefetch_step = _check_int("prefetch_step", options.get("prefetch_step", 1), 1)
     inner_backend = _check_choice("inner_backend", options.get("inner_backend", "inductor"),
                                   INNER_BACKENDS)
     mode_name = _check_choice("mode", options.get("mode") or "default", MODES)
     if mode_name != "default" and inner_backend != "inductor":
-        raise ValueError(
-            f"prefetch_offload option 'mode' ({mode_name!r}) is an Inductor mode, but "
+        raise OffloadError(
+            f"option 'mode' ({mode_name!r}) is an Inductor mode, but "
             f"inner_backend is {inner_backend!r}: drop the mode or use inner_backend='inductor'")
     layers = options.get("layers")
     if layers is not None and not isinstance(layers, str):
-        raise ValueError(
-            "prefetch_offload option 'layers' must be the dotted path of the layer list, "
+        raise OffloadError(
+            "option 'layers' must be the dotted path of the layer list, "
             f"such as 'model.layers', got {layers!r}")
     return OffloadOptions(
         group_size=group_size,
@@ -231,16 +226,16 @@ def _check_planner_options(options: Mapping[str, Any]) -> dict[str, Any]:
     given = [k for k in PLANNER_KEYS if options.get(k) is not None]
     if options.get("memory_budget") is None:
         if given:
-            raise ValueError(
-                f"prefetch_offload option(s) {given} only apply to the planner: give "
+            raise OffloadError(
+                f"option(s) {given} only apply to the planner: give "
                 "'memory_budget' too, or leave them out")
         return {}
     hand = [k for k in HAND_PICKED_KEYS if k in options]
     if hand:
-        raise ValueError(
-            f"prefetch_offload options {hand} and 'memory_budget' both decide what is "
+        raise OffloadError(
+            f"options {hand} and 'memory_budget' both decide what is "
             "offloaded: give 'memory_budget' and let the planner choose the layers and the "
-            f"prefetch depth, or drop 'memory_budget' and pick {hand} by hand")
+            f"slot count, or drop 'memory_budget' and pick {hand} by hand")
     return dict(
         memory_budget=parse_size("memory_budget", options["memory_budget"]),
         plan_tokens=_check_plan_tokens(options.get("plan_tokens")),

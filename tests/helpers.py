@@ -6,7 +6,7 @@ import copy
 
 import torch
 
-from fx_offload import models
+from fx_offload.tools import models
 
 
 def compile_pair(name: str, options: dict, build_kwargs: dict | None = None, **compile_kwargs):

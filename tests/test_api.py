@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fx_offload
-from fx_offload import models
+from fx_offload.tools import models
 from helpers import compile_pair
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,7 +31,7 @@ def test_plain_backend_name_uses_defaults_and_says_so(caplog):
         want = torch.compile(reference, backend="inductor")(*inputs)
     assert all(torch.equal(o, want) for o in outs)
     rep = fx_offload.report(model)
-    assert rep.layers == [1, 3, 5] and rep.slots == 1
+    assert rep.layers == [1, 3, 5] and rep.num_slots == 1
     summary = [r.getMessage() for r in caplog.records if "offloaded layer" in r.getMessage()]
     assert len(summary) == 1, summary
     assert "group_size=2, num_in_group=1, prefetch_step=1" in summary[0]
@@ -67,7 +67,7 @@ def test_mode_inside_options():
 
 
 @pytest.mark.parametrize("options,needle", [
-    ({"group_sise": 2}, "unknown prefetch_offload option(s) ['group_sise']; valid options are"),
+    ({"group_sise": 2}, "prefetch_offload: unknown option(s) ['group_sise']; valid options are"),
     ({"group_size": 0}, "'group_size' must be >= 1"),
     ({"group_size": 2.0}, "'group_size' must be an int"),
     ({"group_size": True}, "'group_size' must be an int"),
@@ -82,15 +82,15 @@ def test_mode_inside_options():
     ({"layers": 3}, "'layers' must be the dotted path"),
 ])
 def test_bad_options_are_clear_errors_on_every_route(options, needle):
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(fx_offload.OffloadError) as err:     # a ValueError
         fx_offload.backend(**options)
-    assert needle in str(err.value)
+    assert needle in str(err.value) and str(err.value).startswith("prefetch_offload: ")
     model, inputs = models.build("mlp", num_layers=4)
     with pytest.raises(Exception) as err:
         run_compiled(model, inputs, backend="prefetch_offload", options=options)
     assert needle in str(err.value)
     assert all(p.device.type == "cpu" for p in model.parameters())
-    assert fx_offload.runtime.state_for_model(model) is None   # nothing was offloaded
+    assert fx_offload.registry.state_for_model(model) is None   # nothing was offloaded
 
 
 def test_compile_time_errors_name_the_fix():
@@ -106,7 +106,7 @@ def test_compile_time_errors_name_the_fix():
                      options={"offload_params": ["w13_weight"]})
     for n, p in model.named_parameters():     # weights untouched by the refused compiles
         assert p.data_ptr() == before[n][0] and torch.equal(p, before[n][1]), n
-    assert fx_offload.runtime.state_for_model(model) is None
+    assert fx_offload.registry.state_for_model(model) is None
 
 
 def test_grad_enabled_compile_is_refused():
@@ -114,7 +114,7 @@ def test_grad_enabled_compile_is_refused():
     compiled = torch.compile(model, backend="prefetch_offload")
     with pytest.raises(Exception, match="supports inference only"):
         compiled(*inputs)
-    assert fx_offload.runtime.state_for_model(model) is None
+    assert fx_offload.registry.state_for_model(model) is None
     with torch.no_grad():
         compiled(*inputs)                      # fine without grad
     with pytest.raises(Exception, match="supports inference only"):
@@ -129,7 +129,7 @@ def test_report_fields_and_table():
         compiled(*inputs)
     rep = fx_offload.report(model)
     assert rep.layers == [1, 2, 4, 5]
-    assert rep.slots == 3 and rep.device == "cpu"
+    assert rep.num_slots == 3 and rep.device == "cpu"
     per_layer = sum(p.numel() * p.element_size() for p in reference.layers[1].parameters())
     assert rep.offloaded_bytes == 4 * per_layer
     assert rep.buffer_bytes == 3 * per_layer
@@ -137,7 +137,9 @@ def test_report_fields_and_table():
     # 4 layers over 3 slots: slot 0 serves layers 1 and 5; slots 1 and 2 one layer each,
     # which stay resident and are never refilled
     assert rep.slot_of == {1: 0, 2: 1, 4: 2, 5: 0}
-    assert rep.target_of == {1: 5, 2: None, 4: None, 5: 1}
+    assert rep.refill_of == {1: 5, 2: None, 4: None, 5: 1}
+    # the first releases' names read the same values
+    assert rep.target_of == rep.refill_of and rep.slots == rep.num_slots
     text = str(rep)
     for needle in ("layer  slot  prefetches next", "4 of 7 layers of 'layers' offloaded",
                    "layer 5", "3 slot buffer(s)"):
@@ -153,7 +155,7 @@ def test_slot_rotation_with_counts_not_divisible_by_step():
     rep = fx_offload.report(model)
     # 5 layers over 2 slots: slot 0 serves 0, 2, 4; slot 1 serves 1, 3
     assert rep.slot_of == {0: 0, 1: 1, 2: 0, 3: 1, 4: 0}
-    assert rep.target_of == {0: 2, 1: 3, 2: 4, 3: 1, 4: 0}
+    assert rep.refill_of == {0: 2, 1: 3, 2: 4, 3: 1, 4: 0}
     ptr = {i: model.layers[i].fc1.weight.data_ptr() for i in range(5)}
     assert ptr[0] == ptr[2] == ptr[4] != ptr[1] == ptr[3]
 
@@ -166,7 +168,7 @@ def test_restore_returns_weights_bitwise_and_model_runs_eagerly():
         for _ in range(3):
             compiled(*inputs)
         fx_offload.restore(model)
-        assert fx_offload.runtime.state_for_model(model) is None
+        assert fx_offload.registry.state_for_model(model) is None
         for name, p in model.named_parameters():
             assert torch.equal(p, originals[name]), name
         assert len({p.data_ptr() for p in model.parameters()}) == len(originals)
@@ -189,12 +191,12 @@ def test_recompile_reuses_state_and_buffers():
                                                               "inner_backend": "aot_eager"})
     with torch.no_grad():
         compiled(*inputs)
-        state = fx_offload.runtime.state_for_model(model)
+        state = fx_offload.registry.state_for_model(model)
         ptrs = [p.data_ptr() for p in model.parameters()]
         for batch in (7, 1, 13):          # new shapes: Dynamo recompiles
             x = torch.randn(batch, inputs[0].shape[1])
             assert torch.equal(compiled(x), reference(x))
-    assert fx_offload.runtime.state_for_model(model) is state
+    assert fx_offload.registry.state_for_model(model) is state
     assert [p.data_ptr() for p in model.parameters()] == ptrs
 
 

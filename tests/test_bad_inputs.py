@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import fx_offload
-from fx_offload import models
-from fx_offload.models import MLPBlock
+from fx_offload.tools import models
+from fx_offload.tools.models import MLPBlock
 
 
 class TwoStacks(nn.Module):
@@ -82,7 +82,7 @@ def mixed_devices():
 # (id, factory, options, extra compile kwargs, pattern of the error)
 ROWS = [
     ("unknown_key", mlp, {"prefetch_stpe": 2}, {},
-     r"unknown prefetch_offload option\(s\) \['prefetch_stpe'\]; valid options are"),
+     r"prefetch_offload: unknown option\(s\) \['prefetch_stpe'\]; valid options are"),
     ("bad_type", mlp, {"group_size": "4"}, {}, r"'group_size' must be an int >= 1"),
     ("bad_value", mlp, {"prefetch_step": 0}, {}, r"'prefetch_step' must be >= 1"),
     ("num_over_group", mlp, {"group_size": 2, "num_in_group": 3}, {},
@@ -138,7 +138,11 @@ def test_bad_input_row(row):
     with torch.no_grad(), pytest.raises(Exception) as err:
         torch.compile(model, backend="prefetch_offload", options=options, **kwargs)(*inputs)
     assert re.search(pattern, str(err.value), re.S), str(err.value)[:2000]
-    assert fx_offload.runtime.state_for_model(model) is None
+    # Dynamo wraps what the backend raised; underneath is our one error class, prefixed
+    inner = getattr(err.value, "inner_exception", err.value)
+    assert isinstance(inner, fx_offload.OffloadError), repr(inner)
+    assert str(inner).startswith("prefetch_offload: "), str(inner)
+    assert fx_offload.registry.state_for_model(model) is None
 
 
 def test_grad_mode_row():
@@ -214,7 +218,7 @@ def test_layer_output_viewing_an_offloaded_weight_row():
                                                          r"weight .*exclude that parameter"):
         torch.compile(model, backend="prefetch_offload",
                       options={"inner_backend": "eager"})(torch.randn(2, 8))
-    assert fx_offload.runtime.state_for_model(model) is None
+    assert fx_offload.registry.state_for_model(model) is None
 
 
 def test_layer_weight_read_outside_the_layer_row():
@@ -233,14 +237,14 @@ def test_layer_weight_read_outside_the_layer_row():
                                                          r"layers\.1 outside"):
         torch.compile(model, backend="prefetch_offload",
                       options={"inner_backend": "eager"})(torch.randn(2, 8))
-    assert fx_offload.runtime.state_for_model(model) is None
+    assert fx_offload.registry.state_for_model(model) is None
 
 
 def test_cpu_model_while_cuda_is_available_row(monkeypatch, caplog):
     """Offloading weights that already live in host memory saves nothing: said, not refused
     (it is how the CPU simulation runs)."""
     import logging
-    monkeypatch.setattr(fx_offload.runtime, "_cuda_available", lambda: True)
+    monkeypatch.setattr(fx_offload.selection.decide, "_cuda_available", lambda: True)
     model, inputs = mlp()
     with caplog.at_level(logging.WARNING, logger="fx_offload"), torch.no_grad():
         torch.compile(model, backend="prefetch_offload",

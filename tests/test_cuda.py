@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import fx_offload
-from fx_offload import models
-from fx_offload.profiling import overlap_from_events
+from fx_offload.runtime.slots import SlotBuffers
+from fx_offload.tools import models
+from fx_offload.tools.profiling import overlap_from_events
 
 pytestmark = pytest.mark.cuda
 
@@ -44,7 +45,7 @@ def test_inner_backends_on_gpu(inner, dtype):
         for call in range(4):
             x = torch.randint(0, 256, ids.shape, device="cuda")
             same(compiled(x), ref_fn(x), dtype, exact=inner != "inductor")
-    state = fx_offload.runtime.state_for_model(model)
+    state = fx_offload.registry.state_for_model(model)
     assert state.copy_stream is not None and state.pinned
     assert state.stats["prefetches"] > 0 and state.stats["sync_loads"] == 0
     assert all(m.is_pinned() for layer in state.masters.values() for m in layer.values())
@@ -67,7 +68,7 @@ def test_reduce_overhead_cudagraph_trees(dtype):
             same(got, ref_fn(x), dtype)
     skipped = {k: v for k, v in counters["inductor"].items() if "cudagraph_skips" in k}
     assert not skipped, skipped
-    state = fx_offload.runtime.state_for_model(model)
+    state = fx_offload.registry.state_for_model(model)
     assert state.stats["sync_loads"] == 0
 
 
@@ -149,7 +150,7 @@ def test_peak_memory_saved_equals_offloaded_minus_slots():
           f"{host_growth / 2**20:.1f} MiB")
     assert abs(saved_peak - expected) <= 0.01 * expected
     assert abs((weights_before - after) - expected) <= 0.01 * expected
-    state = fx_offload.runtime.state_for_model(model)
+    state = fx_offload.registry.state_for_model(model)
     masters = [m for layer in state.masters.values() for m in layer.values()]
     assert len({m.data_ptr() for m in masters}) == len(masters)
     assert sum(m.numel() * m.element_size() for m in masters) == rep.offloaded_bytes
@@ -181,7 +182,7 @@ def test_copies_overlap_compute_in_a_profiler_trace():
 
 def test_pageable_fallback_warns_once_and_stays_correct(monkeypatch, caplog):
     import logging
-    from fx_offload import host_memory
+    from fx_offload.runtime import host_memory
 
     def refuse(*args, **kwargs):
         raise RuntimeError("no pinning here")
@@ -199,12 +200,12 @@ def test_pageable_fallback_warns_once_and_stays_correct(monkeypatch, caplog):
             same(compiled(x), reference(x), torch.float32, exact=True)
     warnings = [r for r in caplog.records if "pinned host memory unavailable" in r.getMessage()]
     assert len(warnings) == 1
-    assert not fx_offload.runtime.state_for_model(model).pinned
+    assert not fx_offload.registry.state_for_model(model).pinned
 
 
 @pytest.mark.parametrize("packed", [True, False])
 def test_packed_and_per_parameter_copies(packed, monkeypatch):
-    monkeypatch.setattr(fx_offload.runtime.OffloadState, "packed", packed)
+    monkeypatch.setattr(SlotBuffers, "packed", packed)
     model, ids = decoder(torch.bfloat16)
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend="prefetch_offload",
@@ -213,8 +214,8 @@ def test_packed_and_per_parameter_copies(packed, monkeypatch):
         for batch in (2, 3, 2):
             x = torch.randint(0, 256, (batch, 16), device="cuda")
             same(compiled(x), reference(x), torch.float32, exact=True)
-    state = fx_offload.runtime.state_for_model(model)
-    assert (state.slot_flat is not None) == packed
+    state = fx_offload.registry.state_for_model(model)
+    assert (state.buffers.flat is not None) == packed
 
 
 def test_thousand_calls_keep_device_and_host_memory_flat():

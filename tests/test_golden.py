@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import fx_offload
-from fx_offload import models
-from fx_offload.explain import explain
+from fx_offload.tools import models
+from fx_offload import explain
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden_graphs"
 ACCEPT = os.environ.get("EXPECTTEST_ACCEPT", "") not in ("", "0")
@@ -99,7 +99,7 @@ def test_golden_scenario_outputs(name):
             assert torch.equal(compiled(*x), reference(*x)), f"call {call}"
     rep = fx_offload.report(model)
     _, explanation = render(name)
-    assert rep.layers == explanation.state.layers
+    assert rep.layers == explanation.choice.layers
 
 
 def test_regenerating_twice_gives_identical_text():
@@ -113,7 +113,7 @@ def test_explain_leaves_the_model_untouched():
     model, inputs = models.build("mlp", num_layers=4)
     before = {n: (p.data_ptr(), p.detach().clone()) for n, p in model.named_parameters()}
     explanation = explain(model, *inputs, group_size=2)
-    assert fx_offload.runtime.state_for_model(model) is None
+    assert fx_offload.registry.state_for_model(model) is None
     for n, p in model.named_parameters():
         assert p.data_ptr() == before[n][0] and torch.equal(p, before[n][1])
     assert [r.plan is not None for r in explanation.graphs] == [True]

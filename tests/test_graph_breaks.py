@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fx_offload
-from fx_offload.models import MLPBlock
+from fx_offload.tools.models import MLPBlock
 
 
 class BreakingBlock(MLPBlock):
@@ -67,16 +67,16 @@ def test_graph_breaks_give_correct_outputs(where, inner, caplog):
         # two graphs, each with prefetch ops; the last layer refills the first for next call
         assert "graph with 1 offloaded layer(s) [1]" in messages
         assert "graph with 2 offloaded layer(s) [3, 5]" in messages
-        assert fx_offload.runtime.state_for_model(model).stats["sync_loads"] == 0
+        assert fx_offload.registry.state_for_model(model).stats["sync_loads"] == 0
     else:
         # Dynamo compiled Block.forward alone and reuses it for every layer: no prefetch in
         # it, the layers' pre-forward hooks load synchronously, and the user is told why
         assert "compiled" in messages and "on its own" in messages
-        assert fx_offload.runtime.state_for_model(model).stats["sync_loads"] > 0
+        assert fx_offload.registry.state_for_model(model).stats["sync_loads"] > 0
 
 
 def test_two_models_stay_independent():
-    from fx_offload import models
+    from fx_offload.tools import models
     a, (xa,) = models.build("mlp", num_layers=4, seed=1)
     b, (xb,) = models.build("decoder", num_layers=4, seed=2)
     ra, rb = copy.deepcopy(a), copy.deepcopy(b)
@@ -87,4 +87,4 @@ def test_two_models_stay_independent():
         for _ in range(3):
             assert torch.equal(ca(xa), ra(xa))
             assert torch.equal(cb(xb), rb(xb))
-    assert fx_offload.report(a).slots == 1 and fx_offload.report(b).slots == 2
+    assert fx_offload.report(a).num_slots == 1 and fx_offload.report(b).num_slots == 2

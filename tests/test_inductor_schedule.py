@@ -9,6 +9,7 @@ from torch._inductor.utils import run_and_get_code
 
 import fx_offload
 import fx_offload.compiler as compiler
+from fx_offload.passes import prefetch
 from helpers import compile_pair
 
 CALL = re.compile(r"torch\.ops\.fx_offload\.(wait|start|join)_prefetch\.default\((.*)\)")
@@ -76,7 +77,7 @@ def schedule_violations(code, layer_of_input, rep) -> list[str]:
             problems.append(f"slot buffer copied: {line}")
     if set(waits) != set(rep.layers):
         problems.append(f"waits for layers {sorted(waits)}, expected {rep.layers}")
-    expected_starts = {l for l in rep.layers if rep.target_of[l] is not None}
+    expected_starts = {l for l in rep.layers if rep.refill_of[l] is not None}
     if set(starts) != expected_starts:
         problems.append(f"starts for layers {sorted(starts)}, expected {sorted(expected_starts)}")
     for layer in rep.layers:
@@ -111,21 +112,21 @@ def test_planted_early_start_is_caught_and_gives_wrong_numbers(monkeypatch):
     """The checks can fail, and slots are really shared: a start placed before its layer's
     last weight read is refused by the pass's verifier; let through, the generated-code
     check flags it, and its refill corrupts that layer's output."""
-    real_plan = compiler.plan_graph
+    real_plan = prefetch.plan_graph
 
-    def early_start(gm, gi, state):
-        plan = real_plan(gm, gi, state)
+    def early_start(*args):
+        plan = real_plan(*args)
         for lp in plan.layers:
             lp.last_node = lp.first_use      # start right after the first weight read
             lp.start_acts, lp.start_reads = [lp.first_use], []
         return plan
 
-    monkeypatch.setattr(compiler, "plan_graph", early_start)
+    monkeypatch.setattr(prefetch, "plan_graph", early_start)
     with pytest.raises(Exception, match=r"reads .* of layer 1 from slot 0, but it is being "
                                         r"refilled with layer 3"):
         compile_and_read_code("mlp", dict(group_size=2, num_in_group=1, prefetch_step=1), 6)
     torch._dynamo.reset()
-    monkeypatch.setattr(compiler, "verify_plan", lambda *a: None)   # let it through
+    monkeypatch.setattr(prefetch, "verify_graph", lambda *a: None)   # let it through
     model, reference, inputs, out, code, layer_of_input = compile_and_read_code(
         "mlp", dict(group_size=2, num_in_group=1, prefetch_step=1), 6)
     problems = schedule_violations(code, layer_of_input, fx_offload.report(model))

@@ -11,9 +11,13 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import fx_offload
-from fx_offload import device_rates, models, planner
-from fx_offload.bench import schedule_bound
-from fx_offload.planner import simulate, weights_bytes
+from fx_offload.selection import budget as planner
+from fx_offload.selection import device_rates
+from fx_offload.tools import models
+from fx_offload.tools.bench import schedule_bound
+from fx_offload.schedule import Schedule
+from fx_offload.selection.budget import simulate, weights_bytes
+from fx_offload.selection.stack import find_layer_stack
 
 # given rates: the planner measures nothing and its choice is the same on every machine
 RATES = dict(flop_rate=1e12, memory_bandwidth=1e11, h2d_bandwidth=1e10, launch_overhead=5e-6)
@@ -39,7 +43,7 @@ def layer_bytes(model):
 def device_weights_now(model):
     """Bytes the model's weights take where its non-offloaded weights live: resident
     parameters plus the slot buffers (offloaded parameters point into the slots)."""
-    state = fx_offload.runtime.state_for_model(model)
+    state = fx_offload.registry.state_for_model(model)
     offloaded = {id(p.param) for ps in state.params.values() for p in ps}
     resident = sum(t.numel() * t.element_size()
                    for t in itertools.chain(model.parameters(), model.buffers())
@@ -51,28 +55,26 @@ def device_weights_now(model):
 
 def test_simulate_copy_bound_and_compute_bound():
     layers, slots = [1, 3, 5, 7], 2
-    slot_of, target_of = fx_offload.selection.rotation(layers, slots)
+    schedule = Schedule(layers, slots)
     copy = {layer: 10.0 for layer in layers}
     # copies dominate: every call moves 4 layers one after another on one copy stream
-    assert simulate(0, [0.1] * 8, 0, layers, slot_of, target_of, copy) == pytest.approx(40.0)
+    assert simulate(0, [0.1] * 8, 0, schedule, copy) == pytest.approx(40.0)
     # compute dominates: the copies hide
-    assert simulate(0, [30.0] * 8, 0, layers, slot_of, target_of, copy) == pytest.approx(240.0)
+    assert simulate(0, [30.0] * 8, 0, schedule, copy) == pytest.approx(240.0)
     # without overlap (the CPU) they add
-    assert simulate(0, [1.0] * 8, 0, layers, slot_of, target_of, copy, overlapped=False) == \
+    assert simulate(0, [1.0] * 8, 0, schedule, copy, overlapped=False) == \
         pytest.approx(48.0)
     # the bench's bound is the same simulation
-    assert schedule_bound(8, layers, slot_of, target_of, 30.0, copy) == pytest.approx(240.0)
+    assert schedule_bound(8, schedule, 30.0, copy) == pytest.approx(240.0)
 
 
 def test_one_slot_schedule_waits_for_the_previous_layer():
     # one slot: layer 3's copy starts only after layer 1 ran, and only layer 2 (1 unit) hides
     # its 3 units; likewise layer 1's copy for the next call behind layer 0: 2 + 2 waited
-    slot_of, target_of = fx_offload.selection.rotation([1, 3], 1)
-    t = simulate(0, [1.0] * 4, 0, [1, 3], slot_of, target_of, {1: 3.0, 3: 3.0})
+    t = simulate(0, [1.0] * 4, 0, Schedule([1, 3], 1), {1: 3.0, 3: 3.0})
     assert t == pytest.approx(4.0 + 2.0 + 2.0)
     # two slots would start each copy a call ahead: fully hidden with 4 units per call
-    slot_of, target_of = fx_offload.selection.rotation([0, 1, 2, 3], 2)
-    t = simulate(0, [3.0] * 4, 0, [0, 1, 2, 3], slot_of, target_of, dict.fromkeys(range(4), 3.0))
+    t = simulate(0, [3.0] * 4, 0, Schedule([0, 1, 2, 3], 2), dict.fromkeys(range(4), 3.0))
     assert t == pytest.approx(12.0)
 
 
@@ -83,12 +85,12 @@ def _costs_of(name, tokens, **build):
     seen = {}
 
     def backend(gm, example_inputs):
-        from fx_offload.costs import graph_costs
+        from fx_offload.selection.costs import graph_costs
         from fx_offload.graph_inputs import read_graph_inputs
         gi = read_graph_inputs(gm, example_inputs)
-        stack = fx_offload.selection.find_layer_stack(model, None)
-        seen["costs"] = graph_costs(gm, gi, {stack.prefix(i): i
-                                             for i in range(len(stack.layers))})
+        stack = find_layer_stack(model, None)
+        seen["costs"] = graph_costs(gm, gi, {stack.layer_path(i): i
+                                             for i in range(len(stack.modules))})
         return gm.forward
     with torch.no_grad():
         torch.compile(model, backend=backend, dynamic=True)(*inputs)
@@ -120,7 +122,7 @@ def test_static_graph_costs_scale_linearly_from_the_traced_shape():
     seen = {}
 
     def backend(gm, example_inputs):
-        from fx_offload.costs import graph_costs
+        from fx_offload.selection.costs import graph_costs
         from fx_offload.graph_inputs import read_graph_inputs
         seen["c"] = graph_costs(gm, read_graph_inputs(gm, example_inputs),
                                 {f"layers.{i}": i for i in range(8)})
@@ -143,7 +145,7 @@ def test_chosen_plan_fits_the_budget_and_outputs_are_exact(layers_resident):
     assert torch.equal(out, expected)
     rep = fx_offload.report(model)
     chosen = rep.planner.chosen.candidate
-    assert rep.layers == list(chosen.layers) and rep.slots == chosen.slots
+    assert rep.layers == list(chosen.layers) and rep.num_slots == chosen.num_slots
     assert chosen.weights_bytes <= budget
     assert device_weights_now(model) == chosen.weights_bytes
     # the choice is the best prediction among every plan that fits (ties within NEAR)
@@ -183,8 +185,8 @@ def test_break_even_is_where_the_copies_hide():
     sizes = dict(zip(c.layers, c.layer_bytes))
     be = result.chosen.break_even
     assert be is not None and be > 1
-    assert cm.predict(list(c.layers), c.slots, sizes, be) <= 1.01 * cm.resident(be)
-    assert cm.predict(list(c.layers), c.slots, sizes, be - 1) > 1.01 * cm.resident(be - 1)
+    assert cm.predict(list(c.layers), c.num_slots, sizes, be) <= 1.01 * cm.resident(be)
+    assert cm.predict(list(c.layers), c.num_slots, sizes, be - 1) > 1.01 * cm.resident(be - 1)
 
 
 def test_minimum_budget_is_exact():
@@ -203,7 +205,7 @@ def test_minimum_budget_is_exact():
 def test_budget_holding_everything_offloads_nothing(caplog):
     model, compiled, reference, inputs, out, expected = compile_planned("mlp", "1GiB")
     assert torch.equal(out, expected)
-    assert fx_offload.runtime.state_for_model(model) is None
+    assert fx_offload.registry.state_for_model(model) is None
     rep = fx_offload.report(model)
     assert rep.layers == [] and rep.planner.chosen.candidate is None
     assert "nothing offloaded" in str(rep)

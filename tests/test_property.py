@@ -6,7 +6,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import fx_offload
-from fx_offload import models
+from fx_offload.tools import models
 
 PARAM_CHOICES = {
     "mlp": [["fc1"], ["fc2.weight"], ["fc1.bias", "fc2"]],
@@ -86,6 +86,6 @@ def test_thousand_calls_with_changing_batch_sizes():
     # batch 1 is specialized by Dynamo, every other size shares one dynamic graph
     assert len(compiles) <= 2, len(compiles)
     assert rss_1000 - rss_100 < 16 * 2**20, (rss_100, rss_1000)
-    state = fx_offload.runtime.state_for_model(model)
+    state = fx_offload.registry.state_for_model(model)
     assert state.stats["sync_loads"] == 0 and not state.pending
     assert checked == 20

@@ -84,5 +84,5 @@ def test_greedy_generate_gives_the_same_tokens(name, device):
         want = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
                                   do_sample=False, pad_token_id=0)
     assert torch.equal(got, want)
-    state = fx_offload.runtime.state_for_model(model)
+    state = fx_offload.registry.state_for_model(model)
     assert state.stats["prefetches"] > 0

@@ -5,13 +5,15 @@ import sys
 
 import pytest
 
-from fx_offload import models, ops
-from fx_offload.explain import explain
-from fx_offload.verify import ScheduleError, slot_model_for, verify_graph
+from fx_offload import ops
+from fx_offload.tools import models
+from fx_offload import explain
+from fx_offload.errors import ScheduleError
+from fx_offload.passes.verify import slot_model_for, verify_graph
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPILE_MLP = ("import torch, fx_offload\n"
-               "from fx_offload import models\n"
+               "from fx_offload.tools import models\n"
                "m, inp = models.build('mlp', num_layers=4)\n"
                "with torch.no_grad():\n"
                "    torch.compile(m, backend='prefetch_offload',"
@@ -27,12 +29,12 @@ def explained(name="mlp", **options):
 
 def verify(e, record):
     verify_graph(record.after, {w: t[0] for w, t in record.weight_tags.items()},
-                 slot_model_for(e.state, [lp.layer for lp in record.plan.layers]))
+                 slot_model_for(e.choice.schedule, [lp.layer for lp in record.plan.layers]))
 
 
 def op_nodes(gm, target, layer):
-    return [n for n in gm.graph.nodes if n.target is target and (
-        n.args[2] == layer if target is ops.WAIT else n.args[3] == layer)]
+    return [n for n in gm.graph.nodes
+            if (call := ops.OpCall.of(n)) is not None and call.op is target and call.layer == layer]
 
 
 def test_verifier_passes_the_real_schedules():
@@ -80,7 +82,7 @@ def test_missing_circular_prefetch_is_caught():
 
 def test_prefetch_into_the_wrong_slot_is_caught():
     e, record = explained(group_size=2, prefetch_step=3)   # layers 1, 3, 5 in slots 0, 1, 2
-    wrong = record.after.graph.call_function(ops.START, ([], [], e.state.handle, 1, 3))
+    wrong = record.after.graph.call_function(ops.START, ([], [], record.plan.handle, 1, 3))
     (wait,) = op_nodes(record.after, ops.WAIT, 1)
     wait.append(wrong)
     with pytest.raises(ScheduleError, match=r"prefetches layer 3, which lives in slot 1"):
@@ -95,7 +97,7 @@ def test_inspect_cli_builtin_and_file_targets(tmp_path):
     assert "layer  slot  params  bytes  wait" in out.stdout
     assert ">>> wait_prefetch(layer 1)" in out.stdout and "(ATen)" in out.stdout
     factory = tmp_path / "my_model.py"
-    factory.write_text("from fx_offload.models import build_decoder\n"
+    factory.write_text("from fx_offload.tools.models import build_decoder\n"
                        "def make():\n    return build_decoder(num_layers=4)\n")
     out = subprocess.run([sys.executable, "-m", "fx_offload", "inspect", f"{factory}:make",
                           "--group-size", "4", "--num-in-group", "2"],

@@ -8,8 +8,8 @@ import torch
 
 import fx_offload
 import fx_offload.compiler as compiler
-from fx_offload import models
-from fx_offload.weights import named_weights, update_weights
+from fx_offload.tools import models
+from fx_offload import named_weights, update_weights
 
 
 def offloaded(name="mlp", **options):
@@ -86,7 +86,7 @@ def test_failed_compile_leaves_the_weights_untouched(monkeypatch):
     monkeypatch.setattr(compiler, "compile_inner", broken)
     with torch.no_grad(), pytest.raises(Exception, match="inner compiler exploded"):
         torch.compile(model, backend="prefetch_offload")(*inputs)
-    assert fx_offload.runtime.state_for_model(model) is None
+    assert fx_offload.registry.state_for_model(model) is None
     for n, p in model.named_parameters():
         assert p.data_ptr() == before[n][0] and torch.equal(p, before[n][1]), n
     assert not model.layers[1]._forward_pre_hooks

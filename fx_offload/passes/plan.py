@@ -1,7 +1,7 @@
 """Step 1 of the pass: decide, for one Dynamo graph, where each offloaded layer's ops go.
 
-Nothing here edits the graph; :mod:`fx_offload.rewrite` applies the plan.  For every offloaded
-layer present in the graph the plan holds:
+Nothing here edits the graph; :mod:`~fx_offload.passes.rewrite` applies the plan.  For every
+offloaded layer present in the graph the plan holds:
 
 * ``first_use``: the first node that reads one of the layer's offloaded weights; the wait goes
   immediately before it;
@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 
 import torch
 from torch import fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
-from .graph_inputs import GraphInputs
-from .runtime import OffloadState
+from ..errors import PlanError
+from ..graph_inputs import GraphInputs, layers_of_nodes, storage_of, value_of
+from ..selection.choice import Choice
 
 log = logging.getLogger("fx_offload")
 
@@ -37,7 +36,7 @@ log = logging.getLogger("fx_offload")
 class LayerPlan:
     layer: int
     slot: int
-    target: int | None                  # layer prefetched into this slot after this one
+    refill: int | None                  # layer copied into this slot after this one
     weights: list[fx.Node]              # placeholders of the offloaded weights
     first_use: fx.Node
     last_node: fx.Node
@@ -45,7 +44,6 @@ class LayerPlan:
     clone_inputs: list[fx.Node]
     start_acts: list[fx.Node]
     start_reads: list[fx.Node]
-    weight_only: list[fx.Node]          # weight reads that depend on no activation
     members: list[fx.Node]              # the layer's nodes, in graph order
 
 
@@ -55,95 +53,51 @@ class GraphPlan:
     layers: list[LayerPlan]
     join_acts: list[fx.Node]
     join_reads: list[fx.Node]
-    other_params: int                   # parameter placeholders left resident
 
     @property
     def has_starts(self) -> bool:
-        return any(lp.target is not None for lp in self.layers)
+        return any(lp.refill is not None for lp in self.layers)
+
+    def weight_layers(self) -> dict[fx.Node, int]:
+        """Offloaded weight placeholder -> its layer."""
+        return {w: lp.layer for lp in self.layers for w in lp.weights}
 
 
-class PlanError(ValueError):
-    pass
-
-
-def _value(node: fx.Node):
-    return node.meta.get("example_value", node.meta.get("val"))
-
-
-def _storage(node: fx.Node):
-    value = _value(node)
-    if isinstance(value, torch.Tensor):
-        try:
-            return StorageWeakRef(value.untyped_storage())
-        except Exception:  # pragma: no cover - tensors without storage (sparse, nested)
-            return None
-    return None
-
-
-_INDEX = re.compile(r"\[\s*'?([^'\]]+)'?\s*\]")
-
-
-def module_path(stack_path: str, root_expr: str | None) -> str | None:
-    """``L['self'].layers.1.mlp`` -> ``layers.1.mlp`` (relative to the graph's model)."""
-    if root_expr is None or not stack_path.startswith(root_expr):
-        return None
-    rest = _INDEX.sub(r".\1", stack_path[len(root_expr):])
-    return rest.lstrip(".")
-
-
-def _layer_of_nodes(gm: fx.GraphModule, gi: GraphInputs, prefixes: dict[str, int],
-                    ) -> dict[fx.Node, set[int]]:
-    membership: dict[fx.Node, set[int]] = {}
-    for node in gm.graph.nodes:
-        if node.op not in ("call_function", "call_method", "call_module"):
-            continue
-        stack = node.meta.get("nn_module_stack") or {}
-        found = set()
-        for entry in stack.values():
-            path = module_path(entry[0], gi.root_expr)
-            if path in prefixes:
-                found.add(prefixes[path])
-        if found:
-            membership[node] = found
-    return membership
-
-
-def plan_graph(gm: fx.GraphModule, gi: GraphInputs, state: OffloadState) -> GraphPlan:
+def plan_graph(gm: fx.GraphModule, gi: GraphInputs, choice: Choice, handle: int) -> GraphPlan:
+    """Where the ops for ``choice``'s offloaded layers go in ``gm`` (the state's ``handle``
+    names them); edits nothing."""
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
-    offloaded = {p.name: layer for layer, ps in state.params.items() for p in ps}
+    offloaded = {p.name: layer for layer, ps in choice.params.items() for p in ps}
     weights: dict[int, list[fx.Node]] = {}
-    other_params = 0
     for node, (name, _) in gi.params.items():
         layer = offloaded.get(name)
-        if layer is None:
-            other_params += 1
-        else:
+        if layer is not None:
             weights.setdefault(layer, []).append(node)
 
-    prefixes = {state.stack.prefix(layer): layer for layer in weights}
-    membership = _layer_of_nodes(gm, gi, prefixes)
+    paths = {choice.stack.layer_path(layer): layer for layer in weights}
+    membership = layers_of_nodes(gm, gi, paths)
     nodes_of: dict[int, list[fx.Node]] = {layer: [] for layer in weights}
     for node, layers in membership.items():
         for layer in layers:
             nodes_of[layer].append(node)
 
     input_storages = {s for n in gi.placeholders if n not in gi.params
-                      for s in [_storage(n)] if s is not None}
-    weight_storages = {_storage(n): n for ws in weights.values() for n in ws}
+                      for s in [storage_of(n)] if s is not None}
+    weight_storages = {storage_of(n): n for ws in weights.values() for n in ws}
     weight_storages.pop(None, None)
     param_nodes = set(gi.params)
 
     plans = []
     for layer in sorted(weights):
-        plan = _plan_layer(layer, weights[layer], nodes_of[layer], order, state,
+        plan = _plan_layer(layer, weights[layer], nodes_of[layer], order, choice,
                            param_nodes, input_storages, weight_storages)
         if plan is not None:
             plans.append(plan)
 
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    outs = [n for n in output.all_input_nodes if isinstance(_value(n), torch.Tensor)]
+    outs = [n for n in output.all_input_nodes if isinstance(value_of(n), torch.Tensor)]
     join_acts, join_reads = _split_mutable(outs, input_storages | set(weight_storages))
-    return GraphPlan(state.handle, plans, join_acts, join_reads, other_params)
+    return GraphPlan(handle, plans, join_acts, join_reads)
 
 
 def _split_mutable(nodes, frozen_storages):
@@ -151,7 +105,7 @@ def _split_mutable(nodes, frozen_storages):
     weight) and the rest, which are only read."""
     acts, reads, seen = [], [], set()
     for node in nodes:
-        storage = _storage(node)
+        storage = storage_of(node)
         if storage is None or storage in frozen_storages or storage in seen:
             reads.append(node)
         else:
@@ -172,7 +126,7 @@ def _cover(users, candidates, externals, order) -> list[fx.Node]:
         if not any(best in externals[u] for u in left):
             break
         pool.remove(best)
-        storage = _storage(best)
+        storage = storage_of(best)
         if storage is not None and storage in seen_storage:
             continue
         seen_storage.add(storage)
@@ -181,9 +135,9 @@ def _cover(users, candidates, externals, order) -> list[fx.Node]:
     return sorted(chosen, key=order.__getitem__)
 
 
-def _plan_layer(layer, weight_nodes, layer_nodes, order, state, param_nodes, input_storages,
+def _plan_layer(layer, weight_nodes, layer_nodes, order, choice, param_nodes, input_storages,
                 weight_storages) -> LayerPlan | None:
-    name = state.stack.prefix(layer)
+    name = choice.stack.layer_path(layer)
     users = sorted({u for w in weight_nodes for u in w.users}, key=order.__getitem__)
     if not users:
         return None
@@ -191,7 +145,7 @@ def _plan_layer(layer, weight_nodes, layer_nodes, order, state, param_nodes, inp
     for user in users:
         if user not in members:
             raise PlanError(
-                f"prefetch_offload: node {user.format_node()} reads a weight of offloaded layer "
+                f"node {user.format_node()} reads a weight of offloaded layer "
                 f"{name} outside that layer's forward, where its slot may already hold another "
                 "layer; exclude that parameter with offload_params or move the read into the "
                 "layer")
@@ -210,7 +164,7 @@ def _plan_layer(layer, weight_nodes, layer_nodes, order, state, param_nodes, inp
         for arg in node.all_input_nodes:
             if arg in after_set:
                 acc |= externals.get(arg, frozenset())
-            elif arg not in param_nodes and isinstance(_value(arg), torch.Tensor):
+            elif arg not in param_nodes and isinstance(value_of(arg), torch.Tensor):
                 acc.add(arg)
         externals[node] = frozenset(acc)
 
@@ -225,7 +179,7 @@ def _plan_layer(layer, weight_nodes, layer_nodes, order, state, param_nodes, inp
     # only values that exist at the wait can be tied to it (a value the parent computes in
     # the middle of the layer cannot)
     needed = {a for u in anchored for a in externals[u] if order[a] < order[first_use]}
-    mutable = [a for a in needed if _storage(a) not in input_storages]
+    mutable = [a for a in needed if storage_of(a) not in input_storages]
     wait_acts = _cover(anchored, mutable, externals, order)
     covered = {u for u in anchored if externals[u] & set(wait_acts)}
     # What only graph inputs feed gets a clone of one of them: the clone is tied instead.
@@ -238,24 +192,25 @@ def _plan_layer(layer, weight_nodes, layer_nodes, order, state, param_nodes, inp
                   [n.name for n in weight_only])
     if not wait_acts and not clone_inputs:
         raise PlanError(
-            f"prefetch_offload: offloaded layer {name} computes nothing from an activation "
+            f"offloaded layer {name} computes nothing from an activation "
             "(every weight read depends on weights alone), so no op can be ordered before its "
             "weight reads; do not offload this layer")
 
     outputs = [n for n in ordered
-               if any(u not in members for u in n.users) and isinstance(_value(n), torch.Tensor)]
+               if any(u not in members for u in n.users) and isinstance(value_of(n), torch.Tensor)]
     for out in outputs:
-        w = weight_storages.get(_storage(out))
+        w = weight_storages.get(storage_of(out))
         if w is not None:
             raise PlanError(
-                f"prefetch_offload: {out.format_node()} of offloaded layer {name} returns a view "
+                f"{out.format_node()} of offloaded layer {name} returns a view "
                 f"of the offloaded weight {w.name}, which would be read after its slot is "
                 "refilled; exclude that parameter with offload_params")
     start_acts, start_reads = _split_mutable(outputs, input_storages)
-    target = state.target_of[layer]
-    if target is not None and not start_acts:
+    refill = choice.schedule.refill_of[layer]
+    if refill is not None and not start_acts:
         raise PlanError(
-            f"prefetch_offload: offloaded layer {name} has no output of its own (each output "
+            f"offloaded layer {name} has no output of its own (each output "
             "aliases a graph input), so its start_prefetch cannot be ordered after it")
-    return LayerPlan(layer, state.slot_of[layer], target, weight_nodes, first_use, last_node,
-                     list(wait_acts), clone_inputs, start_acts, start_reads, weight_only, ordered)
+    return LayerPlan(layer, choice.schedule.slot_of[layer], refill, weight_nodes, first_use,
+                     last_node, list(wait_acts), clone_inputs, start_acts, start_reads,
+                     ordered)

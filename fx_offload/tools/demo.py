@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from . import report, restore
+from .. import report, restore
 from .models import build
 
 

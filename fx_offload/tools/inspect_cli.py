@@ -6,7 +6,7 @@ import importlib
 import importlib.util
 import os
 
-from .explain import explain
+from .. import explain
 from .models import BUILDERS
 
 

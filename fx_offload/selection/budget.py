@@ -5,7 +5,7 @@ At a model's first compile, with the graph's per-layer costs (:mod:`fx_offload.c
 device's rates (:mod:`fx_offload.device_rates`):
 
 1. list candidate plans: a set of offloaded layers (spread evenly over the stack, or every
-   ``group_size``/``num_in_group`` pattern), a slot count (the prefetch depth, 1..8), and, with
+   ``group_size``/``num_in_group`` pattern), a slot count (1..8), and, with
    ``offload_params``, a subset of its patterns;
 2. keep those whose device memory for weights fits the budget:
    ``resident weights - offloaded bytes + slot buffers`` (a slot is as large as the largest
@@ -31,11 +31,14 @@ import time
 import torch
 from torch import nn
 
-from .costs import GraphCosts
-from .device_rates import DeviceRates
-from .options import OffloadOptions, format_budget
-from .report import format_bytes
-from .selection import LayerStack, rotation, select_params
+from ..errors import META_REFUSED, BudgetError, OffloadError
+from ..options import OffloadOptions
+from ..schedule import Schedule
+from ..text import format_bytes, render_table
+from .costs import GraphCosts, graph_costs
+from .device_rates import RATE_NAMES, DeviceRates, rates_for
+from .params import layer_bytes, select_params
+from .stack import LayerStack
 
 log = logging.getLogger("fx_offload")
 
@@ -45,36 +48,32 @@ MAX_PATTERN_SUBSETS = 6    # with more offload_params patterns, only all of them
 NEAR = 1.005               # predicted slowdowns this close count as equal
 HIDDEN_WITHIN = 1.01       # "copies hidden": predicted time within 1% of resident
 BREAK_EVEN_LIMIT = 1 << 24
+BREAK_EVENS = 8             # the best plans whose break-even token count is searched
 
 
-class BudgetError(ValueError):
-    pass
-
-
-def simulate(pre: float, layer_s: list[float], post: float, offloaded: list[int],
-             slot_of: dict[int, int], target_of: dict[int, int | None],
+def simulate(pre: float, layer_s: list[float], post: float, schedule: Schedule,
              copy_s: dict[int, float], overlapped: bool = True, calls: int = 3) -> float:
     """Duration of one forward in steady state (the last of ``calls`` back-to-back calls).
 
-    Compute runs the segments in order; where a layer's prefetch target is set, the copy of
-    the target starts after the layer (and after the previous copy, one copy stream) and the
-    target's compute waits for it.  Not ``overlapped`` (the CPU): copies run in line."""
+    Compute runs the segments in order; after a layer whose slot has a refill, the copy of
+    the refill starts (after the previous copy: one copy stream) and the refilled layer's
+    compute waits for it.  Not ``overlapped`` (the CPU): copies run in line."""
     compute_free = copy_free = 0.0
-    ready = {layer: 0.0 for layer in offloaded}
+    ready = {layer: 0.0 for layer in schedule.layers}
     start = 0.0
     for _ in range(calls):
         start = compute_free
         compute_free += pre
         for layer, seconds in enumerate(layer_s):
             compute_free = max(compute_free, ready.get(layer, 0.0)) + seconds
-            target = target_of.get(layer)
-            if target is None:
+            refill = schedule.refill_of.get(layer)
+            if refill is None:
                 continue
             if overlapped:
-                copy_free = ready[target] = max(compute_free, copy_free) + copy_s[target]
+                copy_free = ready[refill] = max(compute_free, copy_free) + copy_s[refill]
             else:
-                compute_free += copy_s[target]
-                ready[target] = compute_free
+                compute_free += copy_s[refill]
+                ready[refill] = compute_free
         compute_free += post
     return compute_free - start
 
@@ -82,7 +81,7 @@ def simulate(pre: float, layer_s: list[float], post: float, offloaded: list[int]
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     layers: tuple[int, ...]
-    slots: int
+    num_slots: int
     params: tuple[str, ...] | None       # the offload_params patterns used; None: all
     layer_bytes: tuple[int, ...]         # offloaded bytes of each of ``layers``
     weights_bytes: int                   # device memory for weights under this plan
@@ -95,13 +94,12 @@ class Candidate:
     @property
     def moved_bytes(self) -> int:
         """Bytes copied per forward (layers alone in their slot are never refilled)."""
-        _, target_of = rotation(list(self.layers), self.slots)
-        sizes = dict(zip(self.layers, self.layer_bytes))
-        return sum(sizes[t] for t in target_of.values() if t is not None)
+        return Schedule(self.layers, self.num_slots).moved_bytes(dict(zip(self.layers,
+                                                                      self.layer_bytes)))
 
     def describe(self) -> str:
         params = "" if self.params is None else f", params {list(self.params)}"
-        return (f"layers {list(self.layers)}, {self.slots} slot{'s' * (self.slots > 1)}"
+        return (f"layers {list(self.layers)}, {self.num_slots} slot{'s' * (self.num_slots > 1)}"
                 f"{params}")
 
 
@@ -133,20 +131,19 @@ class CostModel:
         pre, layers, post = self.segments(tokens)
         return pre + sum(layers) + post
 
-    def predict(self, layers: list[int], slots: int, layer_bytes: dict[int, int],
+    def predict(self, layers: list[int], num_slots: int, layer_bytes: dict[int, int],
                 tokens: float) -> float:
         pre, layer_s, post = self.segments(tokens)
-        slot_of, target_of = rotation(sorted(layers), slots)
         copy_s = {layer: b / self.rates.h2d_bandwidth for layer, b in layer_bytes.items()}
-        return simulate(pre, layer_s, post, sorted(layers), slot_of, target_of, copy_s,
+        return simulate(pre, layer_s, post, Schedule(layers, num_slots), copy_s,
                         self.overlapped)
 
-    def break_even(self, layers: list[int], slots: int, layer_bytes: dict[int, int],
+    def break_even(self, layers: list[int], num_slots: int, layer_bytes: dict[int, int],
                    ) -> int | None:
         """Smallest token count from which the plan is within 1% of resident (copies
         hidden); None if not below 2**24 tokens."""
         def hidden(t):
-            return self.predict(layers, slots, layer_bytes, t) <= \
+            return self.predict(layers, num_slots, layer_bytes, t) <= \
                 HIDDEN_WITHIN * self.resident(t)
         if hidden(1):
             return 1
@@ -194,7 +191,7 @@ class PlannerResult:
     def __str__(self) -> str:
         cm = self.cost_model
         toks = list(self.plan_tokens)
-        head = [f"planner: memory_budget {format_budget(self.budget)} for "
+        head = [f"planner: memory_budget {format_bytes(self.budget, as_option=True)} for "
                 f"{format_bytes(self.weights_bytes)} of weights (minimum "
                 f"{format_bytes(self.minimum_bytes)}); {self.considered} plans fit, chosen for "
                 f"{toks} token(s) in {self.seconds * 1e3:.0f} ms",
@@ -214,9 +211,7 @@ class PlannerResult:
                 f"{cm.resident(toks[0]) * 1e3:.3f}" if len(toks) == 1 else f"{s.slowdown:.3f}",
                 "-" if c is None else ("never" if s.break_even is None
                                        else f"{s.break_even} tokens")))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        table = ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip()
-                 for r in rows]
+        table = render_table(rows, indent="  ")
         return "\n".join(head + table)
 
 
@@ -260,35 +255,32 @@ def candidates(model: nn.Module, stack: LayerStack, options: OffloadOptions,
                device: torch.device) -> tuple[list[Candidate], int, int]:
     """(every plan, whole-model weights bytes, the least device memory any plan needs)."""
     total = weights_bytes(model, device)
-    everything = range(len(stack.layers))
+    everything = range(len(stack.modules))
     found: list[Candidate] = []
     minimum = total
     any_match = False
     for patterns in _pattern_subsets(options.offload_params):
         try:
-            params = select_params(model, stack, options, layers=everything, patterns=patterns)
-        except ValueError:
+            params = select_params(model, stack, everything, patterns)
+        except OffloadError:
             continue        # this subset of the patterns matches nothing
         any_match = True
-        sizes = {layer: sum(p.param.numel() * p.param.element_size() for p in ps)
-                 for layer, ps in params.items()}
+        sizes = layer_bytes(params)
         if len(sizes) >= 2:
             minimum = min(minimum, total - sum(sizes.values()) + max(sizes.values()))
         seen = set()
-        for layers in layer_sets(len(stack.layers)):
+        for layers in layer_sets(len(stack.modules)):
             layers = tuple(i for i in layers if i in sizes)
             if len(layers) < 2 or layers in seen:
                 continue
             seen.add(layers)
             lb = tuple(sizes[i] for i in layers)
-            for slots in range(1, min(len(layers) - 1, MAX_SLOTS) + 1):
-                slot_of, _ = rotation(list(layers), slots)
-                slot_bytes = sum(max(b for i, b in zip(layers, lb) if slot_of[i] == s)
-                                 for s in range(slots))
-                found.append(Candidate(layers, slots, patterns, lb,
+            for num_slots in range(1, min(len(layers) - 1, MAX_SLOTS) + 1):
+                slot_bytes = Schedule(layers, num_slots).slot_bytes(sizes)
+                found.append(Candidate(layers, num_slots, patterns, lb,
                                        total - sum(lb) + slot_bytes, slot_bytes))
     if not any_match:   # the user's patterns match nothing: the usual error
-        select_params(model, stack, options, layers=everything)
+        select_params(model, stack, everything, options.offload_params)
     return found, total, minimum
 
 
@@ -299,15 +291,16 @@ def plan(model: nn.Module, stack: LayerStack, options: OffloadOptions, costs: Gr
     all_plans, total, minimum = candidates(model, stack, options, device)
     if budget < minimum:
         raise BudgetError(
-            f"prefetch_offload option 'memory_budget' ({format_budget(budget)}, {budget} bytes) "
-            f"is below the least this model can run in: {format_budget(minimum)} ({minimum} "
+            f"option 'memory_budget' ({format_bytes(budget, as_option=True)}, {budget} bytes) "
+            f"is below the least this model can run in: {format_bytes(minimum, as_option=True)} "
+            f"({minimum} "
             f"bytes) = the weights that stay on the device plus one slot buffer, with every "
             f"layer of {stack.path or '<root>'!r} offloaded"
             + ("" if options.offload_params is None else
                f" (parameters matching {list(options.offload_params)})")
-            + f"; raise memory_budget to at least {format_budget(minimum)}")
+            + f"; raise memory_budget to at least {format_bytes(minimum, as_option=True)}")
     fitting = [c for c in all_plans if c.weights_bytes <= budget]
-    cost_model = CostModel(costs, rates, len(stack.layers), overlapped=device.type == "cuda")
+    cost_model = CostModel(costs, rates, len(stack.modules), overlapped=device.type == "cuda")
     tokens = options.plan_tokens or (costs.traced_tokens,)
     best = rank(fitting, total <= budget, cost_model, tokens)[:runner_ups + 1]
     result = PlannerResult(budget, total, minimum, tuple(tokens), best[0], best[1:],
@@ -326,7 +319,7 @@ def rank(fitting: list[Candidate], resident_fits: bool, cost_model: CostModel,
             predicted = {t: cost_model.resident(t) for t in tokens}
         else:
             sizes = dict(zip(c.layers, c.layer_bytes))
-            predicted = {t: cost_model.predict(list(c.layers), c.slots, sizes, t)
+            predicted = {t: cost_model.predict(list(c.layers), c.num_slots, sizes, t)
                          for t in tokens}
         slowdown = statistics.fmean(predicted[t] / cost_model.resident(t) for t in tokens)
         return Scored(c, predicted, slowdown)
@@ -336,7 +329,7 @@ def rank(fitting: list[Candidate], resident_fits: bool, cost_model: CostModel,
     def key(s: Scored):
         c = s.candidate
         return (round(s.slowdown, 9), 0 if c is None else c.moved_bytes,
-                0 if c is None else c.slots, () if c is None else c.layers)
+                0 if c is None else c.num_slots, () if c is None else c.layers)
     scored.sort(key=key)
     # Predictions within NEAR of the best are a tie: take the one that moves and pins the
     # fewest bytes (host memory and PCIe traffic are not free either).
@@ -344,14 +337,42 @@ def rank(fitting: list[Candidate], resident_fits: bool, cost_model: CostModel,
 
     def thrift(s: Scored):
         c = s.candidate
-        return (0, 0, 0, ()) if c is None else (c.moved_bytes, c.offloaded_bytes, c.slots,
+        return (0, 0, 0, ()) if c is None else (c.moved_bytes, c.offloaded_bytes, c.num_slots,
                                                 c.layers)
     best = min(near, key=thrift)
     scored.remove(best)
     scored.insert(0, best)
-    for s in scored[:8]:
+    for s in scored[:BREAK_EVENS]:
         c = s.candidate
         if c is not None:
-            s.break_even = cost_model.break_even(list(c.layers), c.slots,
+            s.break_even = cost_model.break_even(list(c.layers), c.num_slots,
                                                  dict(zip(c.layers, c.layer_bytes)))
     return scored
+
+
+def plan_for(model: nn.Module, stack: LayerStack, options: OffloadOptions, graph,
+             layer_frame: bool) -> PlannerResult:
+    """The planner's result for ``model`` from its first graph ``(gm, graph_inputs)``:
+    that graph's costs, the device's rates (measured once, or given as options)."""
+    device, dtype = _weights_device_and_dtype(stack)
+    gm, gi = graph
+    whole = next((i for i, m in enumerate(stack.modules) if m is gi.root), None) \
+        if layer_frame else None
+    costs = graph_costs(gm, gi, {stack.layer_path(i): i for i in range(len(stack.modules))},
+                        whole_graph_layer=whole)
+    rates = rates_for(device, dtype, {n: getattr(options, n) for n in RATE_NAMES})
+    return plan(model, stack, options, costs, rates, device)
+
+
+def _weights_device_and_dtype(stack: LayerStack) -> tuple[torch.device, torch.dtype]:
+    """The device of the stack's weights and their most common dtype (by elements)."""
+    params = [p for layer in stack.modules for p in layer.parameters()]
+    if not params:
+        raise OffloadError("the layers of the stack have no parameters")
+    device = params[0].device
+    if device.type == "meta":
+        raise OffloadError(META_REFUSED)
+    sizes: dict[torch.dtype, int] = {}
+    for p in params:
+        sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    return device, max(sizes, key=sizes.get)

@@ -1,6 +1,6 @@
 """Step 2 of the pass: insert the planned ops into the Dynamo graph.
 
-For an offloaded layer ``L`` (slot ``s``) whose slot next serves layer ``T``::
+For an offloaded layer ``L`` (slot ``s``) whose slot is refilled with layer ``T`` after it::
 
     x  = ...                                   # L's input activation(s)
     wait_prefetch([x], h, L)                   # before L's first weight read
@@ -20,25 +20,25 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from . import ops
+from .. import ops
 from .plan import GraphPlan, LayerPlan
 
 
-def _mark(node: fx.Node, op: str, **info) -> fx.Node:
+def _no_value(node: fx.Node) -> fx.Node:
+    """Our ops return nothing; later passes read ``meta["val"]`` of every node."""
     node.meta["val"] = None
     node.meta["example_value"] = None
-    node.meta["fx_offload"] = {"op": op, **info}
     return node
 
 
-def _insert_clones(graph: fx.Graph, lp: LayerPlan, members: set[fx.Node]) -> list[fx.Node]:
+def _insert_clones(graph: fx.Graph, lp: LayerPlan) -> list[fx.Node]:
+    members = set(lp.members) & _layer_nodes_between(lp)
     clones = []
     for source in lp.clone_inputs:
         with graph.inserting_before(lp.first_use):
             clone = graph.call_function(torch.clone, (source,))
         clone.meta["example_value"] = source.meta.get("example_value")
         clone.meta["val"] = source.meta.get("val", clone.meta["example_value"])
-        clone.meta["fx_offload"] = {"op": "clone", "layer": lp.layer}
         for user in list(source.users):
             if user in members:
                 user.replace_input_with(source, clone)
@@ -49,13 +49,13 @@ def _insert_clones(graph: fx.Graph, lp: LayerPlan, members: set[fx.Node]) -> lis
 def drop_traced_hook_waits(gm: fx.GraphModule, plan: GraphPlan) -> int:
     """Erase waits that Dynamo traced from the layers' pre-forward hooks for the layers this
     plan places its own wait for; the hook's wait would sit at the layer's entry and declare
-    its inputs mutated."""
+    its inputs mutated.  Runs before the pass inserts any op, so every wait found is traced."""
     planned = {lp.layer for lp in plan.layers}
     dropped = 0
     for node in list(gm.graph.nodes):
-        if (node.op == "call_function" and node.target in (ops.WAIT, ops.WAIT.overloadpacket)
-                and "fx_offload" not in node.meta and len(node.args) >= 3
-                and node.args[1] == plan.handle and node.args[2] in planned):
+        call = ops.OpCall.of(node)
+        if call is not None and call.kind == "wait" and call.handle == plan.handle \
+                and call.layer in planned:
             gm.graph.erase_node(node)
             dropped += 1
     return dropped
@@ -65,20 +65,19 @@ def apply_plan(gm: fx.GraphModule, plan: GraphPlan) -> None:
     graph = gm.graph
     drop_traced_hook_waits(gm, plan)
     for lp in plan.layers:
-        clones = _insert_clones(graph, lp, set(lp.members) & _layer_nodes_between(lp))
+        clones = _insert_clones(graph, lp)
         with graph.inserting_before(lp.first_use):
-            _mark(graph.call_function(ops.WAIT, (lp.wait_acts + clones, plan.handle, lp.layer)),
-                  "wait", layer=lp.layer, slot=lp.slot)
-        if lp.target is not None:
+            _no_value(graph.call_function(ops.WAIT, (lp.wait_acts + clones, plan.handle,
+                                                     lp.layer)))
+        if lp.refill is not None:
             with graph.inserting_after(lp.last_node):
-                _mark(graph.call_function(
-                    ops.START, (lp.start_acts, lp.start_reads, plan.handle, lp.layer, lp.target)),
-                    "start", layer=lp.layer, slot=lp.slot, target=lp.target)
+                _no_value(graph.call_function(
+                    ops.START, (lp.start_acts, lp.start_reads, plan.handle, lp.layer, lp.refill)))
     if plan.has_starts and plan.join_acts:
         output = next(n for n in reversed(graph.nodes) if n.op == "output")
         with graph.inserting_before(output):
-            _mark(graph.call_function(ops.JOIN, (plan.join_acts, plan.join_reads, plan.handle)),
-                  "join")
+            _no_value(graph.call_function(ops.JOIN, (plan.join_acts, plan.join_reads,
+                                                     plan.handle)))
     graph.lint()
     gm.recompile()
 

@@ -153,6 +153,30 @@ def measure(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
             "launch_overhead": _launch_overhead(device)}
 
 
+@dataclasses.dataclass(frozen=True)
+class _Probe:
+    """The sizes each rate is measured at: a GPU's, and the CPU's (smaller, as the CPU only
+    simulates offloading)."""
+    matmul_sizes: tuple[int, ...]
+    attention_heads: int
+    attention_dim: int
+    attention_lengths: tuple[int, ...]
+    copy_bytes: int
+    h2d_bytes: int
+
+
+_PROBES = {
+    "cuda": _Probe((512, 1024, 2048, 4096, 8192), 32, 128, (512, 2048, 8192), 1 << 30, 256 << 20),
+    "cpu": _Probe((128, 256, 512), 4, 32, (64, 256), 64 << 20, 64 << 20),
+}
+LAUNCH_PROBE_CALLS = 2000       # tiny kernels issued back to back to time one launch
+LAUNCH_PROBE_ELEMENTS = 16
+
+
+def _probe(device) -> _Probe:
+    return _PROBES["cuda" if device.type == "cuda" else "cpu"]
+
+
 def _median_seconds(fn, device, repeats: int = 7, inner: int = 10) -> float:
     """Median time of ``fn()`` after one warm-up call: on the GPU CUDA events around
     ``inner`` back-to-back calls (so a small kernel is not timed by its launch), on the CPU a
@@ -181,9 +205,8 @@ def _float(dtype):
 
 def _matmul_curve(device, dtype) -> list[list[float]]:
     """[flops, FLOP/s] of square matrix multiplies from small to large."""
-    sizes = (512, 1024, 2048, 4096, 8192) if device.type == "cuda" else (128, 256, 512)
     curve = []
-    for n in sizes:
+    for n in _probe(device).matmul_sizes:
         a = torch.randn(n, n, device=device).to(_float(dtype))
         b = torch.randn(n, n, device=device).to(_float(dtype))
         out = torch.empty(n, n, device=device, dtype=_float(dtype))
@@ -193,12 +216,12 @@ def _matmul_curve(device, dtype) -> list[list[float]]:
 
 
 def _attention_curve(device, dtype) -> list[list[float]]:
-    """[flops, FLOP/s] of causal attention (32 heads of 128) at growing sequence lengths,
-    counted as the cost model counts it: half of the full ``4 * s * s * d`` per head."""
-    heads, dim = (32, 128) if device.type == "cuda" else (4, 32)
-    lengths = (512, 2048, 8192) if device.type == "cuda" else (64, 256)
+    """[flops, FLOP/s] of causal attention at growing sequence lengths, counted as the cost
+    model counts it: half of the full ``4 * s * s * d`` per head."""
+    probe = _probe(device)
+    heads, dim = probe.attention_heads, probe.attention_dim
     curve = []
-    for s in lengths:
+    for s in probe.attention_lengths:
         q, k, v = (torch.randn(1, heads, s, dim, device=device).to(_float(dtype))
                    for _ in range(3))
         flops = 2 * heads * s * s * dim
@@ -210,14 +233,14 @@ def _attention_curve(device, dtype) -> list[list[float]]:
 
 
 def _memory_bandwidth(device) -> float:
-    nbytes = (1 << 30) if device.type == "cuda" else (64 << 20)
+    nbytes = _probe(device).copy_bytes
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     return 2 * nbytes / _median_seconds(lambda: dst.copy_(src), device)
 
 
 def _h2d_bandwidth(device) -> float:
-    nbytes = (256 << 20) if device.type == "cuda" else (64 << 20)
+    nbytes = _probe(device).h2d_bytes
     host = torch.empty(nbytes, dtype=torch.uint8)
     if device.type == "cuda":
         host = host.pin_memory()
@@ -227,8 +250,8 @@ def _h2d_bandwidth(device) -> float:
 
 def _launch_overhead(device) -> float:
     """Host time per launch of a tiny kernel, issued back to back (the device keeps up)."""
-    x = torch.zeros(16, device=device)
-    calls = 2000
+    x = torch.zeros(LAUNCH_PROBE_ELEMENTS, device=device)
+    calls = LAUNCH_PROBE_CALLS
 
     def burst():
         for _ in range(calls):

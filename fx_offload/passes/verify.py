@@ -4,8 +4,9 @@ a slot that does not hold it.
 It reads only the graph (the inserted ops and which placeholders are offloaded weights), not
 the plan that produced it, and simulates the slots in program order:
 
-* at the graph's entry each slot holds what the global schedule leaves there: for the first
-  graph of a call, the slot's first layer (circularly, from the previous call);
+* at the graph's entry each slot holds what the schedule (:mod:`fx_offload.schedule`) leaves
+  there: for the first graph of a call, the slot's first layer (circularly, from the previous
+  call);
 * ``wait(L)`` is legal only if the last fill of ``slot(L)`` was for ``L`` (a start targeting
   ``L``, or the entry state); it makes ``L`` readable;
 * a read of ``L``'s weights is legal only while ``L`` is the readable layer of its slot: after
@@ -22,45 +23,24 @@ import dataclasses
 
 from torch import fx
 
-from . import ops
-
-
-class ScheduleError(ValueError):
-    pass
+from ..errors import ScheduleError
+from ..ops import OpCall
+from ..schedule import Schedule
 
 
 @dataclasses.dataclass
 class SlotModel:
-    """What the verifier needs to know about the offload state."""
+    """What the verifier needs to know about the schedule."""
     slot_of: dict[int, int]
     entry_owner: list[int]          # layer each slot holds when the graph starts
     exit_owner: list[int] | None    # layer each slot must hold at the end (None: unchecked)
 
 
-def slot_model_for(state, graph_layers: list[int]) -> SlotModel:
-    """Entry state of a graph whose first offloaded layer is ``graph_layers[0]``: every
-    start of an earlier offloaded layer has run (earlier graphs of the same call)."""
-    owner = [state.layers[s] for s in range(state.num_slots)]
+def slot_model_for(schedule: Schedule, graph_layers: list[int]) -> SlotModel:
+    """The slots around a graph holding the offloaded layers ``graph_layers``."""
     first = min(graph_layers) if graph_layers else None
-    for layer in state.layers:
-        if first is None or layer >= first:
-            break
-        target = state.target_of[layer]
-        if target is not None:
-            owner[state.slot_of[layer]] = target
-    ends_call = bool(graph_layers) and max(graph_layers) == state.layers[-1]
-    initial = [state.layers[s] for s in range(state.num_slots)]
-    return SlotModel(dict(state.slot_of), owner, initial if ends_call else None)
-
-
-def _op(node: fx.Node):
-    if node.op != "call_function":
-        return None
-    if node.target in (ops.WAIT, ops.WAIT.overloadpacket):
-        return "wait"
-    if node.target in (ops.START, ops.START.overloadpacket):
-        return "start"
-    return None
+    exit_owner = schedule.call_entry() if schedule.ends_call(graph_layers) else None
+    return SlotModel(dict(schedule.slot_of), schedule.graph_entry(first), exit_owner)
 
 
 def verify_graph(gm: fx.GraphModule, weight_layer: dict[fx.Node, int], model: SlotModel) -> None:
@@ -68,9 +48,10 @@ def verify_graph(gm: fx.GraphModule, weight_layer: dict[fx.Node, int], model: Sl
     owner = list(model.entry_owner)
     readable: list[int | None] = [None] * len(owner)
     for node in gm.graph.nodes:
-        kind = _op(node)
+        call = OpCall.of(node)
+        kind = None if call is None else call.kind
         if kind == "wait":
-            layer = node.args[2]
+            layer = call.layer
             slot = model.slot_of[layer]
             if owner[slot] != layer:
                 raise ScheduleError(
@@ -79,13 +60,13 @@ def verify_graph(gm: fx.GraphModule, weight_layer: dict[fx.Node, int], model: Sl
                     "precedes this wait")
             readable[slot] = layer
         elif kind == "start":
-            layer, target = node.args[3], node.args[4]
+            layer, refill = call.layer, call.refill
             slot = model.slot_of[layer]
-            if model.slot_of.get(target) != slot:
+            if model.slot_of.get(refill) != slot:
                 raise ScheduleError(
                     f"{node.format_node()}: start after layer {layer} (slot {slot}) prefetches "
-                    f"layer {target}, which lives in slot {model.slot_of.get(target)}")
-            owner[slot] = target
+                    f"layer {refill}, which lives in slot {model.slot_of.get(refill)}")
+            owner[slot] = refill
             readable[slot] = None
         else:
             for arg in node.all_input_nodes:

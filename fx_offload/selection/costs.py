@@ -36,12 +36,10 @@ import sympy
 import torch
 import torch.nn.functional as F
 from torch import fx
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import FlopCounterMode
 
+from ..graph_inputs import GraphInputs, layers_of_nodes, storage_of, value_of
 from .device_rates import DeviceRates
-from .graph_inputs import GraphInputs
-from .plan import module_path
 
 log = logging.getLogger("fx_offload")
 
@@ -94,9 +92,7 @@ class GraphCosts:
 
 
 def _value(node):
-    if isinstance(node, fx.Node):
-        return node.meta.get("example_value", node.meta.get("val"))
-    return node
+    return value_of(node) if isinstance(node, fx.Node) else node
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -118,13 +114,6 @@ def _nbytes(t: torch.Tensor) -> sympy.Expr:
     for size in t.shape:
         n = n * _expr(size)
     return n
-
-
-def _storage(t: torch.Tensor):
-    try:
-        return StorageWeakRef(t.untyped_storage())
-    except Exception:  # pragma: no cover - tensors without storage
-        return None
 
 
 def _fake_mode(gm: fx.GraphModule):
@@ -196,9 +185,9 @@ def _to_tokens(expr: sympy.Expr, hints: dict, scale_symbol, scale: sympy.Expr):
     return expr.subs(subs)
 
 
-def graph_costs(gm: fx.GraphModule, gi: GraphInputs, layer_prefixes: dict[str, int],
+def graph_costs(gm: fx.GraphModule, gi: GraphInputs, layer_paths: dict[str, int],
                 whole_graph_layer: int | None = None) -> GraphCosts:
-    """Costs of the graph's segments; ``layer_prefixes`` maps a layer's dotted path to its
+    """Costs of the graph's segments; ``layer_paths`` maps a layer's dotted path to its
     index.  ``whole_graph_layer``: the graph is that one layer's own frame."""
     fake_mode = _fake_mode(gm)
     shape_env = getattr(fake_mode, "shape_env", None)
@@ -232,16 +221,13 @@ def graph_costs(gm: fx.GraphModule, gi: GraphInputs, layer_prefixes: dict[str, i
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     first_layer_at = math.inf
     segment_of: dict[fx.Node, int | str] = {}
+    membership = layers_of_nodes(gm, gi, layer_paths)
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method", "call_module"):
             continue
         layer = whole_graph_layer
-        if layer is None:
-            for entry in (node.meta.get("nn_module_stack") or {}).values():
-                path = module_path(entry[0], gi.root_expr)
-                if path in layer_prefixes:
-                    layer = layer_prefixes[path]
-                    break
+        if layer is None and node in membership:
+            layer = membership[node][0]
         if layer is not None:
             first_layer_at = min(first_layer_at, order[node])
         segment_of[node] = layer
@@ -255,8 +241,8 @@ def graph_costs(gm: fx.GraphModule, gi: GraphInputs, layer_prefixes: dict[str, i
         if not outs:
             continue
         ins = [a for a in node.all_input_nodes if isinstance(_value(a), torch.Tensor)]
-        in_storages = {_storage(_value(a)) for a in ins}
-        is_view = all(_storage(t) in in_storages for t in outs)
+        in_storages = {storage_of(_value(a)) for a in ins}
+        is_view = all(storage_of(t) in in_storages for t in outs)
         flops = sympy.Integer(0)
         if _runs(node):
             try:

@@ -11,16 +11,15 @@ import dataclasses
 import torch
 from torch import fx, nn
 
-from . import runtime
-from .compiler import PlannedNothing
-from .graph_inputs import read_graph_inputs
-from .options import parse_options
-from .plan import GraphPlan, plan_graph
+from .. import registry
+from ..errors import OffloadError
+from ..graph_inputs import read_graph_inputs
+from ..options import parse_options
+from ..passes.prefetch import run_prefetch_pass
+from ..passes.plan import GraphPlan
+from ..selection import Choice, NothingOffloaded, choose
+from ..text import format_bytes, render_table
 from .printing import format_graph, source_display_name
-from .report import format_bytes
-from .rewrite import apply_plan
-from .selection import find_layer_stack, select_params
-from .verify import slot_model_for, verify_graph
 
 
 @dataclasses.dataclass
@@ -49,45 +48,43 @@ class GraphRecord:
 class Explanation:
     model: str
     options: str
-    state: "runtime.OffloadState"
+    choice: Choice | NothingOffloaded       # what would be offloaded, and how
     graphs: list[GraphRecord]
 
     def plan_rows(self) -> list[tuple[str, ...]]:
-        state = self.state
+        choice = self.choice
         where: dict[int, tuple[str, str]] = {}
         for record in self.graphs:
             for lp in record.plan.layers if record.plan else []:
                 where[lp.layer] = (f"g{record.index}: before {lp.first_use.name}",
-                                   f"after {lp.last_node.name}" if lp.target is not None
+                                   f"after {lp.last_node.name}" if lp.refill is not None
                                    else "-")
         rows = [("layer", "slot", "params", "bytes", "wait", "start", "prefetches")]
-        for layer in state.layers:
-            ps = state.params[layer]
+        sizes = choice.layer_bytes
+        for layer in choice.layers:
             wait, start = where.get(layer, ("(not in these graphs)", "-"))
-            target = state.target_of[layer]
-            rows.append((str(layer), str(state.slot_of[layer]), str(len(ps)),
-                         str(sum(p.param.numel() * p.param.element_size() for p in ps)),
-                         wait, start, "-" if target is None else f"layer {target}"))
+            refill = choice.schedule.refill_of[layer]
+            rows.append((str(layer), str(choice.schedule.slot_of[layer]),
+                         str(len(choice.params[layer])), str(sizes[layer]), wait, start,
+                         "-" if refill is None else f"layer {refill}"))
         return rows
 
     def plan_text(self) -> str:
-        state = self.state
-        if isinstance(state, PlannedNothing):
+        choice = self.choice
+        if isinstance(choice, NothingOffloaded):
             return (f"model: {self.model}; options: {self.options}\nnothing offloaded\n"
-                    f"{state.planner}\n")
-        slot_bytes = state.planned_buffer_bytes
-        head = [f"model: {self.model}; layer stack {state.stack.path or '<root>'!r} of "
-                f"{len(state.stack.layers)}; offloaded layers {state.layers}",
+                    f"{choice.planner}\n")
+        head = [f"model: {self.model}; layer stack {choice.stack.path or '<root>'!r} of "
+                f"{len(choice.stack.modules)}; offloaded layers {choice.layers}",
                 f"options: {self.options}",
-                f"offloaded {state.offloaded_bytes} bytes ({format_bytes(state.offloaded_bytes)})"
-                f"; {state.num_slots} slot(s) of {slot_bytes} bytes in all on <device>"]
-        rows = self.plan_rows()
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        table = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-        params = [f"layer {layer}: {', '.join(p.suffix for p in state.params[layer])}"
-                  for layer in state.layers]
-        planner = [] if state.planner is None else ["", str(state.planner)]
-        return "\n".join(head + [""] + table + [""] + params + planner) + "\n"
+                f"offloaded {choice.offloaded_bytes} bytes "
+                f"({format_bytes(choice.offloaded_bytes)}); {choice.schedule.num_slots} slot(s) "
+                f"of {choice.slot_bytes} bytes in all on <device>"]
+        params = [f"layer {layer}: {', '.join(p.suffix for p in choice.params[layer])}"
+                  for layer in choice.layers]
+        planner = [] if choice.planner is None else ["", str(choice.planner)]
+        return "\n".join(head + [""] + render_table(self.plan_rows()) + [""] + params
+                         + planner) + "\n"
 
     def __str__(self) -> str:
         parts = [self.plan_text()]
@@ -125,27 +122,24 @@ def explain(model: nn.Module, *example_inputs, aten: bool = False, dynamic: bool
     """Trace ``model`` on ``example_inputs`` and show the plan and the rewritten graphs the
     backend would produce with ``options``, without moving any weight."""
     opts = parse_options(options)
-    existing = runtime.state_for_model(model)
-    if existing is not None and existing.options.placement_key() == opts.placement_key():
-        state = existing
-    elif opts.planned:
-        state = None        # the planner needs the first graph's costs
+    existing = registry.state_for_model(model)
+    if existing is not None and existing.choice.options.placement_key() == opts.placement_key():
+        choice, handle = existing.choice, existing.handle
     else:
-        stack = find_layer_stack(model, opts.layers)
-        state = runtime.OffloadState(model, opts, stack, select_params(model, stack, opts),
-                                     check_owners=existing is None)
+        # the planner needs the first graph's costs: it chooses in the backend below
+        choice = None if opts.planned else choose(model, opts, check_owners=existing is None)
+        handle = registry.new_handle()      # names the ops; they never run here
     records: list[GraphRecord] = []
 
     def backend(gm, inputs):
-        nonlocal state
+        nonlocal choice
         after = _copy_graph_module(gm)
         gi = read_graph_inputs(after, inputs)
         index = len(records)
         names = [source_display_name(n) or n.name for n in gi.placeholders]
-        if state is None and gi.root is model and gi.params:
-            from .compiler import new_state
-            state = new_state(after, gi, model, opts, check_owners=existing is None)
-        if isinstance(state, PlannedNothing):
+        if choice is None and gi.root is model and gi.params:
+            choice = choose(model, opts, graph=(after, gi), check_owners=existing is None)
+        if isinstance(choice, NothingOffloaded):
             records.append(GraphRecord(index, gm, after, None, {}, input_names=names,
                                        note="nothing offloaded"))
             return gm.forward
@@ -156,11 +150,8 @@ def explain(model: nn.Module, *example_inputs, aten: bool = False, dynamic: bool
             records.append(GraphRecord(index, gm, after, None, {}, note=note,
                                        input_names=names))
             return gm.forward
-        plan = plan_graph(after, gi, state)
-        apply_plan(after, plan)
+        plan = run_prefetch_pass(after, gi, choice, handle)
         tags = {w: (lp.layer, lp.slot) for lp in plan.layers for w in lp.weights}
-        verify_graph(after, {w: t[0] for w, t in tags.items()},
-                     slot_model_for(state, [lp.layer for lp in plan.layers]))
         record = GraphRecord(index, gm, after, plan, tags, input_names=names,
                              input_tags=[tags.get(n) for n in gi.placeholders])
         if aten:
@@ -171,7 +162,7 @@ def explain(model: nn.Module, *example_inputs, aten: bool = False, dynamic: bool
     compiled = torch.compile(model, backend=backend, dynamic=dynamic)
     with torch.no_grad():
         compiled(*example_inputs)
-    if state is None:
-        raise ValueError(f"fx_offload.explain: no graph of {type(model).__name__} read its "
-                         "parameters, so the planner had nothing to weigh")
-    return Explanation(type(model).__name__, opts.describe(placement_only=True), state, records)
+    if choice is None:
+        raise OffloadError(f"no graph of {type(model).__name__} read its parameters, so the "
+                           "planner had nothing to weigh", where="fx_offload.explain")
+    return Explanation(type(model).__name__, opts.describe(placement_only=True), choice, records)

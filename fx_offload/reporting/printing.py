@@ -14,14 +14,14 @@ import re
 import torch
 from torch import fx
 
-from . import ops
+from ..graph_inputs import value_of
+from ..ops import OpCall
 
 _DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
            torch.float64: "f64", torch.int64: "i64", torch.int32: "i32", torch.bool: "b8",
            torch.uint8: "u8", torch.int8: "i8"}
 _SOURCE_PART = re.compile(r"\._(?:modules|parameters|buffers)\['([^']+)'\]|\.([A-Za-z_]\w*)")
 _SYMBOL = re.compile(r"\b[su]\d+\b")
-_OURS = {ops.WAIT: "wait_prefetch", ops.START: "start_prefetch", ops.JOIN: "join_prefetch"}
 
 
 def source_display_name(node: fx.Node) -> str | None:
@@ -50,10 +50,6 @@ class _Symbols:
         def sub(match):
             return self.names.setdefault(match.group(0), f"s{len(self.names)}")
         return _SYMBOL.sub(sub, text)
-
-
-def _value(node: fx.Node):
-    return node.meta.get("val", node.meta.get("example_value"))
 
 
 def _type_str(value, symbols: _Symbols) -> str:
@@ -140,36 +136,31 @@ def format_graph(gm: fx.GraphModule, weight_layer: dict[fx.Node, tuple[int, int]
             names[node] = display
             tag = weight_layer.get(node)
             mark = f"  # offloaded: layer {tag[0]}, slot {tag[1]}" if tag else ""
-            lines.append(f"input {display}: {_type_str(_value(node), symbols)}{mark}")
+            lines.append(f"input {display}: {_type_str(value_of(node), symbols)}{mark}")
         elif node.op == "output":
             lines.append(f"return {arg_str(node.args[0])}")
         elif node.op == "get_attr":
             lines.append(f"{node.name} = get_attr {node.target}")
-        elif node.target in _OURS:
-            lines.append(_format_ours(node, arg_str))
-        elif node.args and node.args[0] in _OURS:       # auto_functionalized(our op, ...)
+        elif OpCall.is_ours(node):
+            lines.append(_format_ours(OpCall.of(node), arg_str))
+        elif (call := OpCall.of(node)) is not None:      # auto_functionalized(our op, ...)
             kwargs = ", ".join(f"{k}={'h' if k == 'handle' else arg_str(v)}"
                                for k, v in node.kwargs.items())
-            lines.append(f">>> {node.name} = {_target_str(node)}({_OURS[node.args[0]]}, "
-                         f"{kwargs})")
+            lines.append(f">>> {node.name} = {_target_str(node)}({call.name}, {kwargs})")
         else:
             args = [arg_str(a) for a in node.args]
             args += [f"{k}={arg_str(v)}" for k, v in node.kwargs.items()]
-            typ = _type_str(_value(node), symbols)
+            typ = _type_str(value_of(node), symbols)
             lines.append(f"{node.name}{': ' + typ if typ else ''} = "
                          f"{_target_str(node)}({', '.join(args)})")
     return "\n".join(lines) + "\n"
 
 
-def _format_ours(node: fx.Node, arg_str) -> str:
-    name = _OURS[node.target]
-    if node.target is ops.WAIT:
-        acts, _, layer = node.args
-        return f">>> {name}(layer {layer}) ties {arg_str(acts)}"
-    if node.target is ops.START:
-        acts, reads, _, layer, target = node.args
-        extra = f", reads {arg_str(reads)}" if reads else ""
-        return f">>> {name}(layer {layer} -> prefetch layer {target}) ties {arg_str(acts)}{extra}"
-    acts, reads, _ = node.args
-    extra = f", reads {arg_str(reads)}" if reads else ""
-    return f">>> {name}() ties {arg_str(acts)}{extra}"
+def _format_ours(call: OpCall, arg_str) -> str:
+    if call.kind == "wait":
+        return f">>> {call.name}(layer {call.layer}) ties {arg_str(call.acts)}"
+    extra = f", reads {arg_str(call.reads)}" if call.reads else ""
+    if call.kind == "start":
+        return (f">>> {call.name}(layer {call.layer} -> prefetch layer {call.refill}) ties "
+                f"{arg_str(call.acts)}{extra}")
+    return f">>> {call.name}() ties {arg_str(call.acts)}{extra}"

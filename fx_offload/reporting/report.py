@@ -1,0 +1,81 @@
+"""``fx_offload.report(model)``: what was offloaded, how many bytes, which slots."""
+from __future__ import annotations
+
+import dataclasses
+
+from torch import nn
+
+from .. import registry
+from ..errors import OffloadError
+from ..text import format_bytes, render_table
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    model: str
+    stack: str                         # dotted path of the layer list
+    num_layers: int                    # layers in the stack
+    layers: list[int]                  # offloaded layer indices, ascending
+    params: dict[int, list[str]]       # layer -> full dotted names of its offloaded parameters
+    offloaded_bytes: int
+    buffer_bytes: int
+    num_slots: int
+    device: str
+    slot_of: dict[int, int]
+    refill_of: dict[int, int | None]   # layer -> the layer copied into its slot after it
+    layer_bytes: dict[int, int]
+    pinned: bool
+    options: str
+    planner: object = None             # the planner's result under memory_budget, else None
+
+    @property
+    def saved_bytes(self) -> int:
+        return self.offloaded_bytes - self.buffer_bytes
+
+    # the names of the first releases, kept so that scripts reading them keep working
+    slots = property(lambda self: self.num_slots, doc="The same as ``num_slots``.")
+    target_of = property(lambda self: self.refill_of, doc="The same as ``refill_of``.")
+
+    def __str__(self) -> str:
+        rows = [("layer", "slot", "prefetches next", "params", "bytes")]
+        for layer in self.layers:
+            refill = self.refill_of[layer]
+            rows.append((str(layer), str(self.slot_of[layer]),
+                         "-" if refill is None else f"layer {refill}",
+                         str(len(self.params[layer])), format_bytes(self.layer_bytes[layer])))
+        lines = [f"fx_offload report for {self.model}: {len(self.layers)} of {self.num_layers} "
+                 f"layers of {self.stack or '<root>'!r} offloaded ({self.options})"]
+        lines += render_table(rows, indent="  ", rule=True)
+        host = "pinned host memory" if self.pinned else "host memory"
+        lines.append(f"  offloaded to {host}: {format_bytes(self.offloaded_bytes)}; "
+                     f"{self.num_slots} slot buffer(s): {format_bytes(self.buffer_bytes)} on "
+                     f"{self.device}; device memory saved: {format_bytes(self.saved_bytes)}")
+        if self.planner is not None:
+            lines.append(str(self.planner))
+        return "\n".join(lines)
+
+
+def report(model: nn.Module) -> Report:
+    state = registry.state_for_model(model)
+    if state is not None:
+        choice = state.choice
+        return Report(
+            model=choice.model_name, stack=choice.stack.path,
+            num_layers=len(choice.stack.modules), layers=choice.layers,
+            params={layer: [p.name for p in choice.params[layer]] for layer in choice.layers},
+            offloaded_bytes=choice.offloaded_bytes, buffer_bytes=state.buffer_bytes,
+            num_slots=choice.schedule.num_slots, device=str(choice.device),
+            slot_of=dict(choice.schedule.slot_of), refill_of=dict(choice.schedule.refill_of),
+            layer_bytes=choice.layer_bytes, pinned=state.pinned,
+            options=choice.options.describe(), planner=choice.planner)
+    kept = registry.nothing_offloaded(model)
+    if kept is not None:
+        return Report(model=kept.model_name, stack=kept.stack.path,
+                      num_layers=len(kept.stack.modules), layers=[], params={},
+                      offloaded_bytes=0, buffer_bytes=0, num_slots=0, device="-", slot_of={},
+                      refill_of={}, layer_bytes={}, pinned=False,
+                      options=kept.options.describe(), planner=kept.planner)
+    raise OffloadError(
+        f"{type(model).__name__} has no offloaded weights; compile it with "
+        "backend='prefetch_offload' and run it once first (compilation happens at the first "
+        "call), or it was restored", where="fx_offload.report")

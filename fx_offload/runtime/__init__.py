@@ -1,0 +1,4 @@
+"""The runtime, once per call: what the ops do.  :class:`~.state.OffloadState` drives the
+slots of one model (wait, start, join, first fill, restore); :mod:`.slots` holds its memory
+and copies; :mod:`.hooks` keeps eager calls and ``state_dict`` right; :mod:`.weights` is the
+public API on the true weights."""

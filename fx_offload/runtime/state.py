@@ -1,0 +1,211 @@
+"""Run-time state of one offloaded model: which layer each slot holds, the copies in flight.
+
+The compiled graph reaches this state through an integer handle passed to the custom ops in
+:mod:`fx_offload.ops`.  Slots have fixed addresses: an offloaded parameter's ``.data`` *is*
+its slot tensor, so a compiled graph (and a CUDA graph captured from it) always reads the
+same memory, and the copies below change what that memory holds.  Which slot a layer lives in
+and which layer refills it come from the schedule (:mod:`fx_offload.schedule`).
+
+Correctness never depends on the schedule being followed: :meth:`OffloadState.wait` checks
+which layer a slot holds and loads the right one synchronously if anything (a partial call,
+eager use of a layer, a graph break) left the slot holding another layer.
+
+On CUDA the copies run on one copy stream per device.  ``start`` records an event on the
+compute stream and makes the copy stream wait for it before overwriting the slot, so the
+copy cannot begin before the kernels that read the slot's previous layer; ``wait`` makes the
+compute stream wait on the copy's done event.  Both work inside CUDA-graph capture, where the
+fork (event wait) pulls the copy into the capture; ``join`` ends a captured forward by joining
+copies that were forked during the capture.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import weakref
+
+import torch
+from torch import nn
+
+from .. import registry
+from . import hooks
+from .slots import SlotBuffers
+
+log = logging.getLogger("fx_offload")
+
+
+@dataclasses.dataclass
+class _Pending:
+    event: "torch.cuda.Event"
+    in_capture: bool        # recorded while the stream was being captured into a CUDA graph
+
+
+class OffloadState:
+    """The slots of one model compiled with the backend, driven by the ops.  Built from a
+    :class:`~fx_offload.selection.Choice`; it reads no option."""
+
+    def __init__(self, model: nn.Module, choice):
+        self.handle = registry.new_handle()
+        self.model_ref = weakref.ref(model)
+        self.choice = choice
+        self.model_name = choice.model_name
+        self.stack, self.params = choice.stack, choice.params
+        self.schedule, self.device = choice.schedule, choice.device
+        self.layers: list[int] = list(self.schedule.layers)
+        self.num_slots = self.schedule.num_slots
+        self.buffers: SlotBuffers | None = None
+        self.owner: list[int | None] = [None] * self.num_slots
+        self.pending: dict[int, _Pending] = {}
+        self.copy_stream = None
+        self.materialized = False
+        self.restored = False
+        self._hooks: list = []
+        self.stats = {"prefetches": 0, "sync_loads": 0}
+
+    # ---- bookkeeping -------------------------------------------------------------------
+    @property
+    def offloaded_bytes(self) -> int:
+        return self.choice.offloaded_bytes
+
+    @property
+    def buffer_bytes(self) -> int:
+        return 0 if self.buffers is None else self.buffers.nbytes
+
+    @property
+    def pinned(self) -> bool:
+        return self.buffers is not None and self.buffers.pinned
+
+    @property
+    def masters(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Layer -> parameter name inside the layer -> its true value (host)."""
+        return {} if self.buffers is None else self.buffers.masters
+
+    # ---- setup and teardown ------------------------------------------------------------
+    def materialize(self) -> None:
+        """Move offloaded weights to host masters and point the parameters at their slots.
+
+        Everything is allocated before any parameter is touched, so a failure (out of host
+        or device memory) leaves the model as it was."""
+        if self.materialized:
+            return
+        buffers = SlotBuffers(self.choice)
+        if self.device.type == "cuda":
+            self.copy_stream = torch.cuda.Stream(self.device)
+        # From here on nothing allocates: swap the parameters over.
+        self.buffers = buffers
+        with torch.no_grad():
+            for layer, ps in self.params.items():
+                for p in ps:
+                    p.param.data = buffers.slot_tensor(layer, p.suffix)
+        for layer in self.schedule.call_entry():
+            self._load_now(layer)
+        self.stats = {"prefetches": 0, "sync_loads": 0}
+        model = self.model_ref()
+        self._hooks = hooks.install(self, model)
+        registry.register(self, model)
+        self.materialized = True
+
+    def reload_slots(self, layers) -> None:
+        """After masters of ``layers`` changed: reload the slots that hold (or are being
+        filled with) one of them, so no stale copy is used."""
+        for owner in list(self.owner):
+            if owner in layers:
+                self._load_now(owner)
+
+    def restore(self) -> None:
+        """Return every offloaded weight to its original device, bitwise, and detach."""
+        if self.restored:
+            return
+        self.synchronize()
+        with torch.no_grad():
+            for layer, ps in self.params.items():
+                for p in ps:
+                    master = self.masters[layer][p.suffix]
+                    p.param.data = master if self.device.type == "cpu" else master.to(
+                        self.device)
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        if self.buffers is not None:
+            self.buffers.release()
+        self.restored = True
+        registry.unregister(self, self.model_ref())
+        log.info("fx_offload: restored %d offloaded layer(s) of %s to %s",
+                 len(self.layers), self.model_name, self.device)
+
+    def synchronize(self) -> None:
+        """Wait for copies in flight (they read the masters about to be changed)."""
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()
+
+    # ---- the operations the graph calls ------------------------------------------------
+    def wait(self, layer: int) -> None:
+        """Before ``layer`` reads its weights: make sure its slot holds them."""
+        if self.restored:
+            return
+        slot = self.schedule.slot_of[layer]
+        pending = self.pending.pop(layer, None)
+        if self.owner[slot] != layer:
+            self._load_now(layer)
+            return
+        if pending is not None:
+            stream = torch.cuda.current_stream(self.device)
+            if pending.in_capture or not _capturing():
+                stream.wait_event(pending.event)
+            # A copy recorded before the capture began was completed by the synchronization
+            # that starts every capture; waiting on it inside the capture is not allowed.
+
+    def start(self, layer: int, refill: int) -> None:
+        """After ``layer`` has run: refill its slot with ``refill`` asynchronously."""
+        if self.restored:
+            return
+        slot = self.schedule.slot_of[layer]
+        if self.owner[slot] == refill:
+            return
+        self.stats["prefetches"] += 1
+        self.owner[slot] = refill
+        if self.copy_stream is None:
+            self.buffers.copy_in(refill)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        capturing = _capturing()
+        fork = torch.cuda.Event()
+        fork.record(compute)
+        self.copy_stream.wait_event(fork)
+        with torch.cuda.stream(self.copy_stream):
+            self.buffers.copy_in(refill, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.copy_stream)
+        self.pending[refill] = _Pending(done, capturing)
+
+    def join(self) -> None:
+        """End of a forward: inside a CUDA-graph capture, join every copy forked during it."""
+        if self.copy_stream is None or not self.pending:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        if not _capturing():
+            return       # eager: let the copies run on into the next call
+        for layer, pending in list(self.pending.items()):
+            if pending.in_capture:
+                stream.wait_event(pending.event)
+                # Joined inside the graph: whoever runs after a replay is ordered after the
+                # copy, and the event itself means nothing outside the capture.
+                del self.pending[layer]
+
+    def _load_now(self, layer: int) -> None:
+        """Synchronous (stream-ordered) load of ``layer`` into its slot."""
+        slot = self.schedule.slot_of[layer]
+        if self.copy_stream is not None:
+            stream = torch.cuda.current_stream(self.device)
+            for other, pending in list(self.pending.items()):
+                if self.schedule.slot_of[other] == slot:
+                    if pending.in_capture or not _capturing():
+                        stream.wait_event(pending.event)
+                    del self.pending[other]
+        self.buffers.copy_in(layer, non_blocking=self.copy_stream is not None)
+        self.owner[slot] = layer
+        self.stats["sync_loads"] += 1
+        log.debug("fx_offload: loaded layer %d into slot %d synchronously", layer, slot)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_current_stream_capturing()

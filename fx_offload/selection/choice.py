@@ -1,0 +1,55 @@
+"""The decision selection hands to the pass and the runtime: :class:`Choice` (what is
+offloaded and how), or :class:`NothingOffloaded` where the planner keeps every weight on the
+device.  Built only by :func:`fx_offload.selection.decide.choose`; read by the pass, the
+runtime (which know no option names) and the reports."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..options import OffloadOptions
+from ..schedule import Schedule
+from .params import OffloadedParam, TensorSpec, layer_bytes
+from .stack import LayerStack
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Choice:
+    """What is offloaded and how, for one model."""
+
+    model_name: str
+    options: OffloadOptions           # what was asked: to describe and compare, not to act on
+    stack: LayerStack
+    params: dict[int, list[OffloadedParam]]   # layer index -> its offloaded parameters
+    schedule: Schedule
+    device: torch.device
+    slot_specs: list[dict[str, TensorSpec]]
+    planner: object = None            # budget.PlannerResult under memory_budget
+
+    @property
+    def layers(self) -> list[int]:
+        return list(self.schedule.layers)
+
+    @property
+    def layer_bytes(self) -> dict[int, int]:
+        return layer_bytes(self.params)
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return sum(self.layer_bytes.values())
+
+    @property
+    def slot_bytes(self) -> int:
+        """Device memory the slots will take."""
+        return sum(spec.nbytes for slot in self.slot_specs for spec in slot.values())
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class NothingOffloaded:
+    """The planner's decision for a model whose whole weights fit its ``memory_budget``."""
+
+    model_name: str
+    options: OffloadOptions
+    stack: LayerStack
+    planner: object

@@ -1,0 +1,103 @@
+"""Selection, once per model: which layers and parameters are offloaded, into how many slots.
+
+:func:`choose` is the one place a decision is made, from the options (``group_size`` /
+``num_in_group`` / ``prefetch_step``) or, under ``memory_budget``, by the planner weighing the
+first graph's costs.  It checks everything that can be checked before any memory moves.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from .. import registry
+from ..errors import META_REFUSED, OffloadError
+from ..options import OffloadOptions
+from ..schedule import Schedule
+from . import budget
+from .choice import Choice, NothingOffloaded
+from .params import select_params, slot_specs
+from .stack import LayerStack, find_layer_stack
+
+log = logging.getLogger("fx_offload")
+
+
+def choose(model: nn.Module, options: OffloadOptions, graph=None, layer_frame: bool = False,
+           check_owners: bool = True) -> Choice | NothingOffloaded:
+    """Decide what of ``model`` is offloaded.  ``graph`` is ``(gm, graph_inputs)`` of the
+    first graph, whose costs the planner weighs; ``layer_frame``: that graph is one layer's
+    own frame.  ``check_owners``: refuse parameters another offloaded model holds."""
+    stack = find_layer_stack(model, options.layers)
+    planner = None
+    if options.planned:
+        planner = budget.plan_for(model, stack, options, graph, layer_frame)
+        if not planner.offloads:
+            return NothingOffloaded(type(model).__name__, options, stack, planner)
+        chosen = planner.chosen.candidate
+        layers, patterns, num_slots = chosen.layers, chosen.params, chosen.num_slots
+    else:
+        layers = [i for i in range(len(stack.modules)) if options.offloads_layer(i)]
+        patterns, num_slots = options.offload_params, options.prefetch_step
+    params = select_params(model, stack, layers, patterns)
+    _check_count(params, num_slots, options, stack)
+    if check_owners:
+        _check_not_offloaded_elsewhere(params)
+    device = _offload_device(model, params)
+    schedule = Schedule(params, num_slots)
+    return Choice(type(model).__name__, options, stack, params, schedule, device,
+                  slot_specs(params, schedule), planner)
+
+
+def _check_count(params, num_slots: int, options: OffloadOptions, stack: LayerStack) -> None:
+    layers = sorted(params)
+    if not layers:
+        raise OffloadError(
+            f"selected no layer to offload with group_size={options.group_size}, "
+            f"num_in_group={options.num_in_group} on a stack of {len(stack.modules)} layers at "
+            f"{stack.path or '<root>'!r}")
+    if num_slots > len(layers):
+        raise OffloadError(
+            f"option 'prefetch_step' ({num_slots}) is larger than the number of offloaded "
+            f"layers ({len(layers)}: layers {layers}); use prefetch_step <= {len(layers)}, or "
+            "offload more layers (group_size/num_in_group)")
+
+
+def _check_not_offloaded_elsewhere(params) -> None:
+    for ps in params.values():
+        for p in ps:
+            owner = registry.owner_of_param(p.param)
+            if owner is not None:
+                raise OffloadError(
+                    f"{p.name} is already offloaded (layer {owner[1]} of a "
+                    f"{owner[0].model_name}); a model is offloaded once. Call "
+                    "fx_offload.restore(model) before compiling it again differently")
+
+
+def _offload_device(model: nn.Module, params) -> torch.device:
+    """The one device the offloaded weights are on; refuses what cannot be offloaded."""
+    devices = {p.param.device for ps in params.values() for p in ps}
+    if len(devices) != 1:
+        raise OffloadError(
+            "needs the offloaded layers' weights on one device, found "
+            f"{sorted(str(d) for d in devices)}; move the model to one device first")
+    device = devices.pop()
+    if device.type == "meta":
+        raise OffloadError(META_REFUSED)
+    if device.type == "cpu":
+        accel = sorted({str(p.device) for p in model.parameters() if p.device.type != "cpu"})
+        if accel:
+            raise OffloadError(
+                "the weights of the layers to offload are already on the host (cpu) while the "
+                f"rest of the model is on {accel}; move the whole model to the GPU "
+                "(model.to('cuda')) and let the backend offload them")
+        if _cuda_available():
+            log.warning(
+                "fx_offload: %s is on the CPU although CUDA is available: offloading weights "
+                "that are already in host memory saves nothing (it runs as a CPU simulation); "
+                "move the model to the GPU first", type(model).__name__)
+    return device
+
+
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()

@@ -1,0 +1,117 @@
+"""Which parameters of the chosen layers are offloaded (all, or those ``offload_params``
+names; a parameter shared with anything else stays resident), and what each slot holds."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from ..errors import OffloadError
+from ..schedule import Schedule
+from .stack import LayerStack
+
+log = logging.getLogger("fx_offload")
+NAMES_SHOWN = 8                 # parameter names an error quotes as examples
+
+
+def matches_segments(name: str, patterns: Iterable[str]) -> bool:
+    """True if ``name`` contains one of ``patterns`` as whole dotted segments:
+    ``w13_weight`` matches ``mlp.experts.w13_weight``, not ``mlp.experts.w13_weight_scale``."""
+    segments = name.split(".")
+    for pattern in patterns:
+        want = pattern.split(".")
+        for start in range(len(segments) - len(want) + 1):
+            if segments[start:start + len(want)] == want:
+                return True
+    return False
+
+
+@dataclasses.dataclass
+class OffloadedParam:
+    name: str            # full dotted name from the model root
+    suffix: str          # name inside its layer ("mlp.fc1.weight"), its key in the slot
+    param: nn.Parameter
+
+    @property
+    def nbytes(self) -> int:
+        return self.param.numel() * self.param.element_size()
+
+
+def layer_bytes(params: dict[int, list[OffloadedParam]]) -> dict[int, int]:
+    """Offloaded bytes of each layer."""
+    return {layer: sum(p.nbytes for p in ps) for layer, ps in params.items()}
+
+
+def select_params(root: nn.Module, stack: LayerStack, layers: Iterable[int],
+                  patterns: tuple[str, ...] | None) -> dict[int, list[OffloadedParam]]:
+    """Layer index -> its offloaded parameters among ``layers``: those matching ``patterns``
+    (an ``offload_params`` value; None: all); layers left with none are skipped."""
+    wanted = set(layers)
+    owners: dict[int, list[str]] = {}
+    for name, p in root.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(name)
+
+    chosen: dict[int, list[OffloadedParam]] = {}
+    any_match = False
+    for index, layer in enumerate(stack.modules):
+        if index not in wanted:
+            continue
+        path = stack.layer_path(index)
+        picked = []
+        for suffix, p in layer.named_parameters(remove_duplicate=False):
+            if patterns is not None and not matches_segments(suffix, patterns):
+                continue
+            any_match = True
+            names = owners.get(id(p), [])
+            if len(names) > 1:
+                log.info("fx_offload: not offloading %s.%s: the parameter is shared with %s",
+                         path, suffix, [n for n in names if n != f"{path}.{suffix}"])
+                continue
+            picked.append(OffloadedParam(f"{path}.{suffix}", suffix, p))
+        if picked:
+            chosen[index] = picked
+        else:
+            log.debug("fx_offload: layer %s has no parameter to offload; skipped", path)
+    if patterns is not None and not any_match:
+        sample = [n for n, _ in stack.modules[0].named_parameters()][:NAMES_SHOWN]
+        raise OffloadError(
+            f"option 'offload_params'={list(patterns)} matches no parameter of the selected "
+            f"layers; parameter names inside a layer look like {sample}")
+    return chosen
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """What a slot entry must look like: a parameter's shape, stride and dtype."""
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def slot_specs(params: dict[int, list[OffloadedParam]], schedule: Schedule,
+               ) -> list[dict[str, TensorSpec]]:
+    """Per slot: the parameter's name inside its layer -> the tensor the slot holds for it.
+    Layers sharing a slot must have matching parameters (same name, shape and dtype)."""
+    specs: list[dict[str, TensorSpec]] = [{} for _ in range(schedule.num_slots)]
+    for layer, ps in params.items():
+        slot = schedule.slot_of[layer]
+        for p in ps:
+            have = specs[slot].get(p.suffix)
+            if have is None:
+                specs[slot][p.suffix] = TensorSpec(tuple(p.param.shape), tuple(p.param.stride()),
+                                                   p.param.dtype)
+            elif have.shape != tuple(p.param.shape) or have.dtype != p.param.dtype:
+                raise OffloadError(
+                    f"{p.name} ({tuple(p.param.shape)}, {p.param.dtype}) shares slot {slot} with "
+                    f"a parameter of the same name but shape {have.shape}, {have.dtype}; "
+                    "offloaded layers must have matching parameters (restrict them with "
+                    "offload_params)")
+    return specs
