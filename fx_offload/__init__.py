@@ -15,11 +15,13 @@ from . import ops as _ops  # noqa: F401  (registers the fx_offload:: custom ops)
 from .compiler import PrefetchOffloadBackend, backend, prefetch_offload, register_names
 from .errors import OffloadError
 from .options import OffloadOptions, parse_options
+from .placement import place
 from .reporting.explain import Explanation, explain
 from .reporting.report import Report, report
 from .runtime.weights import named_weights, restore, update_weights
 
-__all__ = ["backend", "prefetch_offload", "report", "restore", "explain", "Explanation",
+__all__ = ["backend", "prefetch_offload", "place", "report", "restore", "explain",
+           "Explanation",
            "named_weights", "update_weights", "OffloadError",
            "Report", "OffloadOptions", "PrefetchOffloadBackend", "parse_options"]
 

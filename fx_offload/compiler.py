@@ -22,8 +22,9 @@ from . import registry
 from .errors import GradModeError, OffloadError
 from .graph_inputs import GraphInputs, read_graph_inputs
 from .inner import compile_inner
-from .options import OffloadOptions, parse_options
+from .options import PLACEMENT_KEYS, OffloadOptions, parse_options
 from .passes.prefetch import run_prefetch_pass
+from .placement import activate
 from .runtime.state import OffloadState
 from .selection import NothingOffloaded, choose
 from .selection.stack import find_parent_model
@@ -38,7 +39,7 @@ def prefetch_offload(gm: fx.GraphModule, example_inputs, options: Mapping[str, A
     if unexpected:
         raise OffloadError(f"got unexpected arguments {sorted(unexpected)}")
     return compile_graph(gm, example_inputs, parse_options(options, mode=mode),
-                         defaulted=not options)
+                         given=tuple(options or ()))
 
 
 class PrefetchOffloadBackend:
@@ -58,7 +59,7 @@ class PrefetchOffloadBackend:
                 "fx_offload.backend(...) is already configured; give its options to "
                 "fx_offload.backend(...), not to torch.compile(options=...)")
         opts = self.options if mode is None else parse_options(self._raw, mode=mode)
-        return compile_graph(gm, example_inputs, opts, defaulted=not self._raw)
+        return compile_graph(gm, example_inputs, opts, given=tuple(self._raw))
 
     def __repr__(self) -> str:
         return f"fx_offload.backend({self.options.describe()})"
@@ -70,17 +71,20 @@ def backend(**options: Any) -> PrefetchOffloadBackend:
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
-                  defaulted: bool = False):
+                  given: tuple[str, ...] = ()):
+    """``given``: the option names the user gave; placement options left out take what the
+    model was offloaded with (by ``fx_offload.place``, say)."""
+    placement_given = any(name in PLACEMENT_KEYS for name in given)
     # 1. inputs
     gi = read_graph_inputs(gm, example_inputs)
     if gi.root is None or not gi.params:
         log.debug("fx_offload: graph reads no model parameters; compiled without offloading")
         return compile_inner(gm, example_inputs, options)
     # 2. choice and state
-    state, first, layer_frame = _state_for_graph(gm, gi, options)
+    state, first, layer_frame = _state_for_graph(gm, gi, options, not placement_given)
     if state is None:
         return compile_inner(gm, example_inputs, options)
-    _check_grad_mode(gi, state)
+    _check_grad_mode(gi, state, example_inputs)
     # 3. the pass (a graph of one layer's own frame is reused for every layer: no ops)
     plan = None
     if layer_frame:
@@ -89,9 +93,15 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
         plan = run_prefetch_pass(gm, gi, state.choice, state.handle)
     # 4. inner compile
     compiled = compile_inner(gm, example_inputs, options)
-    # 5. materialize
+    # 5. materialize: host blocks, slots, hooks (the parameters keep their storage for the
+    # rest of this call, whose graphs read them as they are, and let it go after the graph
+    # that ends the call: the hooks that end a call do not run in the call they were
+    # installed in)
     if first:
-        state.materialize()
+        activate(state, state.model_ref(), hand_over=False)
+    if plan is not None and state.handing_over and \
+            state.schedule.ends_call([lp.layer for lp in plan.layers]):
+        compiled = _then_settle(compiled, state)
     # 6. summary
     if plan is not None:
         log.info(
@@ -103,33 +113,42 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
             len(state.layers), len(state.stack.modules), state.stack.path,
             format_bytes(state.offloaded_bytes), state.num_slots,
             format_bytes(state.buffer_bytes), state.device, options.describe(),
-            " (defaults)" if defaulted else "")
+            " (defaults)" if not given else "")
     return compiled
 
 
-def _check_same_options(decided, options: OffloadOptions) -> None:
-    """``decided``: the model's state or NothingOffloaded."""
+def _then_settle(compiled, state: OffloadState):
+    def run(*args):
+        out = compiled(*args)
+        state.settle()
+        return out
+    return run
+
+
+def _check_same_options(decided, options: OffloadOptions, defaulted: bool = False) -> None:
+    """``decided``: the model's state or NothingOffloaded.  Options left out (``defaulted``)
+    take what the model was offloaded with (by ``fx_offload.place``, say)."""
     asked = decided.choice.options if isinstance(decided, OffloadState) else decided.options
-    if asked.placement_key() != options.placement_key():
+    if not defaulted and asked.placement_key() != options.placement_key():
         raise OffloadError(
             f"{decided.model_name} is already offloaded with {asked.describe()}; it cannot be "
             f"compiled again with {options.describe()}. Call fx_offload.restore(model) first, "
             "or use the same options")
 
 
-def _state_for_graph(gm, gi: GraphInputs, options: OffloadOptions):
+def _state_for_graph(gm, gi: GraphInputs, options: OffloadOptions, defaulted: bool = False):
     """(state, first compile of the model?, graph is one layer's own frame?); state None
     where the planner offloads nothing."""
     state = registry.state_for_model(gi.root)
     if state is not None:
-        _check_same_options(state, options)
+        _check_same_options(state, options, defaulted)
         return state, False, False
     owners = {id(o[0]): o for _, p in gi.params.values()
               for o in [registry.owner_of_param(p)] if o is not None}
     if owners:
         other, layer = next(iter(owners.values()))
         if gi.frame_is_root_forward and any(gi.root is m for m in other.stack.modules):
-            _check_same_options(other, options)
+            _check_same_options(other, options, defaulted)
             return other, False, True
         raise OffloadError(
             f"parameters of this graph's {type(gi.root).__name__} are already offloaded as "
@@ -139,7 +158,7 @@ def _state_for_graph(gm, gi: GraphInputs, options: OffloadOptions):
     if parent is not None:
         state = registry.state_for_model(parent)
         if state is not None:
-            _check_same_options(state, options)
+            _check_same_options(state, options, defaulted)
             return state, False, True
     model = parent if parent is not None else gi.root
     kept = registry.nothing_offloaded(model)
@@ -180,18 +199,27 @@ def _recent_graph_breaks() -> list[str]:
             for reason in list(counters["graph_break"])[-GRAPH_BREAKS_SHOWN:]]
 
 
-def _check_grad_mode(gi, state) -> None:
+def _check_grad_mode(gi, state, example_inputs) -> None:
+    """Autograd saves what a layer reads for backward: with grad enabled, an offloaded
+    weight that requires grad, or any input that does (the weights are then saved to
+    compute its gradient), would be saved as slot contents that the next prefetch
+    overwrites."""
     if not torch.is_grad_enabled():
         return
     offloaded = {p.name for ps in state.params.values() for p in ps}
     trained = [name for name, p in gi.params.values() if name in offloaded and p.requires_grad]
-    if trained:
+    inputs = [n.name for n, v in zip(gi.placeholders, example_inputs)
+              if n not in gi.params and isinstance(v, torch.Tensor) and v.requires_grad]
+    reads_offloaded = any(name in offloaded for name, _ in gi.params.values())
+    if trained or (inputs and reads_offloaded):
+        what = (f"offloaded parameters that require grad ({trained[:NAMES_SHOWN]}...)"
+                if trained else f"inputs that require grad ({inputs[:NAMES_SHOWN]}), so "
+                "autograd keeps the offloaded weights for their gradients")
         raise GradModeError(
             "supports inference only: this graph was compiled with grad enabled and reads "
-            f"offloaded parameters that require grad ({trained[:NAMES_SHOWN]}...). Autograd would save "
-            "slot contents for backward, which the next prefetch overwrites. Call the model "
-            "under torch.no_grad() or torch.inference_mode(), or set requires_grad_(False) on "
-            "its parameters")
+            f"{what}. Autograd would save slot contents for backward, which the next prefetch "
+            "overwrites. Call the model under torch.no_grad() or torch.inference_mode(), or "
+            "set requires_grad_(False) on its parameters and inputs")
 
 
 def register_names() -> None:

@@ -32,7 +32,7 @@ from . import registry
 @torch.library.custom_op("fx_offload::wait_prefetch", mutates_args=("activations",))
 def wait_prefetch(activations: list[torch.Tensor], handle: int, layer: int) -> None:
     """Block the compute stream until ``layer``'s weights are in its slot."""
-    registry.state_for_handle(handle).wait(layer)
+    registry.state_for_op(handle).wait(layer)
 
 
 @wait_prefetch.register_fake
@@ -44,7 +44,7 @@ def _(activations, handle, layer):
 def start_prefetch(activations: list[torch.Tensor], reads: list[torch.Tensor], handle: int,
                    layer: int, target: int) -> None:
     """``layer`` is done with its slot: begin copying ``target``'s weights into it."""
-    registry.state_for_handle(handle).start(layer, target)
+    registry.state_for_op(handle).start(layer, target)
 
 
 @start_prefetch.register_fake
@@ -56,7 +56,7 @@ def _(activations, reads, handle, layer, target):
 def join_prefetch(activations: list[torch.Tensor], reads: list[torch.Tensor],
                   handle: int) -> None:
     """End of the forward: inside a CUDA-graph capture, join the copy stream back."""
-    registry.state_for_handle(handle).join()
+    registry.state_for_op(handle).join()
 
 
 @join_prefetch.register_fake

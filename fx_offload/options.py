@@ -78,6 +78,7 @@ VALID_KEYS = tuple(f.name for f in dataclasses.fields(OffloadOptions))
 PLANNER_KEYS = ("memory_budget", "plan_tokens", "flop_rate", "memory_bandwidth",
                 "h2d_bandwidth", "launch_overhead")
 HAND_PICKED_KEYS = ("group_size", "num_in_group", "prefetch_step")
+PLACEMENT_KEYS = HAND_PICKED_KEYS + ("offload_params", "layers") + PLANNER_KEYS
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

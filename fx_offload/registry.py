@@ -4,7 +4,9 @@
   (an op argument), so the ops find the state without holding the model;
 * model -> offload state, or the planner's decision to offload nothing;
 * parameter -> (offload state, layer index), so a model offloaded as part of another is
-  recognised.
+  recognised;
+* token -> offload state: hooks (which are pickled and deep-copied with the model) name
+  their state by a token unique across processes, and do nothing when it is not live.
 
 Entries hold the model, its parameters and its state weakly: registering keeps nothing alive.
 A restored state's handle stays known, and its ops then do nothing.
@@ -13,24 +15,37 @@ from __future__ import annotations
 
 import itertools
 import threading
+import uuid
 import weakref
 
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .errors import StateGoneError
+from .errors import OffloadError, StateGoneError
 
 _HANDLES: dict[int, "weakref.ref"] = {}
 _BY_MODEL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _BY_PARAM = WeakIdKeyDictionary()            # Parameter -> (state, layer index)
+_BY_TOKEN: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 _NOTHING_OFFLOADED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_RESTORED: set[int] = set()
+_RESTORED: dict[int, object] = {}             # handle -> the schedule it had
+_ACTIVE = threading.local()                   # .calls: the states in a call on this thread
 _NEXT_HANDLE = itertools.count(1)
 _LOCK = threading.Lock()
 
 
 def new_handle() -> int:
     return next(_NEXT_HANDLE)
+
+
+def new_token() -> str:
+    return uuid.uuid4().hex
+
+
+def state_for_token(token: str):
+    """The live offload state a hook names, or None (a hook copied with its model, or
+    unpickled in another process)."""
+    return _BY_TOKEN.get(token)
 
 
 class _Restored:
@@ -46,6 +61,12 @@ class _Restored:
     def join(self):
         pass
 
+    def enter(self, root):
+        pass
+
+    def leave(self):
+        pass
+
 
 def state_for_handle(handle: int):
     if handle in _RESTORED:
@@ -57,6 +78,43 @@ def state_for_handle(handle: int):
             f"offload state {handle} no longer exists (its model was garbage collected); "
             "compile the model again", where="fx_offload")
     return state
+
+
+def begin_call(state) -> None:
+    calls = getattr(_ACTIVE, "calls", None)
+    if calls is None:
+        calls = _ACTIVE.calls = []
+    calls.append(state)
+
+
+def end_call(state) -> None:
+    calls = getattr(_ACTIVE, "calls", [])
+    if state in calls:
+        calls.remove(state)
+
+
+def state_for_op(handle: int):
+    """The state an op of a graph compiled for ``handle`` acts on.  Dynamo shares one graph
+    among instances of a model class (their parameters are the graph's inputs), so the graph
+    may run in another model's call: its ops then act on that model's state, whose slots the
+    parameters point at, if it offloads the same layers into as many slots."""
+    calls = getattr(_ACTIVE, "calls", None)
+    active = calls[-1] if calls else None
+    if active is None or active.handle == handle:
+        return state_for_handle(handle)
+    ref = _HANDLES.get(handle)
+    compiled_for = ref() if ref is not None else None
+    if compiled_for is not None and (compiled_for.depth > 0 or not compiled_for.entered):
+        return compiled_for     # its own model's call (the first one runs before any hook)
+    schedule = compiled_for.schedule if compiled_for is not None else _RESTORED.get(handle)
+    if schedule == active.schedule:
+        return active
+    raise OffloadError(
+        f"a graph compiled for another offloaded {active.model_name} (offload state {handle}, "
+        f"layers {list(schedule.layers) if schedule else '?'}) ran in a call of this one "
+        f"(layers {active.layers}, {active.num_slots} slot(s)): they are offloaded "
+        "differently. Offload instances of one model class alike, or call "
+        "torch._dynamo.reset() before compiling the other", where="fx_offload")
 
 
 def state_for_model(model: nn.Module):
@@ -79,9 +137,15 @@ def record_nothing_offloaded(model: nn.Module, decision) -> None:
     _NOTHING_OFFLOADED[model] = decision
 
 
+def forget_nothing_offloaded(model: nn.Module) -> bool:
+    """Drop the planner's nothing-offloaded record of ``model``; True if there was one."""
+    return _NOTHING_OFFLOADED.pop(model, None) is not None
+
+
 def register(state, model: nn.Module | None) -> None:
     with _LOCK:
         _HANDLES[state.handle] = weakref.ref(state)
+        _BY_TOKEN[state.token] = state
         if model is not None:
             _BY_MODEL[model] = state
         for layer, ps in state.params.items():
@@ -93,10 +157,19 @@ def unregister(state, model: nn.Module | None) -> None:
     """Forget ``state``; its handle is remembered as restored, so its ops do nothing."""
     with _LOCK:
         _HANDLES.pop(state.handle, None)
-        _RESTORED.add(state.handle)
+        _BY_TOKEN.pop(state.token, None)
+        _RESTORED[state.handle] = state.schedule
         if model is not None and _BY_MODEL.get(model) is state:
             del _BY_MODEL[model]
         for ps in state.params.values():
             for p in ps:
                 if _BY_PARAM.get(p.param, (None,))[0] is state:
                     del _BY_PARAM[p.param]
+
+
+def replace_param(state, layer: int, old, new) -> None:
+    """``new`` took the place of the offloaded parameter ``old`` (``assign=True``)."""
+    with _LOCK:
+        if _BY_PARAM.get(old, (None,))[0] is state:
+            del _BY_PARAM[old]
+        _BY_PARAM[new] = (state, layer)

@@ -37,6 +37,13 @@ class Schedule:
             refill = self.layers[nxt] if nxt < n else self.layers[i % num_slots]
             self.refill_of[layer] = None if refill == layer else refill
 
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Schedule) and (self.layers, self.num_slots) == (
+            other.layers, other.num_slots)
+
+    def __hash__(self) -> int:
+        return hash((self.layers, self.num_slots))
+
     def __repr__(self) -> str:
         return f"Schedule(layers={list(self.layers)}, num_slots={self.num_slots})"
 

@@ -251,3 +251,23 @@ def test_cpu_model_while_cuda_is_available_row(monkeypatch, caplog):
                       options={"inner_backend": "eager"})(*inputs)
     assert any("is on the CPU although CUDA is available" in r.getMessage()
                for r in caplog.records)
+
+
+class RunsLayerTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(MLPBlock(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        for i in (0, 1, 2, 3, 1):
+            x = self.layers[i](x)
+        return x
+
+
+def test_layer_run_twice_in_one_forward_row():
+    model, inputs = small(RunsLayerTwice)()
+    with torch.no_grad(), pytest.raises(Exception, match=r"offloaded layer layers.1 runs again "
+                                        r".* Keep it resident"):
+        torch.compile(model, backend="prefetch_offload",
+                      options={"inner_backend": "eager"})(*inputs)
+    assert fx_offload.registry.state_for_model(model) is None

@@ -240,3 +240,62 @@ def test_thousand_calls_keep_device_and_host_memory_flat():
           f"{(_rss() - host_100) / 2**20:.1f} MiB")
     assert growth < 2**20          # outputs of different batch sizes differ by a few KiB
     assert _rss() - host_100 < 32 * 2**20
+
+
+def test_weight_refresh_under_reduce_overhead_needs_no_recompile():
+    """The RL weight-refresh case: load_state_dict between replays of captured CUDA graphs
+    takes effect at the next call, and nothing is compiled again."""
+    import fx_offload.compiler as compiler
+    model, ids = decoder(torch.float32)
+    other, _ = decoder(torch.float32, seed=7)
+    compiles = []
+    real = compiler.compile_graph
+
+    def counting(*args, **kwargs):
+        compiles.append(1)
+        return real(*args, **kwargs)
+    compiler.compile_graph = counting
+    try:
+        compiled = torch.compile(model, backend=fx_offload.backend(prefetch_step=2),
+                                 mode="reduce-overhead")
+        with torch.no_grad():
+            for _ in range(4):
+                compiled(ids)
+            before = len(compiles)
+            model.load_state_dict(other.state_dict())
+            want = torch.compile(other, backend="inductor")(ids)
+            for _ in range(3):
+                same(compiled(ids).clone(), want, torch.float32)
+    finally:
+        compiler.compile_graph = real
+    assert len(compiles) == before
+    for key, value in other.state_dict().items():
+        assert torch.equal(model.state_dict()[key].to(value.device), value), key
+
+
+def test_place_a_host_model_then_compile_on_gpu():
+    """A model that stays on the host: place() puts the offloaded layers in page-locked host
+    blocks (never on the GPU) and the rest on the GPU."""
+    model, (ids,) = models.build("decoder", num_layers=6)
+    reference = copy.deepcopy(model).cuda()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    fx_offload.place(model, "cuda", prefetch_step=2)
+    rep = fx_offload.report(model)
+    offloaded = {n for names in rep.params.values() for n in names}
+    for name, p in model.named_parameters():
+        if name in offloaded:
+            assert p.device.type == "cpu" and p.is_pinned(), name
+        else:
+            assert p.device.type == "cuda", name
+    allocated = torch.cuda.memory_allocated() - before
+    total = sum(p.numel() * p.element_size() for p in reference.parameters())
+    assert allocated <= total - rep.offloaded_bytes + rep.buffer_bytes + 2**20
+    compiled = torch.compile(model, backend="prefetch_offload")
+    ids = ids.cuda()
+    with torch.no_grad():
+        for _ in range(3):
+            same(compiled(ids), torch.compile(reference, backend="inductor")(ids),
+                 torch.float32)
+    for key, value in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[key].to(value.device), value), key

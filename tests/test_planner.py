@@ -210,6 +210,15 @@ def test_budget_holding_everything_offloads_nothing(caplog):
     assert rep.layers == [] and rep.planner.chosen.candidate is None
     assert "nothing offloaded" in str(rep)
     assert all(p.device.type == "cpu" for p in model.parameters())
+    # restore forgets that plan, so another budget can be tried in the same process
+    fx_offload.restore(model)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(model, backend="prefetch_offload",
+                            options=dict(memory_budget="60KiB", inner_backend="aot_eager",
+                                         **RATES))(*inputs)
+    assert torch.equal(out, reference(*inputs))
+    assert fx_offload.report(model).layers
 
 
 def test_offload_params_subsets_are_weighed():

@@ -86,3 +86,32 @@ def test_greedy_generate_gives_the_same_tokens(name, device):
     assert torch.equal(got, want)
     state = fx_offload.registry.state_for_model(model)
     assert state.stats["prefetches"] > 0
+
+
+def test_llama_submodule_state_dict_deepcopy_and_half_hold_the_truth():
+    """What users do to a Hugging Face model once it is offloaded: the inner model's
+    state_dict, a deepcopy, a dtype conversion."""
+    model, _ = build("llama")
+    model.eval()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "aot_eager", "group_size": 2,
+                                      "num_in_group": 1})
+    ids = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        for _ in range(2):
+            compiled(ids, use_cache=False)
+    want = reference.model.state_dict()
+    got = model.model.state_dict()
+    assert got.keys() == want.keys()
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        assert torch.equal(clone(ids, use_cache=False).logits,
+                           reference(ids, use_cache=False).logits)
+    model.half()
+    reference.half()
+    ref_fn = torch.compile(reference, backend="aot_eager")
+    with torch.no_grad():
+        assert torch.equal(compiled(ids, use_cache=False).logits,
+                           ref_fn(ids, use_cache=False).logits)

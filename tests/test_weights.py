@@ -38,10 +38,12 @@ def test_state_dict_and_checkpoint_give_the_true_weights():
     fresh.load_state_dict(loaded)
     with torch.no_grad():
         assert torch.equal(fresh(*inputs), reference(*inputs))
-    # the slot-backed parameter objects are not the true values: layers 1 and 5 share slot
-    # 0, which holds layer 1 between calls; that is why state_dict and named_weights exist
-    slot_view = dict(model.named_parameters())["layers.5.fc1.weight"]
-    assert torch.equal(slot_view, want["layers.1.fc1.weight"])
+    # between calls the parameter objects themselves hold the true values (layers 1 and 5
+    # share slot 0, which the parameters no longer show), as do the submodules' state_dicts
+    for name, param in model.named_parameters():
+        assert torch.equal(param, want[name]), name
+    for key, value in model.layers[5].state_dict().items():
+        assert torch.equal(value, want[f"layers.5.{key}"]), key
     for name, value in named_weights(model):
         assert torch.equal(value, want[name]), name
 

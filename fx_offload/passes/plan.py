@@ -94,10 +94,27 @@ def plan_graph(gm: fx.GraphModule, gi: GraphInputs, choice: Choice, handle: int)
         if plan is not None:
             plans.append(plan)
 
+    _check_not_interleaved(plans, order, choice)
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     outs = [n for n in output.all_input_nodes if isinstance(value_of(n), torch.Tensor)]
     join_acts, join_reads = _split_mutable(outs, input_storages | set(weight_storages))
     return GraphPlan(handle, plans, join_acts, join_reads)
+
+
+def _check_not_interleaved(plans: list[LayerPlan], order, choice: Choice) -> None:
+    """Each offloaded layer runs once, from its first weight read to its last node, before
+    the next offloaded layer begins; a layer run twice in one forward (or one whose compute
+    encloses another offloaded layer) would need its slot across the other's refill."""
+    ordered = sorted(plans, key=lambda lp: order[lp.first_use])
+    for lp, nxt in zip(ordered, ordered[1:]):
+        if order[nxt.first_use] < order[lp.last_node]:
+            path = choice.stack.layer_path(lp.layer)
+            raise PlanError(
+                f"offloaded layer {path} runs again (or still runs) after offloaded layer "
+                f"{choice.stack.layer_path(nxt.layer)} has begun ({lp.last_node.format_node()} "
+                "follows it): a layer called more than once per forward cannot give up its "
+                "slot in between. Keep it resident: offload other layers (group_size / "
+                "num_in_group, or a layers= stack without it)")
 
 
 def _split_mutable(nodes, frozen_storages):

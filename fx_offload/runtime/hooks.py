@@ -1,75 +1,84 @@
-"""Hooks on an offloaded model's modules, so that paths outside the compiled graph stay right.
+"""Hooks on an offloaded model's layers, so that a layer called outside the compiled graph
+(eagerly, or compiled on its own after a graph break) computes with its own weights, and
+``state_dict`` reads the truth even while another thread's call holds the slots.
 
-* a forward pre-hook on each offloaded layer waits for (or loads) the layer's weights, so an
-  eager or graph-broken call of the layer never computes with another layer's slot contents;
-* ``state_dict`` returns the masters (the true weights) for offloaded parameters, and
-  ``load_state_dict`` writes offloaded entries into the masters and reloads the slots that
-  hold them, so the next call, compiled or not, uses the new weights.
+Each hook is an instance of a module-level class naming its state by token, so a model
+keeps its hooks through ``copy.deepcopy`` and ``pickle``; a hook whose state is not live
+(the copy's, or in another process) does nothing, and offloading the copy replaces it.
 """
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 from torch import nn
 
-
-def install(state, model: nn.Module | None) -> list:
-    """Install every hook; returns their handles (``.remove()`` undoes each)."""
-    handles = [state.stack.modules[layer].register_forward_pre_hook(_eager_guard(state, layer))
-               for layer in state.layers]
-    if model is not None:
-        handles += _state_dict_hooks(state, model)
-    return handles
+from .. import registry
 
 
-def _eager_guard(state, layer: int) -> Callable:
-    """A forward pre-hook that waits for (or loads) the layer's weights.  It calls the op
-    itself, so it is right both when it runs eagerly and when Dynamo traces it into a graph
-    (where ``torch.compiler.is_compiling()`` would turn a Python check into a no-op).  The
-    pass drops such a traced wait where it places the layer's own wait."""
-    handle = state.handle
+class LayerEnter:
+    """Forward pre-hook of an offloaded layer: called on its own, the layer begins a call
+    (the parameters point at their slots); then it waits for (or loads) its weights.  It
+    calls the op itself, so it is right both eagerly and when Dynamo traces it into a graph;
+    the pass drops such a traced wait where it places the layer's own."""
 
-    def hook(module, args):
+    def __init__(self, token: str, handle: int, layer: int):
+        self.token, self.handle, self.layer = token, handle, layer
+
+    def __call__(self, module, args):
+        if not torch.compiler.is_compiling():
+            state = registry.state_for_token(self.token)
+            if state is None:
+                return None
+            state.enter(root=False)
         acts = [a for a in args if isinstance(a, torch.Tensor)]
-        torch.ops.fx_offload.wait_prefetch(acts, handle, layer)
+        torch.ops.fx_offload.wait_prefetch(acts, self.handle, self.layer)
         return None
-    return hook
 
 
-def _state_dict_hooks(state, model: nn.Module) -> list:
-    by_name = {p.name: (layer, p) for layer, ps in state.params.items() for p in ps}
+class LayerLeave:
+    """Forward hook (always called) of an offloaded layer: ends what :class:`LayerEnter`
+    began."""
 
-    def save_hook(module, state_dict, prefix, local_metadata):
-        if state.restored:
-            return state_dict
-        for name, (layer, p) in by_name.items():
+    def __init__(self, token: str):
+        self.token = token
+
+    def __call__(self, module, args, output):
+        if not torch.compiler.is_compiling():
+            state = registry.state_for_token(self.token)
+            if state is not None:
+                state.leave()
+        return None
+
+
+class TruthInStateDict:
+    """State-dict hook of a module owning offloaded parameters: while a call holds the slots
+    (another thread's), ``state_dict`` still returns the true weights."""
+
+    def __call__(self, module, state_dict, prefix, local_metadata):
+        for name, param in module._parameters.items():
+            found = registry.owner_of_param(param) if param is not None else None
             key = prefix + name
-            if key in state_dict:
-                state_dict[key] = state.masters[layer][p.suffix]
+            if found is None or key not in state_dict or not found[0].swapped_in:
+                continue
+            state, layer = found
+            for p in state.params[layer]:
+                if p.param is param:
+                    state_dict[key] = state.truth_of(layer, p.suffix)
         return state_dict
 
-    def load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys,
-                      unexpected_keys, error_msgs):
-        if state.restored:
-            return
-        state.synchronize()
-        touched = set()
-        for name, (layer, p) in by_name.items():
-            key = prefix + name
-            if key not in state_dict:
-                continue
-            value = state_dict[key]
-            master = state.masters[layer][p.suffix]
-            if value.shape != master.shape:
-                continue   # load_state_dict reports the size mismatch itself
-            with torch.no_grad():
-                master.copy_(value)
-            # let the default loader copy the slot onto itself: a no-op, so it never writes
-            # this layer's values into a slot another layer occupies
-            state_dict[key] = p.param.detach()
-            touched.add(layer)
-        state.reload_slots(touched)
 
-    return [model._register_state_dict_hook(save_hook),
-            model._register_load_state_dict_pre_hook(load_pre_hook, with_module=True)]
+OURS = (LayerEnter, LayerLeave, TruthInStateDict)
+
+
+def install_layer_hooks(state) -> list:
+    """Every layer hook; returns their handles (``.remove()`` undoes each)."""
+    handles = []
+    owners: dict[int, nn.Module] = {}
+    for layer in state.layers:
+        module = state.stack.modules[layer]
+        handles.append(module.register_forward_pre_hook(
+            LayerEnter(state.token, state.handle, layer)))
+        handles.append(module.register_forward_hook(LayerLeave(state.token), always_call=True))
+        for p in state.params[layer]:
+            owners[id(p.owner)] = p.owner
+    handles += [m._register_state_dict_hook(TruthInStateDict()) for m in owners.values()]
+    return handles

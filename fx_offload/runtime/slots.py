@@ -6,8 +6,11 @@ master and nothing is copied.  Slots are device tensors of fixed address, one pe
 entry; where every layer of a slot has one byte layout, a slot is one flat buffer laid out
 as the layers' host blocks, so a layer moves in one copy.
 
-Everything is allocated in the constructor, before any parameter is touched, so running out
-of host or device memory leaves the model as it was.
+The slots are allocated first, then the host blocks one layer at a time; ``hand_over`` lets
+each layer's parameters take their block as soon as it is filled, so the storage they held
+is freed before the next block is allocated (host memory holds each weight once, plus one
+layer).  A failure part-way leaves every parameter holding its values: the old storage, or
+a block that holds the same.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import os
 
 import torch
 
-from .host_memory import HostBlock, views_into
+from .host_memory import HostBlock, layout_of, views_into
 
 
 class SlotBuffers:
@@ -25,19 +28,26 @@ class SlotBuffers:
     # per parameter (see docs/benchmarks.md for the measurement that chose the default).
     packed = os.environ.get("FX_OFFLOAD_PACKED", "1") != "0"
 
-    def __init__(self, choice):
+    def __init__(self, choice, hand_over=None):
+        """``hand_over(layer, masters)``: called as each layer's block is filled."""
         self.schedule, self.params, self.device = choice.schedule, choice.params, choice.device
         self.pinned = False
         self._blocks: dict[int, HostBlock] = {}
-        self.masters = {layer: self._make_masters(layer, ps) for layer, ps in self.params.items()}
         self.flat: list[torch.Tensor] | None = None
-        packed = self._packed_slots()
+        layouts = {layer: layout_of({p.suffix: p.param for p in ps})
+                   for layer, ps in self.params.items()}
+        packed = self._packed_slots(layouts)
         if packed is not None:
             self.flat, self.slots = packed
         else:
             self.slots = [{key: torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype,
                                                     device=self.device)
                            for key, spec in slot.items()} for slot in choice.slot_specs]
+        self.masters: dict[int, dict[str, torch.Tensor]] = {}
+        for layer, ps in self.params.items():
+            self.masters[layer] = self._make_masters(layer, ps)
+            if hand_over is not None:
+                hand_over(layer, self.masters[layer])
 
     @property
     def nbytes(self) -> int:
@@ -53,20 +63,19 @@ class SlotBuffers:
         self._blocks[layer] = block
         return block.views
 
-    def _packed_slots(self):
+    def _packed_slots(self, layer_layouts):
         """One flat device buffer per slot with every layer of the slot laid out as its host
         block; None where layouts differ or not on CUDA."""
-        if not self.packed or self.device.type != "cuda" or not self._blocks:
+        if not self.packed or self.device.type != "cuda":
             return None
         schedule, layouts = self.schedule, {}
         for layer in schedule.layers:
-            layout = self._blocks[layer].layout
+            layout = layer_layouts[layer]
             if layouts.setdefault(schedule.slot_of[layer], layout) != layout:
                 return None
-        first = schedule.call_entry()
-        flats = [torch.empty(self._blocks[first[s]].nbytes, dtype=torch.uint8,
-                             device=self.device) for s in range(schedule.num_slots)]
-        return flats, [views_into(flats[s], layouts[s]) for s in range(schedule.num_slots)]
+        flats = [torch.empty(max(layouts[s][1], 1), dtype=torch.uint8, device=self.device)
+                 for s in range(schedule.num_slots)]
+        return flats, [views_into(flats[s], layouts[s][0]) for s in range(schedule.num_slots)]
 
     def slot_tensor(self, layer: int, suffix: str) -> torch.Tensor:
         """The slot tensor a parameter of ``layer`` reads."""

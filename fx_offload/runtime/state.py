@@ -1,10 +1,22 @@
-"""Run-time state of one offloaded model: which layer each slot holds, the copies in flight.
+"""Run-time state of one offloaded model: who holds the weights, which layer each slot holds,
+the copies in flight.
+
+Ownership.  The parameters hold the true weights: an offloaded parameter's ``.data`` is its
+view into the layer's host block (page-locked on CUDA), one copy, and every PyTorch path
+that touches parameters (``state_dict`` of any submodule, ``load_state_dict``, ``copy_``,
+``deepcopy``, ``apply``, pickling) acts on the truth.  The slots are this state's private
+cache.  Only while a call of the model runs (:meth:`OffloadState.enter` ... :meth:`leave`,
+driven by the model's hooks) do the parameters point at their slots, so the compiled graph,
+its guards and a CUDA graph captured from it always see the same device tensors at fixed
+addresses, and the copies below change what those hold.  At the start of each call the
+state takes up what the user changed since the last one: a parameter written in place
+(autograd's version counter moved) has its slot reloaded; a parameter given new storage of
+the same shape and dtype is copied into its host block.  Calls are serialized: one thread
+at a time holds the slots.
 
 The compiled graph reaches this state through an integer handle passed to the custom ops in
-:mod:`fx_offload.ops`.  Slots have fixed addresses: an offloaded parameter's ``.data`` *is*
-its slot tensor, so a compiled graph (and a CUDA graph captured from it) always reads the
-same memory, and the copies below change what that memory holds.  Which slot a layer lives in
-and which layer refills it come from the schedule (:mod:`fx_offload.schedule`).
+:mod:`fx_offload.ops`.  Which slot a layer lives in and which layer refills it come from the
+schedule (:mod:`fx_offload.schedule`).
 
 Correctness never depends on the schedule being followed: :meth:`OffloadState.wait` checks
 which layer a slot holds and loads the right one synchronously if anything (a partial call,
@@ -27,7 +39,7 @@ import torch
 from torch import nn
 
 from .. import registry
-from . import hooks
+from .ownership import Ownership, ShapeChanged
 from .slots import SlotBuffers
 
 log = logging.getLogger("fx_offload")
@@ -39,12 +51,13 @@ class _Pending:
     in_capture: bool        # recorded while the stream was being captured into a CUDA graph
 
 
-class OffloadState:
+class OffloadState(Ownership):
     """The slots of one model compiled with the backend, driven by the ops.  Built from a
     :class:`~fx_offload.selection.Choice`; it reads no option."""
 
     def __init__(self, model: nn.Module, choice):
         self.handle = registry.new_handle()
+        self.token = registry.new_token()   # names this state in hooks, across processes
         self.model_ref = weakref.ref(model)
         self.choice = choice
         self.model_name = choice.model_name
@@ -58,8 +71,9 @@ class OffloadState:
         self.copy_stream = None
         self.materialized = False
         self.restored = False
-        self._hooks: list = []
+        self.hooks: list = []
         self.stats = {"prefetches": 0, "sync_loads": 0}
+        self._init_ownership()
 
     # ---- bookkeeping -------------------------------------------------------------------
     @property
@@ -80,57 +94,69 @@ class OffloadState:
         return {} if self.buffers is None else self.buffers.masters
 
     # ---- setup and teardown ------------------------------------------------------------
-    def materialize(self) -> None:
-        """Move offloaded weights to host masters and point the parameters at their slots.
+    def materialize(self, hand_over: bool) -> None:
+        """Copy the offloaded weights into their host blocks (the truth from now on),
+        allocate the slots and fill them for the first call.
 
-        Everything is allocated before any parameter is touched, so a failure (out of host
-        or device memory) leaves the model as it was."""
+        ``hand_over``: point the parameters at their host blocks now, freeing the storage
+        they held.  Otherwise (the first compile, inside the first call, whose graph reads the
+        parameters as they are) they keep it until the next call begins, which takes the
+        host blocks over without a copy.  Everything is allocated before any parameter is
+        touched, so a failure (out of host or device memory) leaves the model as it was."""
         if self.materialized:
             return
-        buffers = SlotBuffers(self.choice)
+        def take(layer, masters):
+            with torch.no_grad():
+                for p in self.params[layer]:
+                    p.param.data = masters[p.suffix]
+        handover = {p.name: (p.param.data_ptr(), p.param._version)
+                    for ps in self.params.values() for p in ps}
+        buffers = SlotBuffers(self.choice, take if hand_over else None)
         if self.device.type == "cuda":
             self.copy_stream = torch.cuda.Stream(self.device)
-        # From here on nothing allocates: swap the parameters over.
         self.buffers = buffers
-        with torch.no_grad():
-            for layer, ps in self.params.items():
-                for p in ps:
-                    p.param.data = buffers.slot_tensor(layer, p.suffix)
+        self._handover = {p.name: handover[p.name] for layer, ps in self.params.items()
+                          for p in ps if not hand_over and
+                          handover[p.name][0] != buffers.masters[layer][p.suffix].data_ptr()}
         for layer in self.schedule.call_entry():
             self._load_now(layer)
         self.stats = {"prefetches": 0, "sync_loads": 0}
-        model = self.model_ref()
-        self._hooks = hooks.install(self, model)
-        registry.register(self, model)
+        registry.register(self, self.model_ref())
         self.materialized = True
 
-    def reload_slots(self, layers) -> None:
-        """After masters of ``layers`` changed: reload the slots that hold (or are being
-        filled with) one of them, so no stale copy is used."""
-        for owner in list(self.owner):
-            if owner in layers:
-                self._load_now(owner)
-
     def restore(self) -> None:
-        """Return every offloaded weight to its original device, bitwise, and detach."""
+        """Return every offloaded weight to the device, bitwise, and detach."""
         if self.restored:
             return
         self.synchronize()
-        with torch.no_grad():
-            for layer, ps in self.params.items():
-                for p in ps:
-                    master = self.masters[layer][p.suffix]
-                    p.param.data = master if self.device.type == "cpu" else master.to(
-                        self.device)
-        for hook in self._hooks:
+        with self.holding_slots():
+            try:
+                self._take_up_changes()
+            except ShapeChanged:
+                pass        # the parameters hold the user's new values: they stay
+            if self.swapped_in:
+                self._point_at(truth=True)
+            with torch.no_grad():
+                for layer, ps in self.params.items():
+                    for p in ps:
+                        current = p.current()
+                        if current is not None and current.data_ptr() == \
+                                self.masters[layer][p.suffix].data_ptr():
+                            current.data = current.data.to(self.device) \
+                                if self.device.type != "cpu" else current.data
+            self.swapped_in = False
+            self.detach()
+
+    def detach(self) -> None:
+        """Forget the model: remove the hooks, free the slots and host blocks; the
+        parameters keep whatever they hold now."""
+        for hook in self.hooks:
             hook.remove()
-        self._hooks.clear()
+        self.hooks.clear()
         if self.buffers is not None:
             self.buffers.release()
         self.restored = True
         registry.unregister(self, self.model_ref())
-        log.info("fx_offload: restored %d offloaded layer(s) of %s to %s",
-                 len(self.layers), self.model_name, self.device)
 
     def synchronize(self) -> None:
         """Wait for copies in flight (they read the masters about to be changed)."""
@@ -165,12 +191,14 @@ class OffloadState:
         self.owner[slot] = refill
         if self.copy_stream is None:
             self.buffers.copy_in(refill)
+            self._copied[refill] = self._versions(refill)
             return
         compute = torch.cuda.current_stream(self.device)
         capturing = _capturing()
         fork = torch.cuda.Event()
         fork.record(compute)
         self.copy_stream.wait_event(fork)
+        self._copied[refill] = self._versions(refill)
         with torch.cuda.stream(self.copy_stream):
             self.buffers.copy_in(refill, non_blocking=True)
             done = torch.cuda.Event()
@@ -202,6 +230,7 @@ class OffloadState:
                         stream.wait_event(pending.event)
                     del self.pending[other]
         self.buffers.copy_in(layer, non_blocking=self.copy_stream is not None)
+        self._copied[layer] = self._versions(layer)
         self.owner[slot] = layer
         self.stats["sync_loads"] += 1
         log.debug("fx_offload: loaded layer %d into slot %d synchronously", layer, slot)

@@ -27,7 +27,11 @@ def _state(model: nn.Module, where: str):
 
 def restore(model: nn.Module) -> None:
     """Return every offloaded weight of ``model`` to its device, bitwise as it was; the model
-    then runs eagerly as before.  A compiled callable of it stays correct (its ops do nothing)."""
+    then runs eagerly as before.  A compiled callable of it stays correct (its ops do nothing).
+    On a model whose ``memory_budget`` plan offloaded nothing it forgets that plan, so the
+    model may be compiled again with other options."""
+    if registry.state_for_model(model) is None and registry.forget_nothing_offloaded(model):
+        return
     _state(model, "fx_offload.restore").restore()
 
 
@@ -46,21 +50,20 @@ def update_weights(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> Non
     where = "fx_offload.update_weights"
     state = _state(model, where)
     params = dict(model.named_parameters())
-    offloaded = {p.name: (layer, p) for layer, ps in state.params.items() for p in ps}
     for name, value in weights.items():
         if name not in params:
             raise OffloadError(f"{type(model).__name__} has no parameter {name!r}", where=where)
+        if not isinstance(value, torch.Tensor):
+            raise OffloadError(f"{name}: {type(value).__name__} is not a tensor", where=where)
         if tuple(value.shape) != tuple(params[name].shape):
             raise OffloadError(f"{name} has shape {tuple(params[name].shape)}, got "
                                f"{tuple(value.shape)}", where=where)
-    touched = set()
-    state.synchronize()
-    with torch.no_grad():
+        if value.is_floating_point() != params[name].is_floating_point() or \
+                value.is_complex() != params[name].is_complex():
+            raise OffloadError(f"{name} is {params[name].dtype}, got {value.dtype}",
+                               where=where)
+    # Everything checked: write.  Between calls the parameters are the truth; an in-place
+    # copy moves their version, so the next call reloads any slot holding them.
+    with state.holding_slots(), torch.no_grad():
         for name, value in weights.items():
-            if name in offloaded:
-                layer, p = offloaded[name]
-                state.masters[layer][p.suffix].copy_(value)
-                touched.add(layer)
-            else:
-                params[name].copy_(value)
-    state.reload_slots(touched)
+            params[name].copy_(value)

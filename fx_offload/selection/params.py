@@ -35,10 +35,17 @@ class OffloadedParam:
     name: str            # full dotted name from the model root
     suffix: str          # name inside its layer ("mlp.fc1.weight"), its key in the slot
     param: nn.Parameter
+    owner: nn.Module     # the module whose attribute it is
+    attr: str            # its attribute name there ("weight")
 
     @property
     def nbytes(self) -> int:
         return self.param.numel() * self.param.element_size()
+
+    def current(self) -> nn.Parameter | None:
+        """The parameter the owner holds now (``load_state_dict(assign=True)`` or an
+        assignment may have put another one there)."""
+        return self.owner._parameters.get(self.attr)
 
 
 def layer_bytes(params: dict[int, list[OffloadedParam]]) -> dict[int, int]:
@@ -71,7 +78,9 @@ def select_params(root: nn.Module, stack: LayerStack, layers: Iterable[int],
                 log.info("fx_offload: not offloading %s.%s: the parameter is shared with %s",
                          path, suffix, [n for n in names if n != f"{path}.{suffix}"])
                 continue
-            picked.append(OffloadedParam(f"{path}.{suffix}", suffix, p))
+            where, _, attr = suffix.rpartition(".")
+            owner = layer.get_submodule(where) if where else layer
+            picked.append(OffloadedParam(f"{path}.{suffix}", suffix, p, owner, attr))
         if picked:
             chosen[index] = picked
         else:

@@ -1,0 +1,162 @@
+"""Who holds the weights, call by call: the parameters hold the truth (their host blocks)
+between calls and point at their slots during one.
+
+:meth:`Ownership.enter` begins a call (the model's root hook, or an offloaded layer called on
+its own): it waits for another thread's call to end, takes up what the user changed in the
+offloaded parameters since the last call, and points them at their slots.
+:meth:`Ownership.leave` points them back.  Mixed into :class:`~.state.OffloadState`, whose
+``params``, ``buffers``, ``owner`` and ``_load_now`` it uses.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from .. import registry
+
+log = logging.getLogger("fx_offload")
+
+
+class ShapeChanged(Exception):
+    """An offloaded parameter's dtype or shape changed (``.half()``, a reassignment): the
+    slots no longer fit, and the model must be offloaded anew."""
+
+
+class Ownership:
+    """Call-by-call ownership of an offloaded model's weights (a mixin)."""
+
+    def _init_ownership(self) -> None:
+        self.swapped_in = False          # the parameters point at their slots
+        self.depth = 0                   # nested enters of the calling thread
+        self.entered = False             # a call has begun through the hooks
+        self._lock = threading.Lock()
+        self._holder: int | None = None  # the thread in a call
+        self._copied: dict[int, tuple] = {}      # layer -> its parameters' versions, copied
+        self._handover: dict[str, tuple] = {}    # name -> (data_ptr, version) of the tensor
+        #   a parameter held when the truth was copied from it; taken over without a copy
+
+    # ---- calls -------------------------------------------------------------------------
+    def enter(self, root: bool) -> None:
+        """A call of the model (``root``) or of one offloaded layer on its own begins: wait
+        for another thread's call to end, take up what changed, point the parameters at
+        their slots.  Raises :class:`ShapeChanged` where the slots no longer fit."""
+        if self.restored:
+            return
+        me = threading.get_ident()
+        if self._holder == me:
+            if not root:
+                self.depth += 1          # a layer inside this thread's call
+                return
+            # This thread is still in a call: KeyboardInterrupt skipped the hooks that end
+            # one (they run on Exception only).  The weights are intact; start afresh.
+            self.depth = 0
+        else:
+            self._lock.acquire()
+            self._holder = me
+        try:
+            self._take_up_changes()
+            self._point_at(truth=False)
+            registry.begin_call(self)
+            self.entered = True
+        except BaseException:
+            self._holder = None
+            self._lock.release()
+            raise
+        self.depth = 1
+
+    def leave(self) -> None:
+        """The call that :meth:`enter` began has ended (or raised): the parameters point at
+        the truth again, and another thread may call."""
+        if self._holder != threading.get_ident():
+            return                       # an enter that failed, or another thread's call
+        self.depth -= 1
+        if self.depth > 0:
+            return
+        try:
+            self._point_at(truth=True)
+        finally:
+            registry.end_call(self)
+            self._holder = None
+            self._lock.release()
+
+    def _point_at(self, truth: bool) -> None:
+        with torch.no_grad():
+            for layer, ps in self.params.items():
+                for p in ps:
+                    p.param.data = (self.buffers.masters[layer][p.suffix] if truth
+                                    else self.buffers.slot_tensor(layer, p.suffix))
+        self.swapped_in = not truth
+
+    @property
+    def handing_over(self) -> bool:
+        """Parameters still hold the storage the truth was copied from."""
+        return bool(self._handover)
+
+    def settle(self) -> None:
+        """Outside a call: parameters still holding the storage the truth was copied from
+        (the first call's) let it go and hold the truth."""
+        if self._handover and not self.swapped_in and self._holder is None:
+            with self.holding_slots():
+                self._take_up_changes()
+
+    def truth_of(self, layer: int, suffix: str) -> torch.Tensor:
+        return self.buffers.masters[layer][suffix]
+
+    def _versions(self, layer: int) -> tuple:
+        return tuple(p.param._version for p in self.params[layer])
+
+    def _take_up_changes(self) -> None:
+        """What the user did to the offloaded parameters since the last call: new storage
+        (``load_state_dict(assign=True)``, ``.data =``, ``.to(device)``) is copied into the
+        host block; an in-place write (``copy_``, ``load_state_dict``, an init function)
+        makes a slot holding that layer stale."""
+        stale = set()
+        for layer, ps in self.params.items():
+            for p in ps:
+                current = p.current()
+                truth = self.buffers.masters[layer][p.suffix]
+                if current is None or current.shape != truth.shape or \
+                        current.dtype != truth.dtype:
+                    raise ShapeChanged(p.name)
+                if current is p.param and current.data_ptr() in (
+                        truth.data_ptr(), self.buffers.slot_tensor(layer, p.suffix).data_ptr()):
+                    continue
+                handed = self._handover.pop(p.name, None)
+                if current is not p.param or handed != (current.data_ptr(), current._version):
+                    self.synchronize()      # a copy in flight may be reading the host block
+                    with torch.no_grad():
+                        truth.copy_(current.detach())
+                    stale.add(layer)
+                if current is not p.param:
+                    registry.replace_param(self, layer, p.param, current)
+                    p.param = current
+                current.data = truth
+        stale |= {layer for layer in self.layers
+                  if layer in self._copied and self._versions(layer) != self._copied[layer]}
+        for layer in stale:
+            log.debug("fx_offload: layer %d changed since it was copied; reloading", layer)
+            if layer in self.owner:
+                self._load_now(layer)
+            else:
+                self._copied.pop(layer, None)
+
+    def holding_slots(self):
+        """Hold the slots as a call does (for restore), unless this thread is in a call."""
+        state = self
+
+        class _Hold:
+            def __enter__(self):
+                self.mine = state._holder != threading.get_ident()
+                if self.mine:
+                    state._lock.acquire()
+
+            def __exit__(self, *exc):
+                if self.mine:
+                    state._lock.release()
+        return _Hold()
+        self.detach()
+        log.info("fx_offload: restored %d offloaded layer(s) of %s to %s",
+                 len(self.layers), self.model_name, self.device)
+

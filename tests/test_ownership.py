@@ -1,0 +1,277 @@
+"""The parameters hold the true weights; the slots are the backend's private cache.
+
+What an adversarial user does to an offloaded model with plain PyTorch: each case gives the
+right outputs (bitwise, same inner compiler) and leaves the true weights intact, or a clear
+error.  An 8-layer MLP stack, layers 1, 3, 5, 7 offloaded into one slot."""
+import copy
+import gc
+import io
+import pickle
+import threading
+import weakref
+
+import pytest
+import torch
+
+import fx_offload
+from fx_offload.runtime.slots import SlotBuffers
+from fx_offload.tools import models
+
+OPTIONS = {"group_size": 2, "num_in_group": 1, "prefetch_step": 1, "inner_backend": "aot_eager"}
+
+
+def offloaded(calls=2, **options):
+    model, (x,) = models.build("mlp", num_layers=8)
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload", options={**OPTIONS, **options})
+    with torch.no_grad():
+        for _ in range(calls):
+            assert torch.equal(compiled(x), reference(x))
+    return model, compiled, reference, x
+
+
+def assert_weights(model, reference):
+    want = reference.state_dict()
+    for name, p in model.named_parameters():
+        assert torch.equal(p, want[name]), name
+    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+
+
+def test_deepcopy_is_a_correct_model_of_its_own():
+    model, compiled, reference, x = offloaded()
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        assert torch.equal(clone(x), reference(x))
+        assert torch.equal(torch.compile(clone, backend="prefetch_offload",
+                                         options=OPTIONS)(x), reference(x))
+    # loading into the copy leaves the original alone
+    other, _ = models.build("mlp", num_layers=8, seed=3)
+    clone.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        assert torch.equal(clone(x), other(x))
+        assert torch.equal(compiled(x), reference(x))
+    assert_weights(model, reference)
+    assert fx_offload.report(clone).layers == [1, 3, 5, 7]
+
+
+def test_state_dict_of_any_submodule_is_the_truth():
+    model, compiled, reference, x = offloaded()
+    for i in range(8):
+        got, want = model.layers[i].state_dict(), reference.layers[i].state_dict()
+        assert all(torch.equal(got[k], want[k]) for k in want), i
+    assert_weights(model, reference)
+
+
+def test_submodule_load_state_dict_changes_that_layer_only():
+    model, compiled, reference, x = offloaded()
+    other, _ = models.build("mlp", num_layers=8, seed=5)
+    model.layers[3].load_state_dict(other.layers[3].state_dict())
+    reference.layers[3].load_state_dict(other.layers[3].state_dict())
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(compiled(x), reference(x))
+    assert_weights(model, reference)
+
+
+@pytest.mark.parametrize("convert", ["double", "half", "to_bfloat16"])
+def test_dtype_conversion_is_taken_up(convert):
+    model, compiled, reference, x = offloaded()
+    dtype = {"double": torch.float64, "half": torch.float16,
+             "to_bfloat16": torch.bfloat16}[convert]
+    model.to(dtype)
+    reference.to(dtype)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(compiled(x.to(dtype)), reference(x.to(dtype)))
+    assert_weights(model, reference)
+    assert {p.dtype for p in model.parameters()} == {dtype}
+    fx_offload.restore(model)
+    assert {p.dtype for p in model.parameters()} == {dtype}
+    with torch.no_grad():
+        assert torch.equal(model(x.to(dtype)), reference(x.to(dtype)))
+
+
+def test_apply_reaches_offloaded_layers():
+    model, compiled, reference, x = offloaded()
+
+    def init(m):
+        if isinstance(m, torch.nn.Linear):
+            torch.nn.init.constant_(m.weight, 0.01)
+    model.apply(init)
+    reference.apply(init)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), reference(x))
+    assert_weights(model, reference)
+
+
+def test_load_state_dict_assign_then_restore_keeps_the_loaded_weights():
+    model, compiled, reference, x = offloaded()
+    other, _ = models.build("mlp", num_layers=8, seed=9)
+    model.load_state_dict(copy.deepcopy(other.state_dict()), assign=True)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), other(x))
+    fx_offload.restore(model)
+    assert_weights(model, other)
+    with torch.no_grad():
+        assert torch.equal(model(x), other(x))
+
+
+def test_in_place_write_to_one_parameter_changes_that_layer_only():
+    model, compiled, reference, x = offloaded()
+    w = torch.randn_like(reference.layers[3].fc1.weight)
+    with torch.no_grad():
+        model.layers[3].fc1.weight.copy_(w)
+        reference.layers[3].fc1.weight.copy_(w)
+        # layer 1 sits in the slot now: the next call must not mix the two up
+        assert torch.equal(compiled(x), reference(x))
+        assert torch.equal(compiled(x), reference(x))
+    assert_weights(model, reference)
+
+
+def test_writes_to_the_first_layer_of_a_slot_take_effect_at_the_next_call():
+    """Layer 1 is copied into the slot at the end of the call before: that copy is stale."""
+    model, compiled, reference, x = offloaded()
+    with torch.no_grad():
+        model.layers[1].fc2.bias.add_(1.0)
+        reference.layers[1].fc2.bias.add_(1.0)
+        assert torch.equal(compiled(x), reference(x))
+
+
+def test_an_exception_in_a_call_leaves_the_weights_and_the_next_call_right(monkeypatch):
+    model, compiled, reference, x = offloaded()
+    real = SlotBuffers.copy_in
+
+    def boom(self, *args, **kwargs):
+        raise RuntimeError("injected")
+    monkeypatch.setattr(SlotBuffers, "copy_in", boom)      # the first refill of the call
+    with torch.no_grad(), pytest.raises(Exception, match="injected"):
+        compiled(x)
+    monkeypatch.setattr(SlotBuffers, "copy_in", real)
+    assert_weights(model, reference)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), reference(x))
+        assert torch.equal(model(x), reference(x))
+
+
+@pytest.mark.parametrize("step", ["allocate", "first_fill"])
+def test_a_fault_while_offloading_loses_nothing(step, monkeypatch):
+    model, (x,) = models.build("mlp", num_layers=8)
+    reference = copy.deepcopy(model)
+    target = "__init__" if step == "allocate" else "copy_in"
+    real = getattr(SlotBuffers, target)
+
+    def broken(self, *args, **kwargs):
+        raise MemoryError(f"injected at {step}")
+    monkeypatch.setattr(SlotBuffers, target, broken)
+    with torch.no_grad(), pytest.raises(Exception, match="injected"):
+        torch.compile(model, backend="prefetch_offload", options=OPTIONS)(x)
+    assert_weights(model, reference)
+    monkeypatch.setattr(SlotBuffers, target, real)
+    torch._dynamo.reset()
+    fx_offload.restore(model) if fx_offload.registry.state_for_model(model) else None
+    with torch.no_grad():
+        assert torch.equal(torch.compile(model, backend="prefetch_offload",
+                                         options=OPTIONS)(x), reference(x))
+
+
+def test_grad_through_frozen_offloaded_weights_is_refused():
+    model, (x,) = models.build("mlp", num_layers=8)
+    model.requires_grad_(False)
+    compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+    with pytest.raises(Exception, match="inputs that require grad"):
+        compiled(x.clone().requires_grad_(True))
+    assert fx_offload.registry.state_for_model(model) is None
+
+
+def test_threads_calling_one_compiled_model_get_their_own_right_outputs():
+    model, compiled, reference, x = offloaded()
+    inputs = [torch.randn(4, 32, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    with torch.no_grad():
+        want = [reference(t) for t in inputs]
+    wrong = []
+
+    def worker(i):
+        with torch.no_grad():
+            for _ in range(25):
+                if not torch.equal(compiled(inputs[i]), want[i]):
+                    wrong.append(i)
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wrong == []
+    assert_weights(model, reference)
+
+
+@pytest.mark.parametrize("how", ["pickle", "torch.save"])
+def test_a_saved_model_loads_as_a_correct_offloaded_model(how):
+    model, compiled, reference, x = offloaded()
+    if how == "pickle":
+        loaded = pickle.loads(pickle.dumps(model))
+    else:
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+    assert_weights(loaded, reference)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), reference(x))
+    assert fx_offload.report(loaded).layers == [1, 3, 5, 7]
+
+
+def test_update_weights_validates_everything_before_writing():
+    model, compiled, reference, x = offloaded()
+    good = torch.randn_like(reference.layers[3].fc1.weight)
+    with pytest.raises(fx_offload.OffloadError, match="not a tensor"):
+        fx_offload.update_weights(model, {"layers.3.fc1.weight": good,
+                                          "layers.5.fc1.weight": "oops"})
+    assert_weights(model, reference)
+
+
+def test_releasing_the_model_frees_it():
+    def make():
+        model, compiled, reference, x = offloaded()
+        return weakref.ref(model), weakref.ref(compiled)
+    model_ref, compiled_ref = make()
+    torch._dynamo.reset()
+    gc.collect()
+    assert model_ref() is None and compiled_ref() is None
+
+
+def test_place_then_compile():
+    model, (x,) = models.build("mlp", num_layers=8)
+    reference = copy.deepcopy(model)
+    fx_offload.place(model, "cpu", group_size=2, num_in_group=1)
+    assert fx_offload.report(model).layers == [1, 3, 5, 7]
+    assert_weights(model, reference)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "aot_eager"})
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(compiled(x), reference(x))
+    assert_weights(model, reference)
+
+
+def test_place_refuses_what_it_cannot_do():
+    model, _ = models.build("mlp", num_layers=8)
+    with pytest.raises(fx_offload.OffloadError, match="memory_budget needs the model's graph"):
+        fx_offload.place(model, "cpu", memory_budget="1MiB")
+    fx_offload.place(model, "cpu")
+    with pytest.raises(fx_offload.OffloadError, match="already offloaded; call "
+                                                      r"fx_offload.restore\(model\) first"):
+        fx_offload.place(model, "cpu")
+
+
+def test_a_graph_of_another_instance_offloaded_differently_is_refused():
+    """Dynamo shares one graph among instances of a class; run in a model offloaded with
+    other options, its ops would fill the wrong slots: refused, not computed wrong."""
+    a, (x,) = models.build("mlp", num_layers=8)
+    b = copy.deepcopy(a)
+    compiled_a = torch.compile(a, backend="prefetch_offload", options=OPTIONS)
+    with torch.no_grad():
+        compiled_a(x)
+        compiled_a(x)
+    fx_offload.place(b, "cpu", group_size=4, num_in_group=1)        # layers 3, 7
+    with torch.no_grad(), pytest.raises(Exception, match="offloaded differently"):
+        torch.compile(b, backend="prefetch_offload", options=OPTIONS)(x)
