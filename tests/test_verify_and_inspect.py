@@ -140,3 +140,15 @@ def test_bench_smoke_run_on_cpu(tmp_path):
     for needle in ("| resident (inductor) | 1 |", "| offload g2n1s1 | 16 |",
                    "| offload g4n1s1 | 1 |", "bytes copied per forward"):
         assert needle in table, table
+
+
+def test_bigger_smoke_run_on_cpu():
+    """The bigger-than-the-GPU journey on small shapes: built on meta, materialized on the
+    host, placed, compiled, prefill and greedy decode equal to the eager run."""
+    out = subprocess.run([sys.executable, "-m", "fx_offload", "bigger", "--shape", "tiny",
+                          "--layers", "6", "--device", "cpu", "--prompt", "8", "--decode", "2"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "logits equal to the eager run: True" in out.stdout, out.stdout
+    assert "same tokens as eager: True" in out.stdout, out.stdout
+    assert "3 layers" in out.stdout and "in host blocks" in out.stdout, out.stdout

@@ -1,9 +1,9 @@
-"""Command line: ``python -m fx_offload demo|inspect|bench``."""
+"""Command line: ``python -m fx_offload demo|inspect|bench|bigger``."""
 from __future__ import annotations
 
 import argparse
 
-from . import bench, demo, inspect_cli
+from . import bench, bigger, demo, inspect_cli
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,7 +17,12 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_arguments(sub.add_parser(
         "bench", help="time offloaded forwards against the resident model, the bound and "
                       "the alternatives (a GPU; --device cpu --quick as a smoke run)"))
+    bigger.add_arguments(sub.add_parser(
+        "bigger", help="a model with more weights than the GPU holds: placed from the host, "
+                       "compiled, run and checked (--shape tiny --device cpu as a smoke run)"))
     args = parser.parse_args(argv)
+    if args.command == "bigger":
+        return bigger.run(args)
     if args.command == "bench":
         return bench.run(args)
     if args.command == "demo":
