@@ -120,11 +120,13 @@ class EnterCall:
             log.info("fx_offload: %s carries offload hooks but no offload state (a copy, or "
                      "unpickled): offloading it again", type(module).__name__)
             state = _offload_again(module, self.options, self.device)
+        hooks.refuse_grad(state, args)
         try:
             state.enter(root=True)
         except ShapeChanged as changed:
-            log.warning("fx_offload: %s of %s changed dtype or shape; offloading the model "
-                        "again in its new form", changed, type(module).__name__)
+            log.warning("fx_offload: %s of %s changed (dtype, shape, or place in the layer "
+                        "stack); offloading the model again in its new form", changed,
+                        type(module).__name__)
             state.detach()
             state = _offload_again(module, self.options, self.device)
             state.enter(root=True)

@@ -68,6 +68,25 @@ class _Restored:
         pass
 
 
+class _OnDemand:
+    """Runs a graph compiled for other offloaded layers in ``state``'s call: each wait of a
+    layer ``state`` offloads loads it if its slot holds another (synchronously); the graph's
+    prefetches, meant for other slots, are skipped.  Correct, not fast."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def wait(self, layer):
+        if layer in self.state.schedule.slot_of:
+            self.state.wait(layer)
+
+    def start(self, layer, refill):
+        pass
+
+    def join(self):
+        pass
+
+
 def state_for_handle(handle: int):
     if handle in _RESTORED:
         return _Restored()
@@ -97,18 +116,24 @@ def state_for_op(handle: int):
     """The state an op of a graph compiled for ``handle`` acts on.  Dynamo shares one graph
     among instances of a model class (their parameters are the graph's inputs), so the graph
     may run in another model's call: its ops then act on that model's state, whose slots the
-    parameters point at, if it offloads the same layers into as many slots."""
-    calls = getattr(_ACTIVE, "calls", None)
-    active = calls[-1] if calls else None
-    if active is None or active.handle == handle:
-        return state_for_handle(handle)
+    parameters point at, if it offloads the same layers into as many slots; in a model that
+    is not offloaded (its parameters hold their weights) they have nothing to do."""
     ref = _HANDLES.get(handle)
     compiled_for = ref() if ref is not None else None
-    if compiled_for is not None and (compiled_for.depth > 0 or not compiled_for.entered):
+    if compiled_for is not None and (compiled_for.holder == threading.get_ident()
+                                     or not compiled_for.entered):
         return compiled_for     # its own model's call (the first one runs before any hook)
+    calls = getattr(_ACTIVE, "calls", None)
+    active = calls[-1] if calls else None
+    if active is None:
+        # a state's own calls always begin through its hooks on the calling thread: this is
+        # another model's call, and that model is not offloaded
+        return state_for_handle(handle) if compiled_for is None else _Restored()
     schedule = compiled_for.schedule if compiled_for is not None else _RESTORED.get(handle)
     if schedule == active.schedule:
         return active
+    if schedule is not None and set(active.layers) <= set(schedule.layers):
+        return _OnDemand(active)    # every layer it offloads has a wait in this graph
     raise OffloadError(
         f"a graph compiled for another offloaded {active.model_name} (offload state {handle}, "
         f"layers {list(schedule.layers) if schedule else '?'}) ran in a call of this one "

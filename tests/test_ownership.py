@@ -263,15 +263,94 @@ def test_place_refuses_what_it_cannot_do():
         fx_offload.place(model, "cpu")
 
 
-def test_a_graph_of_another_instance_offloaded_differently_is_refused():
-    """Dynamo shares one graph among instances of a class; run in a model offloaded with
-    other options, its ops would fill the wrong slots: refused, not computed wrong."""
+def test_a_graph_of_another_instance_offloaded_differently():
+    """Dynamo shares one graph among instances of a class. Run in a model that offloads a
+    subset of its layers, its waits load those on demand (correct, not fast); in one that
+    offloads a layer the graph has no wait for, it is refused, never computed wrong."""
     a, (x,) = models.build("mlp", num_layers=8)
-    b = copy.deepcopy(a)
+    subset, everything = copy.deepcopy(a), copy.deepcopy(a)
+    reference = copy.deepcopy(a)
     compiled_a = torch.compile(a, backend="prefetch_offload", options=OPTIONS)
     with torch.no_grad():
         compiled_a(x)
         compiled_a(x)
-    fx_offload.place(b, "cpu", group_size=4, num_in_group=1)        # layers 3, 7
+    fx_offload.place(subset, "cpu", group_size=4, num_in_group=1)        # layers 3, 7
+    with torch.no_grad():
+        compiled = torch.compile(subset, backend="prefetch_offload", options=OPTIONS)
+        for _ in range(2):
+            assert torch.equal(compiled(x), reference(x))
+    fx_offload.place(everything, "cpu", group_size=1, num_in_group=1)    # all 8 layers
     with torch.no_grad(), pytest.raises(Exception, match="offloaded differently"):
-        torch.compile(b, backend="prefetch_offload", options=OPTIONS)(x)
+        torch.compile(everything, backend="prefetch_offload", options=OPTIONS)(x)
+
+
+def test_two_instances_in_two_threads():
+    """Dynamo shares one graph between two instances of a class; called from two threads
+    at once, each still gets its own right outputs (the second offloaded alike, or not
+    offloaded at all)."""
+    for offload_b in (True, False):
+        torch._dynamo.reset()
+        a, ca, ra, x = offloaded()
+        b, _ = models.build("mlp", num_layers=8, seed=1)
+        rb = copy.deepcopy(b)
+        if offload_b:
+            fx_offload.place(b, "cpu", group_size=2, num_in_group=1)
+        cb = torch.compile(b, backend="prefetch_offload", options=OPTIONS)
+        inputs = [torch.randn(4, 32, generator=torch.Generator().manual_seed(i))
+                  for i in range(2)]
+        with torch.no_grad():
+            want = [ra(inputs[0]), rb(inputs[1])]
+        wrong = []
+
+        def worker(fn, i):
+            with torch.no_grad():
+                for _ in range(40):
+                    if not torch.equal(fn(inputs[i]), want[i]):
+                        wrong.append(i)
+        threads = [threading.Thread(target=worker, args=(ca, 0)),
+                   threading.Thread(target=worker, args=(cb, 1))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert wrong == [], (offload_b, wrong)
+
+
+def test_parameters_swapped_between_layers_keep_both_values():
+    model, compiled, reference, x = offloaded()
+    for m in (model, reference):
+        m.layers[1].fc1.weight, m.layers[3].fc1.weight = \
+            m.layers[3].fc1.weight, m.layers[1].fc1.weight
+    with torch.no_grad():
+        assert torch.equal(compiled(x), reference(x))
+        assert torch.equal(compiled(x), reference(x))
+    assert_weights(model, reference)
+
+
+@pytest.mark.parametrize("change", ["swap", "insert", "delete", "alias"])
+def test_a_changed_layer_stack_is_offloaded_again(change):
+    model, compiled, reference, x = offloaded()
+    extra, _ = models.build("mlp", num_layers=1, seed=4)
+    for m in (model, reference):
+        layers = m.layers
+        if change == "swap":
+            layers[1], layers[3] = layers[3], layers[1]
+        elif change == "insert":
+            layers.insert(0, copy.deepcopy(extra.layers[0]))
+        elif change == "delete":
+            del layers[0]
+        else:
+            layers[3] = layers[1]
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(compiled(x), reference(x))
+    assert_weights(model, reference)
+
+
+def test_an_eager_call_with_grad_enabled_is_refused():
+    model, compiled, reference, x = offloaded()
+    with pytest.raises(fx_offload.OffloadError, match="supports inference only"):
+        model(x.clone().requires_grad_(True))
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    assert_weights(model, reference)

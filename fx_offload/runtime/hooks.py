@@ -12,6 +12,24 @@ import torch
 from torch import nn
 
 from .. import registry
+from ..errors import GradModeError
+
+
+def refuse_grad(state, args) -> None:
+    """An eager call with grad enabled would let autograd save slot contents for backward
+    (the next prefetch overwrites them): refused as a compile with grad enabled is."""
+    if not torch.is_grad_enabled():
+        return
+    trained = [p.name for ps in state.params.values() for p in ps if p.param.requires_grad]
+    inputs = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+    if trained or inputs:
+        what = (f"offloaded parameters that require grad ({trained[:3]}...)" if trained
+                else "inputs that require grad")
+        raise GradModeError(
+            f"supports inference only: {state.model_name} was called with grad enabled and "
+            f"{what}; autograd would save slot contents for backward, which the next "
+            "prefetch overwrites. Call it under torch.no_grad() or torch.inference_mode(), "
+            "or set requires_grad_(False) on its parameters and inputs")
 
 
 class LayerEnter:
@@ -28,6 +46,7 @@ class LayerEnter:
             state = registry.state_for_token(self.token)
             if state is None:
                 return None
+            refuse_grad(state, args)
             state.enter(root=False)
         acts = [a for a in args if isinstance(a, torch.Tensor)]
         torch.ops.fx_offload.wait_prefetch(acts, self.handle, self.layer)

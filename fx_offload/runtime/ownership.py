@@ -81,6 +81,11 @@ class Ownership:
             self._holder = None
             self._lock.release()
 
+    @property
+    def holder(self) -> int | None:
+        """The thread whose call holds the slots, if any."""
+        return self._holder
+
     def _point_at(self, truth: bool) -> None:
         with torch.no_grad():
             for layer, ps in self.params.items():
@@ -101,6 +106,21 @@ class Ownership:
             with self.holding_slots():
                 self._take_up_changes()
 
+    def _check_stack(self) -> None:
+        """The layer list still holds the offloaded layers at their places (a layer replaced,
+        inserted, deleted or reordered changes which weights each index reads)."""
+        model = self.model_ref()
+        if model is None:
+            return
+        try:
+            container = model.get_submodule(self.stack.path) if self.stack.path else model
+        except AttributeError:
+            raise ShapeChanged(f"the layer stack {self.stack.path!r}") from None
+        now = list(container)
+        if len(now) != len(self.stack.modules) or any(
+                a is not b for a, b in zip(now, self.stack.modules)):
+            raise ShapeChanged(f"the layer stack {self.stack.path!r}")
+
     def truth_of(self, layer: int, suffix: str) -> torch.Tensor:
         return self.buffers.masters[layer][suffix]
 
@@ -112,7 +132,9 @@ class Ownership:
         (``load_state_dict(assign=True)``, ``.data =``, ``.to(device)``) is copied into the
         host block; an in-place write (``copy_``, ``load_state_dict``, an init function)
         makes a slot holding that layer stale."""
+        self._check_stack()
         stale = set()
+        moved = []          # (layer, p, current, truth, copy the values?)
         for layer, ps in self.params.items():
             for p in ps:
                 current = p.current()
@@ -124,15 +146,26 @@ class Ownership:
                         truth.data_ptr(), self.buffers.slot_tensor(layer, p.suffix).data_ptr()):
                     continue
                 handed = self._handover.pop(p.name, None)
-                if current is not p.param or handed != (current.data_ptr(), current._version):
-                    self.synchronize()      # a copy in flight may be reading the host block
-                    with torch.no_grad():
-                        truth.copy_(current.detach())
-                    stale.add(layer)
-                if current is not p.param:
-                    registry.replace_param(self, layer, p.param, current)
-                    p.param = current
-                current.data = truth
+                copy = current is not p.param or handed != (current.data_ptr(),
+                                                              current._version)
+                moved.append((layer, p, current, truth, copy))
+        # Read every new value before writing any host block: a parameter moved from one
+        # layer to another still views the host block it came from.
+        blocks = {t.untyped_storage().data_ptr() for masters in self.buffers.masters.values()
+                  for t in masters.values()}
+        sources = {id(cur): (cur.detach().clone() if cur.untyped_storage().data_ptr() in blocks
+                             else cur.detach()) for _, _, cur, _, copy in moved if copy}
+        if sources:
+            self.synchronize()              # a copy in flight may be reading a host block
+        for layer, p, current, truth, copy in moved:
+            if copy:
+                with torch.no_grad():
+                    truth.copy_(sources[id(current)])
+                stale.add(layer)
+            if current is not p.param:
+                registry.replace_param(self, layer, p.param, current)
+                p.param = current
+            current.data = truth
         stale |= {layer for layer in self.layers
                   if layer in self._copied and self._versions(layer) != self._copied[layer]}
         for layer in stale:
