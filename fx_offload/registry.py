@@ -61,12 +61,6 @@ class _Restored:
     def join(self):
         pass
 
-    def enter(self, root):
-        pass
-
-    def leave(self):
-        pass
-
 
 class _OnDemand:
     """Runs a graph compiled for other offloaded layers in ``state``'s call: each wait of a

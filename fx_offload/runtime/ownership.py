@@ -151,11 +151,13 @@ class Ownership:
                 moved.append((layer, p, current, truth, copy))
         # Read every new value before writing any host block: a parameter moved from one
         # layer to another still views the host block it came from.
-        blocks = {t.untyped_storage().data_ptr() for masters in self.buffers.masters.values()
-                  for t in masters.values()}
-        sources = {id(cur): (cur.detach().clone() if cur.untyped_storage().data_ptr() in blocks
-                             else cur.detach()) for _, _, cur, _, copy in moved if copy}
-        if sources:
+        sources = {}
+        if any(copy for *_, copy in moved):     # rare: only then look at the host blocks
+            blocks = {t.untyped_storage().data_ptr()
+                      for masters in self.buffers.masters.values() for t in masters.values()}
+            sources = {id(cur): (cur.detach().clone()
+                                 if cur.untyped_storage().data_ptr() in blocks else cur.detach())
+                       for _, _, cur, _, copy in moved if copy}
             self.synchronize()              # a copy in flight may be reading a host block
         for layer, p, current, truth, copy in moved:
             if copy:
