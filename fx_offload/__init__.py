@@ -4,6 +4,10 @@
     fx_offload.report(model)     # what was offloaded
     fx_offload.restore(model)    # weights back where they were
 
+    with fx_offload.empty_weights():             # a model bigger than the GPU
+        model = build_model()
+    fx_offload.place(model, "cuda", checkpoint=folder, group_size=2, num_in_group=1)
+
 The package in three phases: ``selection`` (once per model: what is offloaded), ``passes``
 (once per graph: where the ops go), ``runtime`` (once per call: what the ops do); the shared
 leaves (``options``, ``schedule``, ``ops``, ``graph_inputs``, ``registry``, ``errors``,
@@ -12,6 +16,7 @@ leaves (``options``, ``schedule``, ``ops``, ``graph_inputs``, ``registry``, ``er
 from __future__ import annotations
 
 from . import ops as _ops  # noqa: F401  (registers the fx_offload:: custom ops)
+from .checkpoint import empty_weights
 from .compiler import PrefetchOffloadBackend, backend, prefetch_offload, register_names
 from .errors import OffloadError
 from .options import OffloadOptions, parse_options
@@ -20,7 +25,7 @@ from .reporting.explain import Explanation, explain
 from .reporting.report import Report, report
 from .runtime.weights import named_weights, restore, update_weights
 
-__all__ = ["backend", "prefetch_offload", "place", "report", "restore", "explain",
+__all__ = ["backend", "prefetch_offload", "place", "empty_weights", "report", "restore", "explain",
            "Explanation",
            "named_weights", "update_weights", "OffloadError",
            "Report", "OffloadOptions", "PrefetchOffloadBackend", "parse_options"]

@@ -106,15 +106,25 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
     if plan is not None:
         log.info(
             "fx_offload: %s graph with %d offloaded layer(s) %s (%d wait, %d start%s); model: "
-            "%d of %d layers of %r offloaded, %s to host, %d slot(s) = %s on %s; %s%s",
+            "%d of %d layers of %r offloaded, %s to host, %d slot(s) = %s on %s; %s",
             state.model_name, len(plan.layers), [lp.layer for lp in plan.layers],
             len(plan.layers), sum(lp.refill is not None for lp in plan.layers),
             ", join" if plan.has_starts and plan.join_acts else "",
             len(state.layers), len(state.stack.modules), state.stack.path,
             format_bytes(state.offloaded_bytes), state.num_slots,
-            format_bytes(state.buffer_bytes), state.device, options.describe(),
-            " (defaults)" if not given else "")
+            format_bytes(state.buffer_bytes), state.device, _describe(state, options, given))
     return compiled
+
+
+def _describe(state: OffloadState, options: OffloadOptions, given: tuple[str, ...]) -> str:
+    """The options in force: placement options left out of the compile are those the model
+    was placed with."""
+    placed = state.choice.options
+    if not any(name in PLACEMENT_KEYS for name in given) and \
+            placed.placement_key() != options.placement_key():
+        return (f"{placed.describe(placement_only=True)} (as placed), "
+                f"inner_backend={options.inner_backend!r}")
+    return options.describe() + ("" if given else " (defaults)")
 
 
 def _then_settle(compiled, state: OffloadState):
@@ -163,7 +173,7 @@ def _state_for_graph(gm, gi: GraphInputs, options: OffloadOptions, defaulted: bo
     model = parent if parent is not None else gi.root
     kept = registry.nothing_offloaded(model)
     if kept is not None:
-        _check_same_options(kept, options)
+        _check_same_options(kept, options, defaulted)
         return None, False, False
     choice = choose(model, options, graph=(gm, gi), layer_frame=parent is not None)
     if isinstance(choice, NothingOffloaded):

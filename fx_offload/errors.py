@@ -8,7 +8,8 @@ from __future__ import annotations
 
 BACKEND = "prefetch_offload"
 META_REFUSED = ("cannot offload weights on the meta device: load real weights into the model "
-                "before compiling it")
+                "before compiling it, or place it from its checkpoint with "
+                "fx_offload.place(model, device, checkpoint=...)")
 
 
 class OffloadError(ValueError):

@@ -17,67 +17,180 @@ with the same options; so is one whose offloaded parameters changed dtype or sha
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
 from torch import nn
 
 from . import registry
+from .checkpoint import Checkpoint, check_model
 from .errors import OffloadError
 from .options import OffloadOptions, parse_options
 from .runtime import hooks
 from .runtime.state import OffloadState, ShapeChanged
 from .selection import NothingOffloaded, choose
+from .selection.trace import plan_from_example
 from .text import format_bytes
 
 log = logging.getLogger("fx_offload")
 
 
-def place(model: nn.Module, device: str | torch.device = "cuda", **options: Any) -> nn.Module:
+def place(model: nn.Module, device: str | torch.device = "cuda", *, checkpoint=None,
+          example_inputs=None, **options: Any) -> nn.Module:
     """Offload ``model`` onto ``device`` now: the chosen layers' weights go into page-locked
-    host blocks one layer at a time (the model's host copy is freed as it goes), the other
-    parameters and buffers to ``device``, and the slots are allocated there.  Options are the
-    backend's (``group_size``, ``num_in_group``, ``prefetch_step``, ``offload_params``,
-    ``layers``).  Then compile it: ``torch.compile(model, backend="prefetch_offload")``."""
+    host blocks one layer at a time, the other parameters and buffers to ``device``, and the
+    slots are allocated there.  Then compile it: ``torch.compile(model,
+    backend="prefetch_offload")``.
+
+    ``checkpoint``: where the weights are (a ``save_pretrained`` folder, a ``.safetensors``
+    file, or a mapping of name to tensor); each tensor is read straight into the memory that
+    keeps it, so the model may be built on the meta device (:func:`empty_weights`).  Without
+    it the weights are the model's own, on the host, and its host copy is freed as each
+    block fills.  Options are the backend's: ``group_size``, ``num_in_group``,
+    ``prefetch_step``, ``offload_params``, ``layers``, or ``memory_budget`` (with
+    ``plan_tokens``), which weighs a trace of the model on ``example_inputs`` (a tuple of
+    positional arguments or a dict of keyword arguments) made on the meta device."""
     opts = parse_options(options)
-    if opts.planned:
-        raise OffloadError(
-            "place() chooses the layers from group_size/num_in_group/prefetch_step; "
-            "memory_budget needs the model's graph, which place() does not trace yet: give "
-            "those options, or move the model to the device and compile it with "
-            "memory_budget", where="fx_offload.place")
     if registry.state_for_model(model) is not None:
         raise OffloadError(f"{type(model).__name__} is already offloaded; call "
                            "fx_offload.restore(model) first", where="fx_offload.place")
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    choice = choose(model, opts, device=device)
+    source = None if checkpoint is None else Checkpoint.open(checkpoint)
+    try:
+        return _place(model, device, opts, source, example_inputs)
+    finally:
+        if source is not None:
+            source.close()
+
+
+def _place(model: nn.Module, device: torch.device, opts: OffloadOptions,
+           source: Checkpoint | None, example_inputs) -> nn.Module:
+    sources = check_model(model, source)
+    planner = plan_from_example(model, opts, example_inputs, device) if opts.planned else None
+    choice = choose(model, opts, device=device, planner=planner)
+    progress = _Progress(model)
+    if isinstance(choice, NothingOffloaded):
+        log.warning("fx_offload: memory_budget %s holds all %s of %s's weights: nothing is "
+                    "offloaded; it is moved to %s",
+                    format_bytes(opts.memory_budget, as_option=True),
+                    format_bytes(choice.planner.weights_bytes), choice.model_name, device)
+        _move_the_rest(model, set(), device, source, sources, progress)
+        registry.record_nothing_offloaded(model, choice)
+        return model
     state = OffloadState(model, choice)
-    offloaded = {id(p.param) for ps in choice.params.values() for p in ps}
-    activate(state, model, hand_over=True)
-    _move_the_rest(model, offloaded, device)
-    log.info("fx_offload: placed %s: %d of %d layers (%s) in %s host memory, the rest on %s",
-             type(model).__name__, len(choice.layers), len(choice.stack.modules),
-             format_bytes(choice.offloaded_bytes), "pinned" if state.pinned else "pageable",
-             device)
+    fill = None if source is None else _filler(choice, source, sources)
+    try:
+        activate(state, model, hand_over=True, fill=fill, progress=progress)
+        offloaded = {id(p.param) for ps in choice.params.values() for p in ps}
+        _move_the_rest(model, offloaded, device, source, sources, progress)
+    except BaseException:
+        # Every parameter holds its value (its host block, its new device tensor, or what
+        # it held before): forget the state, so that place() can simply be called again.
+        state.detach()
+        raise
+    log.info("fx_offload: placed %s in %.1f s: %d of %d layers (%s) in %s host memory, the "
+             "rest on %s%s", type(model).__name__, progress.seconds, len(choice.layers),
+             len(choice.stack.modules), format_bytes(choice.offloaded_bytes),
+             "pinned" if state.pinned else "pageable", device,
+             "" if source is None else f", read from {source.where}")
     return model
 
 
-def _move_the_rest(model: nn.Module, offloaded: set[int], device: torch.device) -> None:
+def _filler(choice, source: Checkpoint, sources):
+    """Writes a layer's values into its new host block: from the checkpoint, or from the
+    parameter itself where the checkpoint does not have it."""
+    def fill(layer, views):
+        for p in choice.params[layer]:
+            name = sources.name_of(p.param)
+            if name is not None:
+                source.read_into(name, views[p.suffix])
+            else:
+                views[p.suffix].copy_(p.param.detach())
+    return fill
+
+
+def _move_the_rest(model: nn.Module, offloaded: set[int], device: torch.device,
+                   source: Checkpoint | None = None, sources=None, progress=None) -> None:
+    """Every parameter and buffer not offloaded to ``device``, read from ``source`` where
+    it has them; a tensor on the meta device is replaced (everywhere it is held)."""
+    replaced: dict[int, torch.Tensor] = {}
     with torch.no_grad():
         for module in model.modules():
-            for name, p in module._parameters.items():
-                if p is not None and id(p) not in offloaded and p.device != device:
-                    p.data = p.data.to(device)
-            for name, b in module._buffers.items():
-                if b is not None and b.device != device:
-                    module._buffers[name] = b.to(device)
+            for table in (module._parameters, module._buffers):
+                for name, t in table.items():
+                    if t is None or id(t) in offloaded:
+                        continue
+                    if id(t) not in replaced:
+                        replaced[id(t)] = _on_device(t, device, source, sources)
+                        if progress is not None:
+                            progress.moved(t)
+                    new = replaced[id(t)]
+                    if new is not t:
+                        table[name] = new
 
 
-def activate(state: OffloadState, model: nn.Module, hand_over: bool) -> None:
+def _on_device(t: torch.Tensor, device: torch.device, source, sources) -> torch.Tensor:
+    """``t`` (kept where it can take new data) holding its value on ``device``."""
+    name = None if sources is None else sources.name_of(t)
+    if name is None and t.device == device:
+        return t
+    if name is None:
+        value = t.data.to(device)
+    else:
+        value = torch.empty(t.shape, dtype=t.dtype, device=device)
+        source.read_into(name, value)
+    if t.device.type == "meta":       # a meta tensor cannot take another device's data
+        return type(t)(value, requires_grad=t.requires_grad) \
+            if isinstance(t, nn.Parameter) else value
+    t.data = value
+    return t
+
+
+class _Progress:
+    """An INFO line for each tenth of the bytes placed once placing has taken a few seconds
+    (``place`` of a large model reads tens of GiB)."""
+
+    STEPS = 10
+    QUIET_S = 2.0           # a placement shorter than this prints no progress line
+
+    def __init__(self, model: nn.Module):
+        self.name = type(model).__name__
+        seen, total = set(), 0
+        for t in list(model.parameters()) + list(model.buffers()):
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+        self.total, self.done, self.shown = max(total, 1), 0, 0
+        self.start = time.perf_counter()
+
+    @property
+    def seconds(self) -> float:
+        return time.perf_counter() - self.start
+
+    def add(self, nbytes: int, what: str) -> None:
+        self.done += nbytes
+        step = self.done * self.STEPS // self.total
+        if step > self.shown and self.seconds >= self.QUIET_S:
+            self.shown = step
+            log.info("fx_offload: placing %s: %d%% (%s of %s, %s) after %.1f s", self.name,
+                     100 * self.done // self.total, format_bytes(self.done),
+                     format_bytes(self.total), what, self.seconds)
+
+    def moved(self, t: torch.Tensor) -> None:
+        self.add(t.numel() * t.element_size(), "resident weights")
+
+    def layer(self, layer: int, masters) -> None:
+        self.add(sum(v.numel() * v.element_size() for v in masters.values()),
+                 f"offloaded layer {layer}")
+
+
+def activate(state: OffloadState, model: nn.Module, hand_over: bool, fill=None,
+             progress: _Progress | None = None) -> None:
     """Allocate and fill ``state``'s memory and hook it to ``model``."""
-    state.materialize(hand_over)
+    state.materialize(hand_over, fill, None if progress is None else progress.layer)
     strip_hooks(model)
     spec = (state.choice.options, str(state.device))
     state.hooks = [model.register_forward_pre_hook(EnterCall(*spec)),

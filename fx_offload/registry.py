@@ -19,6 +19,7 @@ import uuid
 import weakref
 
 from torch import nn
+from torch.nn.modules.module import register_module_module_registration_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .errors import OffloadError, StateGoneError
@@ -29,6 +30,10 @@ _BY_PARAM = WeakIdKeyDictionary()            # Parameter -> (state, layer index)
 _BY_TOKEN: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 _NOTHING_OFFLOADED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _RESTORED: dict[int, object] = {}             # handle -> the schedule it had
+_BY_SUBMODULE: dict[int, "weakref.ref"] = {}  # id of a module inside an offloaded layer ->
+#   its state, told when a child module is set (``layer.fc1 = new``).  Ids, not the modules:
+#   Dynamo finds objects through a global dict keyed by them and names them by that path.
+_WATCH: list = []                             # the global module-registration hook, once
 _ACTIVE = threading.local()                   # .calls: the states in a call on this thread
 _NEXT_HANDLE = itertools.count(1)
 _LOCK = threading.Lock()
@@ -170,6 +175,21 @@ def register(state, model: nn.Module | None) -> None:
         for layer, ps in state.params.items():
             for p in ps:
                 _BY_PARAM[p.param] = (state, layer)
+            for module in state.stack.modules[layer].modules():
+                _BY_SUBMODULE[id(module)] = weakref.ref(state)
+                state.watched.append(id(module))
+        if not _WATCH:
+            _WATCH.append(register_module_module_registration_hook(_child_set))
+
+
+def _child_set(module, name, child):
+    """A child module was set on ``module`` (any module in the process): if it is inside an
+    offloaded layer, that layer's parameters may have changed; the next call re-checks."""
+    ref = _BY_SUBMODULE.get(id(module))
+    state = None if ref is None else ref()
+    if state is not None and any(m is module for layer in state.params
+                                 for m in state.stack.modules[layer].modules()):
+        state.structure_changed = True
 
 
 def unregister(state, model: nn.Module | None) -> None:
@@ -184,6 +204,10 @@ def unregister(state, model: nn.Module | None) -> None:
             for p in ps:
                 if _BY_PARAM.get(p.param, (None,))[0] is state:
                     del _BY_PARAM[p.param]
+        for key in state.watched:
+            if _BY_SUBMODULE.get(key, lambda: None)() is state:
+                del _BY_SUBMODULE[key]
+        state.watched.clear()
 
 
 def replace_param(state, layer: int, old, new) -> None:

@@ -34,3 +34,13 @@ def fresh_inputs(name: str, inputs, call: int):
     if x.dtype == torch.long:
         return (torch.randint(0, int(x.max()) + 1, x.shape, generator=gen),)
     return (torch.randn(x.shape, generator=gen),)
+
+
+def assert_same_greedy_tokens(model, reference, ids, new_tokens: int = 8):
+    """Greedy ``generate`` of a Hugging Face model gives the reference's tokens."""
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                  do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        got = model.generate(ids, **kwargs)
+        want = reference.generate(ids, **kwargs)
+    assert torch.equal(got, want), (got, want)

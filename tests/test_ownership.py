@@ -255,7 +255,8 @@ def test_place_then_compile():
 
 def test_place_refuses_what_it_cannot_do():
     model, _ = models.build("mlp", num_layers=8)
-    with pytest.raises(fx_offload.OffloadError, match="memory_budget needs the model's graph"):
+    with pytest.raises(fx_offload.OffloadError, match=r"memory_budget weighs the model's "
+                                                      r"graph: pass example_inputs=\(input_ids"):
         fx_offload.place(model, "cpu", memory_budget="1MiB")
     fx_offload.place(model, "cpu")
     with pytest.raises(fx_offload.OffloadError, match="already offloaded; call "
@@ -347,10 +348,48 @@ def test_a_changed_layer_stack_is_offloaded_again(change):
     assert_weights(model, reference)
 
 
+def test_a_module_replaced_inside_an_offloaded_layer_is_offloaded_again():
+    """``layers[3].fc1 = new``: the new module's weights are offloaded at the next call (the
+    old ones let go), not read straight from wherever the new module sits."""
+    model, compiled, reference, x = offloaded()
+    new, _ = models.build("mlp", num_layers=1, seed=5)
+    for m in (model, reference):
+        m.layers[3].fc1 = copy.deepcopy(new.layers[0].fc1)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(compiled(x), reference(x))
+    assert_weights(model, reference)
+    state = fx_offload.registry.state_for_model(model)
+    weight = model.layers[3].fc1.weight
+    assert fx_offload.registry.owner_of_param(weight) == (state, 3)
+    assert weight.data_ptr() == state.masters[3]["fc1.weight"].data_ptr()
+    assert not state.structure_changed
+
+
 def test_an_eager_call_with_grad_enabled_is_refused():
     model, compiled, reference, x = offloaded()
     with pytest.raises(fx_offload.OffloadError, match="supports inference only"):
         model(x.clone().requires_grad_(True))
     with torch.no_grad():
         assert torch.equal(model(x), reference(x))
+    assert_weights(model, reference)
+
+
+def test_restore_then_compile_with_other_options_offloads_anew():
+    """After restore, a new compile with other placement options offloads the model with
+    them (Dynamo's cached graph of the first compile is not reused for it), and the first
+    compiled callable still gives correct outputs."""
+    model, (x,) = models.build("mlp", num_layers=8)
+    reference = copy.deepcopy(model)
+    first = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+    with torch.no_grad():
+        first(x)
+    assert fx_offload.report(model).layers == [1, 3, 5, 7]
+    fx_offload.restore(model)
+    other = {**OPTIONS, "group_size": 4}
+    again = torch.compile(model, backend="prefetch_offload", options=other)
+    with torch.no_grad():
+        assert torch.equal(again(x), reference(x))
+        assert fx_offload.report(model).layers == [3, 7]
+        assert torch.equal(first(x), reference(x))
     assert_weights(model, reference)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import fx_offload
+from helpers import assert_same_greedy_tokens
 
 transformers = pytest.importorskip("transformers", reason="install the test extra")
 
@@ -78,12 +79,7 @@ def test_greedy_generate_gives_the_same_tokens(name, device):
     model.forward = torch.compile(model.forward, backend="prefetch_offload", dynamic=True,
                                   options={"inner_backend": "aot_eager", **extra})
     ids = torch.randint(0, 256, (1, 6), device=device)
-    with torch.no_grad():
-        got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
-                             do_sample=False, pad_token_id=0)
-        want = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
-                                  do_sample=False, pad_token_id=0)
-    assert torch.equal(got, want)
+    assert_same_greedy_tokens(model, reference, ids)
     state = fx_offload.registry.state_for_model(model)
     assert state.stats["prefetches"] > 0
 

@@ -18,6 +18,25 @@ _ALIGN = 512                      # bytes; keeps every view aligned for the copy
 _FALLBACK_WARNED = False
 
 
+def _page_lock(buffer: torch.Tensor) -> tuple[torch.Tensor, bool, bool]:
+    """(buffer, registered, pinned): ``buffer`` locked in place, or a pinned copy, or
+    itself, pageable."""
+    global _FALLBACK_WARNED
+    try:
+        rc = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
+        torch.cuda.check_error(rc)
+        return buffer, True, True
+    except Exception as err:          # no CUDA runtime, or registering refused
+        try:
+            return buffer.pin_memory(), False, True
+        except RuntimeError:
+            if not _FALLBACK_WARNED:
+                _FALLBACK_WARNED = True
+                log.warning("fx_offload: pinned host memory unavailable (%s); copies fall "
+                            "back to pageable memory and will be slower", err)
+            return buffer, False, False
+
+
 def _round_up(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
@@ -51,29 +70,21 @@ def views_into(buffer: torch.Tensor, layout: tuple) -> dict[str, torch.Tensor]:
 class HostBlock:
     """Contiguous host memory for the masters of one layer."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor]):
-        global _FALLBACK_WARNED
+    def __init__(self, tensors: dict[str, torch.Tensor], fill=None, pin: bool = True):
+        """``tensors`` give the layout (meta tensors will do) and, unless ``fill(views)``
+        writes the values, the values.  ``pin=False``: plain host memory (a CPU run)."""
         self.layout, total = layout_of(tensors)
         buffer = torch.empty(max(total, 1), dtype=torch.uint8)
-        self.registered = False
-        self.pinned = False
-        try:
-            rc = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
-            torch.cuda.check_error(rc)
-            self.registered = self.pinned = True
-        except Exception as err:          # no CUDA runtime, or registering refused
-            try:
-                buffer = buffer.pin_memory()
-                self.pinned = True
-            except RuntimeError:
-                if not _FALLBACK_WARNED:
-                    _FALLBACK_WARNED = True
-                    log.warning("fx_offload: pinned host memory unavailable (%s); copies fall "
-                                "back to pageable memory and will be slower", err)
+        self.registered = self.pinned = False
+        if pin:
+            buffer, self.registered, self.pinned = _page_lock(buffer)
         self.buffer = buffer
         self.views = views_into(buffer, self.layout)
-        for key, t in tensors.items():
-            self.views[key].copy_(t.detach())
+        if fill is not None:
+            fill(self.views)
+        else:
+            for key, t in tensors.items():
+                self.views[key].copy_(t.detach())
 
     @property
     def nbytes(self) -> int:

@@ -31,6 +31,8 @@ class Ownership:
         self.swapped_in = False          # the parameters point at their slots
         self.depth = 0                   # nested enters of the calling thread
         self.entered = False             # a call has begun through the hooks
+        self.structure_changed = False   # a child module set inside an offloaded layer
+        self.watched: list[int] = []     # ids of the modules inside offloaded layers
         self._lock = threading.Lock()
         self._holder: int | None = None  # the thread in a call
         self._copied: dict[int, tuple] = {}      # layer -> its parameters' versions, copied
@@ -108,7 +110,10 @@ class Ownership:
 
     def _check_stack(self) -> None:
         """The layer list still holds the offloaded layers at their places (a layer replaced,
-        inserted, deleted or reordered changes which weights each index reads)."""
+        inserted, deleted or reordered changes which weights each index reads), and no
+        child module inside an offloaded layer was set (``layers[3].fc1 = new``)."""
+        if self.structure_changed:
+            raise ShapeChanged("a module inside an offloaded layer")
         model = self.model_ref()
         if model is None:
             return

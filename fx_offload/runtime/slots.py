@@ -28,8 +28,11 @@ class SlotBuffers:
     # per parameter (see docs/benchmarks.md for the measurement that chose the default).
     packed = os.environ.get("FX_OFFLOAD_PACKED", "1") != "0"
 
-    def __init__(self, choice, hand_over=None):
-        """``hand_over(layer, masters)``: called as each layer's block is filled."""
+    def __init__(self, choice, hand_over=None, fill=None):
+        """``hand_over(layer, masters)``: called as each layer's block is filled.
+        ``fill(layer, views)``: writes a layer's values into its new block (read from a
+        checkpoint) instead of copying them from the parameters, which may be on the meta
+        device."""
         self.schedule, self.params, self.device = choice.schedule, choice.params, choice.device
         self.pinned = False
         self._blocks: dict[int, HostBlock] = {}
@@ -45,7 +48,7 @@ class SlotBuffers:
                            for key, spec in slot.items()} for slot in choice.slot_specs]
         self.masters: dict[int, dict[str, torch.Tensor]] = {}
         for layer, ps in self.params.items():
-            self.masters[layer] = self._make_masters(layer, ps)
+            self.masters[layer] = self._make_masters(layer, ps, fill)
             if hand_over is not None:
                 hand_over(layer, self.masters[layer])
 
@@ -54,11 +57,13 @@ class SlotBuffers:
         """Device memory of the slots."""
         return sum(t.numel() * t.element_size() for slot in self.slots for t in slot.values())
 
-    def _make_masters(self, layer: int, ps) -> dict[str, torch.Tensor]:
-        if self.device.type == "cpu":
+    def _make_masters(self, layer: int, ps, fill) -> dict[str, torch.Tensor]:
+        if self.device.type == "cpu" and fill is None:
             # the original storage becomes the master: nothing is copied
             return {p.suffix: p.param.detach() for p in ps}
-        block = HostBlock({p.suffix: p.param for p in ps})
+        block = HostBlock({p.suffix: p.param for p in ps},
+                          fill=None if fill is None else lambda views: fill(layer, views),
+                          pin=self.device.type != "cpu")
         self.pinned = block.pinned
         self._blocks[layer] = block
         return block.views

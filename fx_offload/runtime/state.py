@@ -94,7 +94,7 @@ class OffloadState(Ownership):
         return {} if self.buffers is None else self.buffers.masters
 
     # ---- setup and teardown ------------------------------------------------------------
-    def materialize(self, hand_over: bool) -> None:
+    def materialize(self, hand_over: bool, fill=None, placed=None) -> None:
         """Copy the offloaded weights into their host blocks (the truth from now on),
         allocate the slots and fill them for the first call.
 
@@ -102,16 +102,27 @@ class OffloadState(Ownership):
         they held.  Otherwise (the first compile, inside the first call, whose graph reads the
         parameters as they are) they keep it until the next call begins, which takes the
         host blocks over without a copy.  Everything is allocated before any parameter is
-        touched, so a failure (out of host or device memory) leaves the model as it was."""
+        touched, so a failure (out of host or device memory) leaves the model as it was.
+        ``fill(layer, views)`` (``place`` from a checkpoint) writes the values instead; a
+        parameter on the meta device is then replaced by one holding its block's view.
+        ``placed(layer, masters)``: told as each layer's block is filled (progress)."""
         if self.materialized:
             return
         def take(layer, masters):
             with torch.no_grad():
                 for p in self.params[layer]:
-                    p.param.data = masters[p.suffix]
+                    if p.param.device.type == "meta":     # cannot take .data of another device
+                        real = type(p.param)(masters[p.suffix],
+                                             requires_grad=p.param.requires_grad)
+                        p.owner._parameters[p.attr] = real
+                        p.param = real
+                    else:
+                        p.param.data = masters[p.suffix]
+            if placed is not None:
+                placed(layer, masters)
         handover = {p.name: (p.param.data_ptr(), p.param._version)
                     for ps in self.params.values() for p in ps}
-        buffers = SlotBuffers(self.choice, take if hand_over else None)
+        buffers = SlotBuffers(self.choice, take if hand_over else None, fill)
         if self.device.type == "cuda":
             self.copy_stream = torch.cuda.Stream(self.device)
         self.buffers = buffers

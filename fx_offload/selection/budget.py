@@ -216,15 +216,20 @@ class PlannerResult:
 
 
 def weights_bytes(model: nn.Module, device: torch.device) -> int:
-    """Device memory of the model's parameters and buffers (shared storage counted once)."""
+    """Device memory of the model's parameters and buffers (shared storage counted once).
+    A tensor on the meta device counts as on ``device``: it is a model about to be placed
+    there (``place`` plans on a meta copy)."""
     device = torch.device(device)
     if device.index is None and device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     seen, total = set(), 0
     for t in itertools.chain(model.parameters(), model.buffers()):
-        if t.device != device:
+        if t.device.type == "meta":
+            key = ("meta", id(t))
+        elif t.device != device:
             continue
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+        else:
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
         if key in seen:
             continue
         seen.add(key)
@@ -351,10 +356,12 @@ def rank(fitting: list[Candidate], resident_fits: bool, cost_model: CostModel,
 
 
 def plan_for(model: nn.Module, stack: LayerStack, options: OffloadOptions, graph,
-             layer_frame: bool) -> PlannerResult:
+             layer_frame: bool, device: torch.device | None = None) -> PlannerResult:
     """The planner's result for ``model`` from its first graph ``(gm, graph_inputs)``:
-    that graph's costs, the device's rates (measured once, or given as options)."""
-    device, dtype = _weights_device_and_dtype(stack)
+    that graph's costs, the device's rates (measured once, or given as options).
+    ``device``: where the model will run (``place``); by default, where its weights are."""
+    here, dtype = _weights_device_and_dtype(stack, allow_meta=device is not None)
+    device = here if device is None else device
     gm, gi = graph
     whole = next((i for i, m in enumerate(stack.modules) if m is gi.root), None) \
         if layer_frame else None
@@ -364,13 +371,14 @@ def plan_for(model: nn.Module, stack: LayerStack, options: OffloadOptions, graph
     return plan(model, stack, options, costs, rates, device)
 
 
-def _weights_device_and_dtype(stack: LayerStack) -> tuple[torch.device, torch.dtype]:
+def _weights_device_and_dtype(stack: LayerStack, allow_meta: bool = False,
+                              ) -> tuple[torch.device, torch.dtype]:
     """The device of the stack's weights and their most common dtype (by elements)."""
     params = [p for layer in stack.modules for p in layer.parameters()]
     if not params:
         raise OffloadError("the layers of the stack have no parameters")
     device = params[0].device
-    if device.type == "meta":
+    if device.type == "meta" and not allow_meta:
         raise OffloadError(META_REFUSED)
     sizes: dict[torch.dtype, int] = {}
     for p in params:

@@ -25,16 +25,17 @@ log = logging.getLogger("fx_offload")
 
 def choose(model: nn.Module, options: OffloadOptions, graph=None, layer_frame: bool = False,
            check_owners: bool = True, device: torch.device | None = None,
-           ) -> Choice | NothingOffloaded:
+           planner: "budget.PlannerResult | None" = None) -> Choice | NothingOffloaded:
     """Decide what of ``model`` is offloaded.  ``graph`` is ``(gm, graph_inputs)`` of the
     first graph, whose costs the planner weighs; ``layer_frame``: that graph is one layer's
     own frame.  ``check_owners``: refuse parameters another offloaded model holds.
-    ``device``: where the model will run (``place``); by default, where its offloaded
-    weights are now."""
+    ``device``: where the model will run (``place``, whose weights may be on the meta
+    device, to be read from a checkpoint); by default, where its offloaded weights are now.
+    ``planner``: the planner's result already reached (``place`` traces its own graph)."""
     stack = find_layer_stack(model, options.layers)
-    planner = None
     if options.planned:
-        planner = budget.plan_for(model, stack, options, graph, layer_frame)
+        if planner is None:
+            planner = budget.plan_for(model, stack, options, graph, layer_frame)
         if not planner.offloads:
             return NothingOffloaded(type(model).__name__, options, stack, planner)
         chosen = planner.chosen.candidate
@@ -46,7 +47,7 @@ def choose(model: nn.Module, options: OffloadOptions, graph=None, layer_frame: b
     _check_count(params, num_slots, options, stack)
     if check_owners:
         _check_not_offloaded_elsewhere(params)
-    device = _offload_device(model, params) if device is None else _target(params, device)
+    device = _offload_device(model, params) if device is None else device
     schedule = Schedule(params, num_slots)
     return Choice(type(model).__name__, options, stack, params, schedule, device,
                   slot_specs(params, schedule), planner)
@@ -99,13 +100,6 @@ def _offload_device(model: nn.Module, params) -> torch.device:
                 "fx_offload: %s is on the CPU although CUDA is available: offloading weights "
                 "that are already in host memory saves nothing (it runs as a CPU simulation); "
                 "move the model to the GPU first", type(model).__name__)
-    return device
-
-
-def _target(params, device: torch.device) -> torch.device:
-    """``device`` for weights that may be anywhere now but on the meta device."""
-    if any(p.param.device.type == "meta" for ps in params.values() for p in ps):
-        raise OffloadError(META_REFUSED)
     return device
 
 

@@ -145,12 +145,17 @@ def _rates(measured: dict, given: dict, source: str) -> DeviceRates:
 
 def measure(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     matmul = _matmul_curve(device, dtype)
-    return {"flop_rate": matmul[-1][1],
-            "matmul_curve": matmul,
-            "attention_curve": _attention_curve(device, dtype),
-            "memory_bandwidth": _memory_bandwidth(device),
-            "h2d_bandwidth": _h2d_bandwidth(device),
-            "launch_overhead": _launch_overhead(device)}
+    rates = {"flop_rate": matmul[-1][1],
+             "matmul_curve": matmul,
+             "attention_curve": _attention_curve(device, dtype),
+             "memory_bandwidth": _memory_bandwidth(device),
+             "h2d_bandwidth": _h2d_bandwidth(device),
+             "launch_overhead": _launch_overhead(device)}
+    if device.type == "cuda":
+        # the probes' buffers (a few GiB) go back to the device: place() measures before
+        # any weight is there, and a model that fills the GPU needs that memory
+        torch.cuda.empty_cache()
+    return rates
 
 
 @dataclasses.dataclass(frozen=True)

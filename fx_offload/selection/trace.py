@@ -1,0 +1,85 @@
+"""The planner's graph before any weight is on the device.
+
+``memory_budget`` weighs the costs of the model's first graph, and at compile time that
+graph comes with the call.  :func:`fx_offload.place` must choose before the weights move,
+from example inputs, on a model whose weights may be on the meta device or in host memory
+too large to run.  So the graph is traced from a *twin*: a ``copy.deepcopy`` of the model in
+which every parameter and buffer is a meta tensor of the same shape (the copy allocates and
+reads nothing), run by Dynamo on meta copies of the example inputs.  The planner needs shapes
+and the graph's structure only; the model is not touched and nothing runs on a device.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from ..errors import OffloadError
+from ..graph_inputs import read_graph_inputs
+from ..options import OffloadOptions
+from . import budget
+from .stack import find_layer_stack
+
+log = logging.getLogger("fx_offload")
+REASON_CHARS = 300              # of the failed trace's message
+
+
+def meta_twin(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are meta tensors."""
+    memo: dict[int, object] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"),
+                                   requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+def plan_from_example(model: nn.Module, options: OffloadOptions, example_inputs,
+                      device: torch.device) -> budget.PlannerResult:
+    """The planner's result for ``model`` on ``device``, from a trace of its twin on
+    ``example_inputs`` (a tuple of positional arguments or a dict of keyword arguments)."""
+    if example_inputs is None:
+        raise OffloadError(
+            "memory_budget weighs the model's graph: pass example_inputs=(input_ids,) (a tuple "
+            "of positional arguments or a dict of keyword arguments, as the model is called) "
+            "so that place() can trace it", where="fx_offload.place")
+    args, kwargs = ((), dict(example_inputs)) if isinstance(example_inputs, dict) \
+        else (tuple(example_inputs), {})
+    twin = meta_twin(model)
+    stack = find_layer_stack(twin, options.layers)
+    found = []
+
+    def capture(gm, inputs):
+        if not found:
+            gi = read_graph_inputs(gm, inputs)
+            if gi.root is twin and gi.params:
+                found.append(budget.plan_for(twin, stack, options, (gm, gi), False, device))
+        return gm.forward
+
+    on_meta = tree_map(lambda v: torch.empty_like(v, device="meta")
+                       if isinstance(v, torch.Tensor) else v, (args, kwargs))
+    log.info("fx_offload: tracing %s on the meta device to plan memory_budget %s",
+             type(model).__name__, options.memory_budget)
+    try:
+        with torch.no_grad():
+            torch.compile(twin, backend=capture, dynamic=True)(*on_meta[0], **on_meta[1])
+    except OffloadError:
+        raise
+    except Exception as err:
+        reason = (str(err).strip().splitlines() or [""])[0][:REASON_CHARS]
+        raise OffloadError(
+            f"memory_budget plans from a trace of {type(model).__name__} on the meta device, "
+            f"and that trace failed ({type(err).__name__}: {reason}). Give example_inputs the "
+            "model runs with on the meta device (a Hugging Face model: add use_cache=False), "
+            "or give group_size/num_in_group/prefetch_step instead", where="fx_offload.place"
+        ) from err
+    if not found:
+        raise OffloadError(
+            f"tracing {type(model).__name__} on example_inputs gave no graph that reads the "
+            "model's parameters from its forward; give memory_budget at compile time instead "
+            "(move the model to the device, then torch.compile it)", where="fx_offload.place")
+    return found[0]
