@@ -125,12 +125,19 @@ def storage_of(value):
 _INDEX = re.compile(r"\[\s*'?([^'\]]+)'?\s*\]")
 
 
+# Dynamo spells a submodule through the module's dicts where the model's class defines
+# ``__getattr__`` (diffusers' ModelMixin, PEFT's wrappers): ``L['self'].__dict__['_modules']
+# ['blocks'].0``.  These segments are never module names.
+_DICT_SEGMENTS = {"__dict__", "_modules"}
+
+
 def module_path(stack_path: str, root_expr: str | None) -> str | None:
-    """``L['self'].layers.1.mlp`` -> ``layers.1.mlp`` (relative to the graph's model)."""
+    """``L['self'].layers.1.mlp`` (or ``L['self'].__dict__['_modules']['layers'].1.mlp``)
+    -> ``layers.1.mlp`` (relative to the graph's model)."""
     if root_expr is None or not stack_path.startswith(root_expr):
         return None
     rest = _INDEX.sub(r".\1", stack_path[len(root_expr):])
-    return rest.lstrip(".")
+    return ".".join(s for s in rest.split(".") if s and s not in _DICT_SEGMENTS)
 
 
 def layers_of_nodes(gm: fx.GraphModule, gi: GraphInputs, layer_paths: dict[str, int],

@@ -14,6 +14,7 @@ A restored state's handle stays known, and its ops then do nothing.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import uuid
 import weakref
@@ -24,6 +25,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .errors import OffloadError, StateGoneError
 
+log = logging.getLogger("fx_offload")
 _HANDLES: dict[int, "weakref.ref"] = {}
 _BY_MODEL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _BY_PARAM = WeakIdKeyDictionary()            # Parameter -> (state, layer index)
@@ -127,7 +129,10 @@ def state_for_op(handle: int):
     if active is None:
         # a state's own calls always begin through its hooks on the calling thread: this is
         # another model's call, and that model is not offloaded
-        return state_for_handle(handle) if compiled_for is None else _Restored()
+        if compiled_for is None:
+            return state_for_handle(handle)
+        _warn_shared_graph(compiled_for)
+        return _Restored()
     schedule = compiled_for.schedule if compiled_for is not None else _RESTORED.get(handle)
     if schedule == active.schedule:
         return active
@@ -141,9 +146,35 @@ def state_for_op(handle: int):
         "torch._dynamo.reset() before compiling the other", where="fx_offload")
 
 
+def model_of(obj):
+    """The module behind what ``torch.compile`` returned: ``torch.compile(model)`` (an
+    ``OptimizedModule``) or ``torch.compile(model.forward)``; anything else as it is."""
+    inner = getattr(obj, "_orig_mod", None)
+    if isinstance(inner, nn.Module):
+        return inner
+    owner = getattr(getattr(obj, "_torchdynamo_orig_callable", None), "__self__", None)
+    return owner if isinstance(owner, nn.Module) else obj
+
+
+_WARNED_SHARED: set[int] = set()
+
+
+def _warn_shared_graph(compiled_for) -> None:
+    if compiled_for.handle in _WARNED_SHARED:
+        return
+    _WARNED_SHARED.add(compiled_for.handle)
+    log.warning(
+        "fx_offload: a graph compiled for an offloaded %s ran for another %s that is not "
+        "offloaded (Dynamo shares one graph among the instances of a class, so the backend "
+        "never saw this one): its weights stay where they are. Offload it too with "
+        "fx_offload.place(model, device, <the same options>) before calling it, or call "
+        "torch._dynamo.reset() before compiling it", compiled_for.model_name,
+        compiled_for.model_name)
+
+
 def state_for_model(model: nn.Module):
-    """The offload state of ``model``, or None."""
-    return _BY_MODEL.get(model)
+    """The offload state of ``model`` (or of the module a compiled wrapper holds), or None."""
+    return _BY_MODEL.get(model_of(model))
 
 
 def owner_of_param(param) -> "tuple[object, int] | None":
@@ -154,7 +185,7 @@ def owner_of_param(param) -> "tuple[object, int] | None":
 def nothing_offloaded(model: nn.Module):
     """The planner's :class:`~fx_offload.selection.choice.NothingOffloaded` for ``model``
     (its whole weights fit the budget), or None."""
-    return _NOTHING_OFFLOADED.get(model)
+    return _NOTHING_OFFLOADED.get(model_of(model))
 
 
 def record_nothing_offloaded(model: nn.Module, decision) -> None:
@@ -163,7 +194,7 @@ def record_nothing_offloaded(model: nn.Module, decision) -> None:
 
 def forget_nothing_offloaded(model: nn.Module) -> bool:
     """Drop the planner's nothing-offloaded record of ``model``; True if there was one."""
-    return _NOTHING_OFFLOADED.pop(model, None) is not None
+    return _NOTHING_OFFLOADED.pop(model_of(model), None) is not None
 
 
 def register(state, model: nn.Module | None) -> None:

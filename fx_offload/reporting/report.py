@@ -56,6 +56,8 @@ class Report:
 
 
 def report(model: nn.Module) -> Report:
+    """What is offloaded of ``model`` (or of the module ``torch.compile`` wrapped)."""
+    model = registry.model_of(model)
     state = registry.state_for_model(model)
     if state is not None:
         choice = state.choice

@@ -21,7 +21,8 @@ from ..errors import OffloadError
 def _state(model: nn.Module, where: str):
     state = registry.state_for_model(model)
     if state is None:
-        raise OffloadError(f"{type(model).__name__} has no offloaded weights", where=where)
+        raise OffloadError(f"{type(registry.model_of(model)).__name__} has no offloaded "
+                           "weights", where=where)
     return state
 
 
@@ -30,6 +31,7 @@ def restore(model: nn.Module) -> None:
     then runs eagerly as before.  A compiled callable of it stays correct (its ops do nothing).
     On a model whose ``memory_budget`` plan offloaded nothing it forgets that plan, so the
     model may be compiled again with other options."""
+    model = registry.model_of(model)
     if registry.state_for_model(model) is None and registry.forget_nothing_offloaded(model):
         return
     _state(model, "fx_offload.restore").restore()
@@ -37,6 +39,7 @@ def restore(model: nn.Module) -> None:
 
 def named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Every parameter's true value: the host master for offloaded ones."""
+    model = registry.model_of(model)
     state = registry.state_for_model(model)
     masters = {} if state is None else {
         p.name: state.masters[layer][p.suffix] for layer, ps in state.params.items() for p in ps}
@@ -47,6 +50,7 @@ def named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 def update_weights(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
     """Copy ``weights`` (dotted name -> tensor) into the model, offloaded or not; the next
     call uses them.  Unknown names or shape mismatches raise before anything is written."""
+    model = registry.model_of(model)
     where = "fx_offload.update_weights"
     state = _state(model, where)
     params = dict(model.named_parameters())

@@ -1,0 +1,160 @@
+"""Models beyond decoder-only LLMs: classes that define ``__getattr__`` (diffusers'
+ModelMixin, PEFT's wrappers), a diffusers Flux transformer, a PEFT LoRA adapter on an offloaded
+base; and the ``torch.compile`` wrappers accepted where a model is expected.  Each compiled
+with the backend and compared with the model run by the same inner compiler."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fx_offload
+from fx_offload.tools.models import MLPBlock
+
+OPTIONS = {"inner_backend": "aot_eager", "group_size": 2, "num_in_group": 1}
+RATES = dict(flop_rate=1e12, memory_bandwidth=1e11, h2d_bandwidth=1e10, launch_overhead=5e-6)
+
+
+class WithGetattr(nn.Module):
+    """Dynamo names this class's submodules ``L['self'].__dict__['_modules']['blocks']``."""
+
+    def __init__(self, defines_getattr: bool = True):
+        super().__init__()
+        self.defines_getattr = defines_getattr
+        self.blocks = nn.ModuleList(MLPBlock(16, 32) for _ in range(4))
+
+    def __getattr__(self, name):
+        return super().__getattr__(name)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class Plain(WithGetattr):
+    __getattr__ = nn.Module.__getattr__
+
+
+@pytest.mark.parametrize("cls", [Plain, WithGetattr])
+@pytest.mark.parametrize("planned", [False, True], ids=["hand_picked", "memory_budget"])
+def test_a_model_class_with_getattr(cls, planned, caplog):
+    torch.manual_seed(0)
+    model = cls().eval()
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 16)
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    options = ({"inner_backend": "aot_eager", "memory_budget": weights // 2, **RATES}
+               if planned else OPTIONS)
+    compiled = torch.compile(model, backend="prefetch_offload", options=options)
+    with caplog.at_level("INFO", logger="fx_offload"), torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(compiled(x), reference(x))
+    assert fx_offload.report(model).layers
+    if planned:    # the planner saw every layer's cost (its INFO lines name them)
+        assert "layer 0:" in caplog.text
+
+
+diffusers = pytest.importorskip("diffusers", reason="install the test extra")
+
+
+def tiny_flux():
+    torch.manual_seed(0)
+    model = diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=4, num_layers=2, num_single_layers=4, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+        axes_dims_rope=(4, 4, 8)).eval()
+    seq, text = 16, 8
+    inputs = dict(hidden_states=torch.randn(1, seq, 4),
+                  encoder_hidden_states=torch.randn(1, text, 32),
+                  pooled_projections=torch.randn(1, 32), timestep=torch.tensor([1.0]),
+                  img_ids=torch.zeros(seq, 3), txt_ids=torch.zeros(text, 3), return_dict=False)
+    return model, inputs
+
+
+@pytest.mark.parametrize("stack", ["single_transformer_blocks", "transformer_blocks"])
+def test_flux_transformer_bitwise(stack):
+    model, inputs = tiny_flux()
+    reference = torch.compile(copy.deepcopy(model), backend="aot_eager")
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={**OPTIONS, "layers": stack, "group_size": 2})
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(compiled(**inputs)[0], reference(**inputs)[0])
+    assert fx_offload.report(model).layers == ([1, 3] if stack.startswith("single") else [1])
+
+
+peft = pytest.importorskip("peft", reason="install the test extra")
+transformers = pytest.importorskip("transformers", reason="install the test extra")
+
+
+def test_peft_lora_on_an_offloaded_base():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=4, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=256)
+    base = transformers.LlamaForCausalLM(config).eval()
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(base, lora).eval()
+    reference = torch.compile(copy.deepcopy(model), backend="aot_eager")
+    compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+    ids = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        for _ in range(2):
+            got = compiled(input_ids=ids, use_cache=False).logits
+            assert torch.equal(got, reference(input_ids=ids, use_cache=False).logits)
+    rep = fx_offload.report(model)
+    assert rep.layers == [1, 3]
+    names = [n for ns in rep.params.values() for n in ns]
+    assert any("lora_A" in n for n in names)     # the adapter's weights move with the layer
+
+
+def test_compiled_wrappers_are_accepted_where_a_model_is():
+    """report/restore/named_weights/update_weights take what torch.compile returned."""
+    torch.manual_seed(0)
+    model = Plain().eval()
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 16)
+    compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+    with torch.no_grad():
+        compiled(x)
+    assert fx_offload.report(compiled).layers == fx_offload.report(model).layers == [1, 3]
+    names = dict(fx_offload.named_weights(compiled))
+    assert set(names) == {n for n, _ in reference.named_parameters()}
+    new = torch.full_like(reference.blocks[1].fc1.weight, 0.01)
+    fx_offload.update_weights(compiled, {"blocks.1.fc1.weight": new})
+    reference.blocks[1].fc1.weight.data.copy_(new)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), reference(x))
+    fx_offload.restore(compiled)
+    with pytest.raises(fx_offload.OffloadError, match="or it was restored"):
+        fx_offload.report(model)
+    other = WithGetattr().eval()      # another class: see the second-instance test
+    other.forward = torch.compile(other.forward, backend="prefetch_offload", options=OPTIONS)
+    with torch.no_grad():
+        other(x)
+    assert fx_offload.report(other.forward).layers == [1, 3]
+
+
+def test_a_second_instance_of_a_class_is_not_offloaded_silently(caplog):
+    """Dynamo runs the graph it compiled for the first instance with the second's
+    parameters, and the backend never sees the second: a warning says so and what to do;
+    placed with the same options, the second is offloaded through the same graph."""
+    torch.manual_seed(0)
+    first, second = WithGetattr().eval(), WithGetattr().eval()
+    reference = copy.deepcopy(second)
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        compiled_first = torch.compile(first, backend="prefetch_offload", options=OPTIONS)
+        compiled_first(x)
+        compiled_first(x)
+        compiled = torch.compile(second, backend="prefetch_offload", options=OPTIONS)
+        with caplog.at_level("WARNING", logger="fx_offload"):
+            assert torch.equal(compiled(x), reference(x))
+        assert "ran for another WithGetattr that is not offloaded" in caplog.text
+        assert fx_offload.registry.state_for_model(second) is None
+        fx_offload.place(second, "cpu", group_size=2, num_in_group=1)
+        for _ in range(2):
+            assert torch.equal(compiled(x), reference(x))
+    state = fx_offload.registry.state_for_model(second)
+    assert state.stats["prefetches"] > 0 and fx_offload.report(second).layers == [1, 3]
