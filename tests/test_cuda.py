@@ -216,7 +216,13 @@ def test_packed_and_per_parameter_copies(packed, monkeypatch):
             x = torch.randint(0, 256, (batch, 16), device="cuda")
             same(compiled(x), reference(x), torch.float32, exact=True)
     state = fx_offload.registry.state_for_model(model)
-    assert (state.buffers.flat is not None) == packed
+    copies = []
+    real = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda t, *a, **k: copies.append(1) or
+                        real(t, *a, **k))
+    state.buffers.copy_in(state.layers[0])
+    monkeypatch.setattr(torch.Tensor, "copy_", real)
+    assert len(copies) == (1 if packed else len(state.params[state.layers[0]]))
 
 
 def test_thousand_calls_keep_device_and_host_memory_flat():
@@ -344,3 +350,21 @@ def test_place_from_a_save_pretrained_folder_on_gpu(tmp_path):
     assert_same_greedy_tokens(model, reference, ids)
     for key, value in reference.state_dict().items():
         assert torch.equal(model.state_dict()[key].to(value.device), value), key
+
+
+def test_dense_and_moe_layers_share_a_slot_on_gpu():
+    """Layers of different shapes in one slot: each a view into the slot laid out as its
+    host block, moved in one copy; bitwise with the eager inner compiler."""
+    model, (x,) = models.build("moe", num_layers=6, dense_every=3)
+    model, x = model.cuda(), x.cuda()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "eager", "group_size": 1,
+                                      "num_in_group": 1, "prefetch_step": 1})
+    with torch.no_grad():
+        for _ in range(3):
+            same(compiled(x), reference(x), torch.float32, exact=True)
+    rep = fx_offload.report(model)
+    state = fx_offload.registry.state_for_model(model)
+    assert rep.num_slots == 1 and state.stats["prefetches"] > 0
+    assert rep.buffer_bytes < rep.offloaded_bytes / 3     # the largest layer, not the sum

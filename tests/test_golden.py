@@ -46,6 +46,10 @@ SCENARIOS = {
     "moe_dense_layers_skipped": ("moe", {"num_layers": 6, "dense_every": 3},
                                  dict(group_size=1, num_in_group=1, prefetch_step=2,
                                       offload_params=["experts"]), False, False),
+    # dense and MoE layers (different parameters) offloaded into one slot, sized to the MoE
+    "moe_dense_and_moe_layers_share_a_slot": ("moe", {"num_layers": 6, "dense_every": 3},
+                                              dict(group_size=1, num_in_group=1,
+                                                   prefetch_step=1), False, False),
 }
 
 

@@ -14,7 +14,8 @@ import logging
 import torch
 
 log = logging.getLogger("fx_offload")
-_ALIGN = 512                      # bytes; keeps every view aligned for the copy engine
+ALIGN = 512                       # bytes; keeps every view aligned for the copy engine
+ALIGN_CPU = 64                    # bytes; a CPU run only needs each view's dtype aligned
 _FALLBACK_WARNED = False
 
 
@@ -37,21 +38,21 @@ def _page_lock(buffer: torch.Tensor) -> tuple[torch.Tensor, bool, bool]:
             return buffer, False, False
 
 
-def _round_up(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+def _round_up(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def layout_of(tensors: dict[str, torch.Tensor]) -> tuple:
-    """Byte layout of ``tensors`` packed one after the other (aligned): a tuple of
-    ``(key, offset, shape, stride, dtype)`` plus the total size."""
+def layout_of(tensors: dict[str, torch.Tensor], align: int = ALIGN) -> tuple:
+    """Byte layout of ``tensors`` packed one after the other (each at a multiple of
+    ``align``): a tuple of ``(key, offset, shape, stride, dtype)`` plus the total size."""
     entries, total = [], 0
     for key, t in tensors.items():
         entries.append((key, total, tuple(t.shape), tuple(t.stride()), t.dtype))
-        total += _round_up(_nbytes(t))
+        total += _round_up(_nbytes(t), align)
     return tuple(entries), total
 
 
@@ -70,10 +71,11 @@ def views_into(buffer: torch.Tensor, layout: tuple) -> dict[str, torch.Tensor]:
 class HostBlock:
     """Contiguous host memory for the masters of one layer."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], fill=None, pin: bool = True):
+    def __init__(self, tensors: dict[str, torch.Tensor], fill=None, pin: bool = True,
+                 align: int = ALIGN):
         """``tensors`` give the layout (meta tensors will do) and, unless ``fill(views)``
         writes the values, the values.  ``pin=False``: plain host memory (a CPU run)."""
-        self.layout, total = layout_of(tensors)
+        self.layout, total = layout_of(tensors, align)
         buffer = torch.empty(max(total, 1), dtype=torch.uint8)
         self.registered = self.pinned = False
         if pin:

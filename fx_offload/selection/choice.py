@@ -10,7 +10,7 @@ import torch
 
 from ..options import OffloadOptions
 from ..schedule import Schedule
-from .params import OffloadedParam, TensorSpec, layer_bytes
+from .params import OffloadedParam, layer_bytes
 from .stack import LayerStack
 
 
@@ -24,7 +24,6 @@ class Choice:
     params: dict[int, list[OffloadedParam]]   # layer index -> its offloaded parameters
     schedule: Schedule
     device: torch.device
-    slot_specs: list[dict[str, TensorSpec]]
     planner: object = None            # budget.PlannerResult under memory_budget
 
     @property
@@ -41,8 +40,9 @@ class Choice:
 
     @property
     def slot_bytes(self) -> int:
-        """Device memory the slots will take."""
-        return sum(spec.nbytes for slot in self.slot_specs for spec in slot.values())
+        """Device memory the slots will take: each as large as the largest layer it holds
+        (before the alignment of each tensor in it)."""
+        return self.schedule.slot_bytes(self.layer_bytes)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

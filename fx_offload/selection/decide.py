@@ -17,7 +17,7 @@ from ..options import OffloadOptions
 from ..schedule import Schedule
 from . import budget
 from .choice import Choice, NothingOffloaded
-from .params import select_params, slot_specs
+from .params import select_params
 from .stack import LayerStack, find_layer_stack
 
 log = logging.getLogger("fx_offload")
@@ -49,8 +49,7 @@ def choose(model: nn.Module, options: OffloadOptions, graph=None, layer_frame: b
         _check_not_offloaded_elsewhere(params)
     device = _offload_device(model, params) if device is None else device
     schedule = Schedule(params, num_slots)
-    return Choice(type(model).__name__, options, stack, params, schedule, device,
-                  slot_specs(params, schedule), planner)
+    return Choice(type(model).__name__, options, stack, params, schedule, device, planner)
 
 
 def _check_count(params, num_slots: int, options: OffloadOptions, stack: LayerStack) -> None:

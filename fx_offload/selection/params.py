@@ -1,10 +1,9 @@
 """Which parameters of the chosen layers are offloaded (all, or those ``offload_params``
-names; a parameter shared with anything else stays resident), and what each slot holds."""
+names; a parameter shared with anything else stays resident)."""
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from typing import Iterable
 
 import torch
@@ -91,36 +90,3 @@ def select_params(root: nn.Module, stack: LayerStack, layers: Iterable[int],
             f"option 'offload_params'={list(patterns)} matches no parameter of the selected "
             f"layers; parameter names inside a layer look like {sample}")
     return chosen
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorSpec:
-    """What a slot entry must look like: a parameter's shape, stride and dtype."""
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-def slot_specs(params: dict[int, list[OffloadedParam]], schedule: Schedule,
-               ) -> list[dict[str, TensorSpec]]:
-    """Per slot: the parameter's name inside its layer -> the tensor the slot holds for it.
-    Layers sharing a slot must have matching parameters (same name, shape and dtype)."""
-    specs: list[dict[str, TensorSpec]] = [{} for _ in range(schedule.num_slots)]
-    for layer, ps in params.items():
-        slot = schedule.slot_of[layer]
-        for p in ps:
-            have = specs[slot].get(p.suffix)
-            if have is None:
-                specs[slot][p.suffix] = TensorSpec(tuple(p.param.shape), tuple(p.param.stride()),
-                                                   p.param.dtype)
-            elif have.shape != tuple(p.param.shape) or have.dtype != p.param.dtype:
-                raise OffloadError(
-                    f"{p.name} ({tuple(p.param.shape)}, {p.param.dtype}) shares slot {slot} with "
-                    f"a parameter of the same name but shape {have.shape}, {have.dtype}; "
-                    "offloaded layers must have matching parameters (restrict them with "
-                    "offload_params)")
-    return specs
