@@ -27,7 +27,7 @@ class OffloadOptions:
     num_in_group: int = 1
     prefetch_step: int = 1
     offload_params: tuple[str, ...] | None = None
-    layers: str | None = None
+    layers: str | tuple[str, ...] | None = None    # one layer list, or several in run order
     inner_backend: str = "inductor"
     mode: str = "default"
     # the planner (used instead of group_size/num_in_group/prefetch_step)
@@ -65,7 +65,8 @@ class OffloadOptions:
         if self.offload_params is not None:
             parts.append(f"offload_params={list(self.offload_params)}")
         if self.layers is not None:
-            parts.append(f"layers={self.layers!r}")
+            shown = self.layers if isinstance(self.layers, str) else list(self.layers)
+            parts.append(f"layers={shown!r}")
         if placement_only:
             return ", ".join(parts)
         parts.append(f"inner_backend={self.inner_backend!r}")
@@ -207,10 +208,13 @@ def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None 
             f"option 'mode' ({mode_name!r}) is an Inductor mode, but "
             f"inner_backend is {inner_backend!r}: drop the mode or use inner_backend='inductor'")
     layers = options.get("layers")
-    if layers is not None and not isinstance(layers, str):
+    if isinstance(layers, (list, tuple)) and layers and all(isinstance(p, str) for p in layers):
+        layers = layers[0] if len(layers) == 1 else tuple(layers)
+    elif layers is not None and not isinstance(layers, str):
         raise OffloadError(
-            "option 'layers' must be the dotted path of the layer list, "
-            f"such as 'model.layers', got {layers!r}")
+            "option 'layers' must be the dotted path of the layer list, such as "
+            "'model.layers', or a list of paths of lists that run one after the other, such "
+            f"as ['encoder.block', 'decoder.block'], got {layers!r}")
     return OffloadOptions(
         group_size=group_size,
         num_in_group=num_in_group,

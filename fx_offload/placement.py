@@ -69,8 +69,9 @@ def place(model: nn.Module, device: str | torch.device = "cuda", *, checkpoint=N
 def _place(model: nn.Module, device: torch.device, opts: OffloadOptions,
            source: Checkpoint | None, example_inputs) -> nn.Module:
     sources = check_model(model, source)
-    planner = plan_from_example(model, opts, example_inputs, device) if opts.planned else None
-    choice = choose(model, opts, device=device, planner=planner)
+    planner, order = (plan_from_example(model, opts, example_inputs, device) if opts.planned
+                      else (None, None))
+    choice = choose(model, opts, device=device, planner=planner, order=order)
     progress = _Progress(model)
     if isinstance(choice, NothingOffloaded):
         log.warning("fx_offload: memory_budget %s holds all %s of %s's weights: nothing is "

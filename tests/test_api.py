@@ -232,3 +232,29 @@ def test_entry_point_and_cli_demo():
                           capture_output=True, text=True, cwd=ROOT)
     assert demo.returncode == 0, demo.stdout + demo.stderr[-2000:]
     assert "(OK)" in demo.stdout and "fx_offload report for TinyDecoder" in demo.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--layers", "4", "--group-size", "2", "--num-in-group", "3"],
+     "error: prefetch_offload: option 'num_in_group' (3) must not exceed 'group_size' (2)"),
+    (["demo", "--device", "cuda:0"] if not torch.cuda.is_available() else
+     ["demo", "--layers", "1"], "error: "),
+])
+def test_cli_errors_are_one_line_not_a_traceback(argv, message):
+    out = subprocess.run([sys.executable, "-m", "fx_offload", *argv], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert out.returncode == 2, out.stdout + out.stderr[-2000:]
+    assert message in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("options, warns", [
+    ({"group_size": 4, "num_in_group": 1, "prefetch_step": 2}, True),     # a slot each
+    ({"group_size": 2, "num_in_group": 1, "prefetch_step": 2}, False),
+])
+def test_options_that_save_nothing_warn(options, warns, caplog):
+    model, inputs = models.build("mlp", num_layers=8)
+    with caplog.at_level("WARNING", logger="fx_offload"):
+        run_compiled(model, inputs, backend="prefetch_offload",
+                     options={"inner_backend": "eager", **options})
+    assert ("the slots hold nearly all of it): lower prefetch_step (2 now)" in caplog.text) \
+        == warns

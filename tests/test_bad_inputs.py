@@ -93,8 +93,13 @@ ROWS = [
      r"is an Inductor mode"),
     ("no_stack", small(NoStack), {}, {}, r"found no stack of repeated layers .* pass the "
                                          r"option 'layers'"),
-    ("ambiguous_stack", small(TwoStacks), {}, {},
-     r"several layer stacks of length 3: \['encoder', 'decoder'\]; pass the option 'layers'"),
+    ("layers_twice", mlp, {"layers": ["layers", "layers"]}, {},
+     r"option 'layers' names a list twice: \['layers', 'layers'\]"),
+    ("layers_inside_another", small(TwoStacks), {"layers": ["", "encoder"]}, {},
+     r"option 'layers': 'encoder' is inside '<root>'; give layer lists that do not contain"),
+    ("layers_not_paths", mlp, {"layers": ["layers", 3]}, {},
+     r"option 'layers' must be the dotted path of the layer list, such as 'model.layers', or "
+     r"a list of paths"),
     ("layers_missing", mlp, {"layers": "model.layers"}, {},
      r"'layers'='model.layers': the model has no submodule at that path; candidates are "
      r"\['layers'\]"),

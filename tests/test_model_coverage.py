@@ -55,6 +55,44 @@ def test_a_model_class_with_getattr(cls, planned, caplog):
         assert "layer 0:" in caplog.text
 
 
+class EncoderDecoder(nn.Module):
+    """Two layer lists of one length; ``reverse`` runs the second first."""
+
+    def __init__(self, reverse: bool = False):
+        super().__init__()
+        self.reverse = reverse
+        self.encoder = nn.ModuleList(MLPBlock(16, 32) for _ in range(3))
+        self.decoder = nn.ModuleList(MLPBlock(16, 64) for _ in range(3))   # another shape
+
+    def forward(self, x):
+        first, second = (self.decoder, self.encoder) if self.reverse else (self.encoder,
+                                                                             self.decoder)
+        for layer in [*first, *second]:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_two_stacks_share_one_schedule_in_run_order(reverse):
+    """Both lists are found and offloaded in one circular schedule, their layers (of other
+    shapes) sharing the slots, in the order they run: no layer is loaded synchronously."""
+    torch.manual_seed(0)
+    model = EncoderDecoder(reverse).eval()
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 16)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "aot_eager", "group_size": 1,
+                                      "num_in_group": 1, "prefetch_step": 2})
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(compiled(x), reference(x))
+    state = fx_offload.registry.state_for_model(model)
+    assert state.stack.paths == (("decoder", "encoder") if reverse else ("encoder", "decoder"))
+    assert state.layers == list(range(6))
+    assert state.stats["sync_loads"] == 0 and state.stats["prefetches"] > 0
+    assert state.stack.layer_path(3) == ("encoder.0" if reverse else "decoder.0")
+
+
 diffusers = pytest.importorskip("diffusers", reason="install the test extra")
 
 
@@ -82,6 +120,22 @@ def test_flux_transformer_bitwise(stack):
         for _ in range(2):
             assert torch.equal(compiled(**inputs)[0], reference(**inputs)[0])
     assert fx_offload.report(model).layers == ([1, 3] if stack.startswith("single") else [1])
+
+
+def test_flux_both_block_lists_in_one_schedule():
+    """Flux's double- and single-stream blocks (other parameters) share the slots."""
+    model, inputs = tiny_flux()
+    reference = torch.compile(copy.deepcopy(model), backend="aot_eager")
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={**OPTIONS, "group_size": 1, "prefetch_step": 2,
+                                      "layers": ["transformer_blocks",
+                                                 "single_transformer_blocks"]})
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(compiled(**inputs)[0], reference(**inputs)[0])
+    state = fx_offload.registry.state_for_model(model)
+    assert state.layers == list(range(6)) and state.stats["sync_loads"] == 0
+    assert fx_offload.report(model).num_slots == 2
 
 
 peft = pytest.importorskip("peft", reason="install the test extra")
@@ -158,3 +212,51 @@ def test_a_second_instance_of_a_class_is_not_offloaded_silently(caplog):
             assert torch.equal(compiled(x), reference(x))
     state = fx_offload.registry.state_for_model(second)
     assert state.stats["prefetches"] > 0 and fx_offload.report(second).layers == [1, 3]
+
+
+def _t5():
+    config = transformers.T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=4,
+                                   num_decoder_layers=4, num_heads=4, decoder_start_token_id=0,
+                                   pad_token_id=0)
+    return transformers.T5ForConditionalGeneration(config), {
+        "input_ids": torch.randint(1, 256, (1, 10))}
+
+
+def _whisper():
+    config = transformers.WhisperConfig(
+        vocab_size=256, num_mel_bins=16, encoder_layers=4, decoder_layers=4,
+        encoder_attention_heads=4, decoder_attention_heads=4, d_model=64, encoder_ffn_dim=128,
+        decoder_ffn_dim=128, max_source_positions=32, max_target_positions=64,
+        decoder_start_token_id=1, pad_token_id=0, eos_token_id=2, bos_token_id=1)
+    return transformers.WhisperForConditionalGeneration(config), {
+        "input_features": torch.randn(1, 16, 64)}
+
+
+@pytest.mark.parametrize("build, stacks", [
+    (_t5, ("encoder.block", "decoder.block")),
+    (_whisper, ("model.encoder.layers", "model.decoder.layers"))], ids=["t5", "whisper"])
+def test_encoder_decoder_models_offload_both_stacks(build, stacks):
+    """The encoder's and the decoder's layers are found together and offloaded in one
+    schedule; logits equal the model run by the same inner compiler; greedy generate (the
+    encoder runs once, outside the compiled forward) gives the same tokens."""
+    torch.manual_seed(0)
+    model, inputs = build()
+    model.eval()
+    reference = copy.deepcopy(model)
+    decoder_ids = torch.ones(1, 3, dtype=torch.long)
+    compiled = torch.compile(model, backend="prefetch_offload", options={
+        "inner_backend": "aot_eager"})
+    expected = torch.compile(copy.deepcopy(model), backend="aot_eager")
+    with torch.no_grad():
+        got = compiled(**inputs, decoder_input_ids=decoder_ids, use_cache=False).logits
+        want = expected(**inputs, decoder_input_ids=decoder_ids, use_cache=False).logits
+    assert torch.equal(got, want)
+    assert fx_offload.registry.state_for_model(model).stack.paths == stacks
+    fx_offload.restore(model)
+    model.forward = torch.compile(model.forward, backend="prefetch_offload", dynamic=True,
+                                  options={"inner_backend": "aot_eager"})
+    (source,) = inputs.values()
+    kwargs = dict(max_new_tokens=6, do_sample=False)
+    with torch.no_grad():
+        assert torch.equal(model.generate(source, **kwargs), reference.generate(source, **kwargs))
+    assert fx_offload.registry.state_for_model(model).stats["prefetches"] > 0

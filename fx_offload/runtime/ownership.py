@@ -117,14 +117,14 @@ class Ownership:
         model = self.model_ref()
         if model is None:
             return
-        try:
-            container = model.get_submodule(self.stack.path) if self.stack.path else model
-        except AttributeError:
-            raise ShapeChanged(f"the layer stack {self.stack.path!r}") from None
-        now = list(container)
-        if len(now) != len(self.stack.modules) or any(
-                a is not b for a, b in zip(now, self.stack.modules)):
-            raise ShapeChanged(f"the layer stack {self.stack.path!r}")
+        for path, layers in self.stack.sections():
+            try:
+                container = model.get_submodule(path) if path else model
+            except AttributeError:
+                raise ShapeChanged(f"the layer stack {path!r}") from None
+            now = list(container)
+            if len(now) != len(layers) or any(a is not b for a, b in zip(now, layers)):
+                raise ShapeChanged(f"the layer stack {path!r}")
 
     def truth_of(self, layer: int, suffix: str) -> torch.Tensor:
         return self.buffers.masters[layer][suffix]

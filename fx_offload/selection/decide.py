@@ -15,24 +15,29 @@ from .. import registry
 from ..errors import META_REFUSED, OffloadError
 from ..options import OffloadOptions
 from ..schedule import Schedule
+from ..text import format_bytes
 from . import budget
 from .choice import Choice, NothingOffloaded
 from .params import select_params
-from .stack import LayerStack, find_layer_stack
+from .stack import LayerStack, find_layer_stack, first_use, in_run_order
 
 log = logging.getLogger("fx_offload")
 
 
 def choose(model: nn.Module, options: OffloadOptions, graph=None, layer_frame: bool = False,
            check_owners: bool = True, device: torch.device | None = None,
-           planner: "budget.PlannerResult | None" = None) -> Choice | NothingOffloaded:
+           planner: "budget.PlannerResult | None" = None,
+           order: tuple[str, ...] | None = None) -> Choice | NothingOffloaded:
     """Decide what of ``model`` is offloaded.  ``graph`` is ``(gm, graph_inputs)`` of the
     first graph, whose costs the planner weighs; ``layer_frame``: that graph is one layer's
     own frame.  ``check_owners``: refuse parameters another offloaded model holds.
     ``device``: where the model will run (``place``, whose weights may be on the meta
     device, to be read from a checkpoint); by default, where its offloaded weights are now.
-    ``planner``: the planner's result already reached (``place`` traces its own graph)."""
-    stack = find_layer_stack(model, options.layers)
+    ``planner``: the planner's result already reached (``place`` traces its own graph), with
+    ``order``: the layer lists' paths in the order that trace ran them."""
+    stack = find_layer_stack(model, order if order is not None else options.layers)
+    if graph is not None and not layer_frame:
+        stack = in_run_order(stack, first_use(stack, graph[0], graph[1].root_expr))
     if options.planned:
         if planner is None:
             planner = budget.plan_for(model, stack, options, graph, layer_frame)
@@ -49,7 +54,26 @@ def choose(model: nn.Module, options: OffloadOptions, graph=None, layer_frame: b
         _check_not_offloaded_elsewhere(params)
     device = _offload_device(model, params) if device is None else device
     schedule = Schedule(params, num_slots)
-    return Choice(type(model).__name__, options, stack, params, schedule, device, planner)
+    choice = Choice(type(model).__name__, options, stack, params, schedule, device, planner)
+    if planner is None:
+        _warn_if_little_saved(choice)
+    return choice
+
+
+LITTLE_SAVED = 0.1      # of the offloaded bytes: less saved than this earns a warning
+
+
+def _warn_if_little_saved(choice: Choice) -> None:
+    offloaded, slots = choice.offloaded_bytes, choice.slot_bytes
+    if offloaded - slots > LITTLE_SAVED * offloaded:
+        return
+    n, k = len(choice.layers), choice.schedule.num_slots
+    log.warning(
+        "fx_offload: %s: %d offloaded layer(s) in %d slot(s) save %s of the %s offloaded "
+        "(the slots hold nearly all of it): lower prefetch_step (%d now) or offload more "
+        "layers (group_size/num_in_group), or give memory_budget and let the planner choose",
+        choice.model_name, n, k, format_bytes(max(offloaded - slots, 0)),
+        format_bytes(offloaded), k)
 
 
 def _check_count(params, num_slots: int, options: OffloadOptions, stack: LayerStack) -> None:

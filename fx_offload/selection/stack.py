@@ -8,21 +8,52 @@ stack (``3``) or by its *path* from the model root (``model.layers.3``).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 
 from torch import nn
 
 from ..errors import OffloadError
+from ..graph_inputs import module_path
+
+log = logging.getLogger("fx_offload")
 
 
 @dataclasses.dataclass
 class LayerStack:
-    path: str                   # dotted path from the model root ("" for the root itself)
-    modules: list[nn.Module]    # the layers, by index
+    """One layer list, or several whose layers run one list after the other (an encoder and
+    a decoder, Flux's double- and single-stream blocks): indices run across them in that
+    order, so they share one circular schedule."""
+    paths: tuple[str, ...]      # dotted paths from the model root ("" for the root itself)
+    modules: list[nn.Module]    # the layers, by index: list after list
+    sizes: tuple[int, ...]      # how many layers each list has
+
+    @classmethod
+    def of(cls, lists: list[tuple[str, nn.Module]]) -> "LayerStack":
+        return cls(tuple(p for p, _ in lists), [m for _, ms in lists for m in ms],
+                   tuple(len(ms) for _, ms in lists))
+
+    @property
+    def path(self) -> str:
+        """The list's path; several lists' paths joined (for messages)."""
+        return self.paths[0] if len(self.paths) == 1 else " + ".join(
+            p or "<root>" for p in self.paths)
 
     def layer_path(self, index: int) -> str:
         """Dotted path of layer ``index`` from the model root."""
-        return f"{self.path}.{index}" if self.path else str(index)
+        for path, size in zip(self.paths, self.sizes):
+            if index < size:
+                return f"{path}.{index}" if path else str(index)
+            index -= size
+        raise IndexError(index)
+
+    def sections(self) -> list[tuple[str, list[nn.Module]]]:
+        """(path, its layers) of each list."""
+        out, start = [], 0
+        for path, size in zip(self.paths, self.sizes):
+            out.append((path, self.modules[start:start + size]))
+            start += size
+        return out
 
     def describe(self) -> str:
         return repr(self.path or "<root>")
@@ -35,25 +66,21 @@ def _is_layer_list(module: nn.Module) -> bool:
     return len(kinds) == 1
 
 
-def find_layer_stack(root: nn.Module, path: str | None) -> LayerStack:
-    """The ``nn.ModuleList``/``nn.Sequential`` of repeated layers: ``path`` if given, else the
-    longest list of same-type modules that is not nested inside another such list's layers."""
+def find_layer_stack(root: nn.Module, path: str | tuple[str, ...] | None) -> LayerStack:
+    """The ``nn.ModuleList``/``nn.Sequential`` of repeated layers: ``path`` (or several
+    paths) if given, else the longest list of same-type modules that is not nested inside
+    another such list's layers; several lists of that length are taken together, in the
+    order the model registers them."""
     if path is not None:
-        try:
-            module = root.get_submodule(path) if path else root
-        except AttributeError:
-            raise OffloadError(
-                f"option 'layers'={path!r}: the model has no submodule at that "
-                f"path; candidates are {_candidate_paths(root) or 'none'}") from None
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
-            raise OffloadError(
-                f"option 'layers'={path!r} names a {type(module).__name__}, "
-                "not an nn.ModuleList or nn.Sequential of layers")
-        if len(module) < 2:
-            raise OffloadError(
-                f"option 'layers'={path!r} has {len(module)} layer(s); "
-                "offloading needs a stack of at least 2 layers")
-        return LayerStack(path, list(module))
+        paths = (path,) if isinstance(path, str) else tuple(path)
+        for a in paths:
+            for b in paths:
+                if a != b and (a == "" or b.startswith(f"{a}.")):
+                    raise OffloadError(f"option 'layers': {b!r} is inside {a or '<root>'!r}; "
+                                       "give layer lists that do not contain one another")
+        if len(set(paths)) != len(paths):
+            raise OffloadError(f"option 'layers' names a list twice: {list(paths)}")
+        return LayerStack.of([(p, _layer_list(root, p)) for p in paths])
 
     candidates = top_level_lists(root)
     if not candidates:
@@ -66,11 +93,60 @@ def find_layer_stack(root: nn.Module, path: str | None) -> LayerStack:
     longest = max(len(m) for _, m in candidates)
     best = [(p, m) for p, m in candidates if len(m) == longest]
     if len(best) > 1:
+        log.info("fx_offload: found %d layer stacks of length %d, offloaded together in one "
+                 "schedule: %s (give the option 'layers' to choose)", len(best), longest,
+                 [p or "<root>" for p, _ in best])
+    return LayerStack.of([(p, list(m)) for p, m in best])
+
+
+def _layer_list(root: nn.Module, path: str) -> list[nn.Module]:
+    if not isinstance(path, str):
+        raise OffloadError(f"option 'layers' takes dotted paths, got {path!r}")
+    try:
+        module = root.get_submodule(path) if path else root
+    except AttributeError:
         raise OffloadError(
-            f"found several layer stacks of length {longest}: "
-            f"{[p or '<root>' for p, _ in best]}; pass the option 'layers' to choose one")
-    p, m = best[0]
-    return LayerStack(p, list(m))
+            f"option 'layers'={path!r}: the model has no submodule at that "
+            f"path; candidates are {_candidate_paths(root) or 'none'}") from None
+    if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+        raise OffloadError(
+            f"option 'layers'={path!r} names a {type(module).__name__}, "
+            "not an nn.ModuleList or nn.Sequential of layers")
+    if len(module) < 2:
+        raise OffloadError(
+            f"option 'layers'={path!r} has {len(module)} layer(s); "
+            "offloading needs a stack of at least 2 layers")
+    return list(module)
+
+
+def first_use(stack: LayerStack, gm, root_expr: str | None) -> dict[str, int]:
+    """Each layer list's path -> the position of the first node of graph ``gm`` traced in
+    one of its layers (``root_expr``: how the graph's ``nn_module_stack`` names the model)."""
+    first: dict[str, int] = {}
+    prefixes = [(path, f"{path}." if path else "") for path in stack.paths]
+    for position, node in enumerate(gm.graph.nodes):
+        for entry in (node.meta.get("nn_module_stack") or {}).values():
+            where = module_path(entry[0], root_expr)
+            for path, prefix in prefixes:
+                if where is not None and where.startswith(prefix) and path not in first:
+                    first[path] = position
+    return first
+
+
+def in_run_order(stack: LayerStack, first_use: dict[str, int]) -> LayerStack:
+    """``stack`` with its lists ordered by ``first_use`` (a list's path -> the position
+    of the first graph node traced inside one of its layers); lists the graph does not
+    use keep their place after those it does."""
+    if len(stack.paths) < 2:
+        return stack
+    sections = stack.sections()
+    order = sorted(range(len(sections)),
+                   key=lambda i: (first_use.get(sections[i][0], sys.maxsize), i))
+    if order == list(range(len(sections))):
+        return stack
+    ordered = [sections[i] for i in order]
+    log.info("fx_offload: layer lists in the order they run: %s", [p for p, _ in ordered])
+    return LayerStack.of(ordered)
 
 
 def _candidate_paths(root: nn.Module) -> list[str]:

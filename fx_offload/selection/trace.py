@@ -21,7 +21,7 @@ from ..errors import OffloadError
 from ..graph_inputs import read_graph_inputs
 from ..options import OffloadOptions
 from . import budget
-from .stack import find_layer_stack
+from .stack import find_layer_stack, first_use, in_run_order
 
 log = logging.getLogger("fx_offload")
 REASON_CHARS = 300              # of the failed trace's message
@@ -39,9 +39,10 @@ def meta_twin(model: nn.Module) -> nn.Module:
 
 
 def plan_from_example(model: nn.Module, options: OffloadOptions, example_inputs,
-                      device: torch.device) -> budget.PlannerResult:
+                      device: torch.device) -> tuple[budget.PlannerResult, tuple[str, ...]]:
     """The planner's result for ``model`` on ``device``, from a trace of its twin on
-    ``example_inputs`` (a tuple of positional arguments or a dict of keyword arguments)."""
+    ``example_inputs`` (a tuple of positional arguments or a dict of keyword arguments), and
+    the layer lists' paths in the order the trace ran them."""
     if example_inputs is None:
         raise OffloadError(
             "memory_budget weighs the model's graph: pass example_inputs=(input_ids,) (a tuple "
@@ -50,14 +51,16 @@ def plan_from_example(model: nn.Module, options: OffloadOptions, example_inputs,
     args, kwargs = ((), dict(example_inputs)) if isinstance(example_inputs, dict) \
         else (tuple(example_inputs), {})
     twin = meta_twin(model)
-    stack = find_layer_stack(twin, options.layers)
     found = []
 
     def capture(gm, inputs):
         if not found:
             gi = read_graph_inputs(gm, inputs)
             if gi.root is twin and gi.params:
-                found.append(budget.plan_for(twin, stack, options, (gm, gi), False, device))
+                stack = find_layer_stack(twin, options.layers)
+                stack = in_run_order(stack, first_use(stack, gm, gi.root_expr))
+                found.append((budget.plan_for(twin, stack, options, (gm, gi), False, device),
+                              stack.paths))
         return gm.forward
 
     on_meta = tree_map(lambda v: torch.empty_like(v, device="meta")

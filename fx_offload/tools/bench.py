@@ -160,6 +160,10 @@ class Bench:
         self.device = device = torch.device(
             args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cpu":
+            print("note: on the CPU every 'copy' is a memcpy in the same memory and the "
+                  "threads are shared: these timings check that the bench runs, they say "
+                  "nothing about offloading speed (run it on a GPU)")
         tokens = [int(t) for t in args.tokens.split(",")]
         if args.quick:
             self.tokens, self.repeats = [t for t in tokens if t <= 128][:2] or [1, 16], 3
@@ -362,8 +366,10 @@ def write_results(self: Bench) -> None:
                   f"{self.cost_model.rates.describe()}\n")
     print(table)
     os.makedirs(self.args.out, exist_ok=True)
-    with open(os.path.join(self.args.out, "results.md"), "w") as f:
+    results = os.path.join(self.args.out, "results.md")
+    with open(results, "w") as f:
         f.write(table)
+    print(f"table written to {results}")
     plot(self.rows, compute, os.path.join(self.args.out, "bench.png"))
 
 
@@ -450,7 +456,7 @@ def plot(rows, compute, path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("(matplotlib not installed: no plot)")
+        print('(matplotlib not installed: no plot; pip install -e ".[bench]")')
         return
     fig, ax = plt.subplots(figsize=(8, 5))
     methods = sorted({r.method for r in rows}, key=lambda m: [r.method for r in rows].index(m))

@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
+import torch
+
+from ..errors import OffloadError
 from . import bench, bigger, demo, inspect_cli
 
 
@@ -21,13 +25,28 @@ def main(argv: list[str] | None = None) -> int:
         "bigger", help="a model with more weights than the GPU holds: placed from the host, "
                        "compiled, run and checked (--shape tiny --device cpu as a smoke run)"))
     args = parser.parse_args(argv)
-    if args.command == "bigger":
-        return bigger.run(args)
-    if args.command == "bench":
-        return bench.run(args)
-    if args.command == "demo":
-        return demo.run(args)
-    if args.command == "inspect":
-        return inspect_cli.run(args)
-    return 2  # pragma: no cover
+    commands = {"bigger": bigger.run, "bench": bench.run, "demo": demo.run,
+                "inspect": inspect_cli.run}
+    try:
+        _check_device(args)
+        return commands[args.command](args)
+    except Exception as err:
+        # a bad option or an unsupported model: one line that says what to change, like
+        # argparse's own errors (Dynamo wraps what the backend raised while compiling)
+        inner = getattr(err, "inner_exception", None) or err
+        if not isinstance(inner, (OffloadError, UsageError)):
+            raise
+        print(f"error: {inner}", file=sys.stderr)
+        return 2
+
+
+class UsageError(Exception):
+    """A command-line choice this machine cannot honour."""
+
+
+def _check_device(args: argparse.Namespace) -> None:
+    device = getattr(args, "device", None)
+    if device and str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {device}, but torch {torch.__version__} sees no CUDA "
+                         "device; use --device cpu, or run on a machine with a GPU")
 
