@@ -239,6 +239,8 @@ def test_entry_point_and_cli_demo():
      "error: prefetch_offload: option 'num_in_group' (3) must not exceed 'group_size' (2)"),
     (["demo", "--device", "cuda:0"] if not torch.cuda.is_available() else
      ["demo", "--layers", "1"], "error: "),
+    pytest.param(["flux"], "error: the flux benchmark needs a GPU",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has a GPU")),
 ])
 def test_cli_errors_are_one_line_not_a_traceback(argv, message):
     out = subprocess.run([sys.executable, "-m", "fx_offload", *argv], capture_output=True,

@@ -1,4 +1,4 @@
-"""Command line: ``python -m fx_offload demo|inspect|bench|bigger``."""
+"""Command line: ``python -m fx_offload demo|inspect|bench|bigger|flux``."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,7 @@ import sys
 import torch
 
 from ..errors import OffloadError
-from . import bench, bigger, demo, inspect_cli
+from . import bench, bigger, demo, flux_bench, inspect_cli
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,9 +24,12 @@ def main(argv: list[str] | None = None) -> int:
     bigger.add_arguments(sub.add_parser(
         "bigger", help="a model with more weights than the GPU holds: placed from the host, "
                        "compiled, run and checked (--shape tiny --device cpu as a smoke run)"))
+    flux_bench.add_arguments(sub.add_parser(
+        "flux", help="a Flux transformer (real dims) per denoising step: resident, fx_offload "
+                     "and diffusers' group offloading side by side (a GPU, diffusers)"))
     args = parser.parse_args(argv)
     commands = {"bigger": bigger.run, "bench": bench.run, "demo": demo.run,
-                "inspect": inspect_cli.run}
+                "inspect": inspect_cli.run, "flux": flux_bench.run}
     try:
         _check_device(args)
         return commands[args.command](args)
