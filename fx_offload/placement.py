@@ -2,10 +2,11 @@
 truth), the rest on the device, the slots allocated; and the hooks on the model's root that
 make each call hold the slots.
 
-Two routes lead here.  :func:`place` is the one for a model bigger than the device: build or
-load it on the host, ``fx_offload.place(model, "cuda", **options)`` puts each offloaded
-layer straight into its host block (one copy, never on the device) and everything else on
-the device, then ``torch.compile(model, backend="prefetch_offload")``.  Compiling a model
+Two routes lead here.  :func:`place` is the one for a model bigger than the device: build it
+without weights (``fx_offload.empty_weights()``) or on the host, ``fx_offload.place(model,
+"cuda", checkpoint=folder, **options)`` puts each offloaded layer straight into its host
+block (read from the checkpoint, or moved from the host copy; never on the device) and
+everything else on the device, then ``torch.compile(model, backend="prefetch_offload")``.  Compiling a model
 that already sits on the device places it at its first compile instead (the backend calls
 :func:`activate`).
 
