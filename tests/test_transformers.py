@@ -111,3 +111,20 @@ def test_llama_submodule_state_dict_deepcopy_and_half_hold_the_truth():
     with torch.no_grad():
         assert torch.equal(compiled(ids, use_cache=False).logits,
                            ref_fn(ids, use_cache=False).logits)
+
+
+def test_greedy_generate_with_a_static_cache():
+    """generate(cache_implementation="static"): fixed-shape caches, one graph for prefill and
+    one for the decode steps; same tokens as the model without offloading."""
+    model, _ = build("llama")
+    model = model.eval()
+    reference = copy.deepcopy(model)
+    model.forward = torch.compile(model.forward, backend="prefetch_offload",
+                                  options={"inner_backend": "aot_eager"})
+    ids = torch.randint(0, 256, (1, 6))
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                  pad_token_id=0, cache_implementation="static")
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, **kwargs), reference.generate(ids, **kwargs))
+    state = fx_offload.registry.state_for_model(model)
+    assert state.stats["prefetches"] > 0 and state.stats["sync_loads"] == 0
