@@ -209,6 +209,8 @@ def register(state, model: nn.Module | None) -> None:
             for module in state.stack.modules[layer].modules():
                 _BY_SUBMODULE[id(module)] = weakref.ref(state)
                 state.watched.append(id(module))
+        for key in [k for k, ref in _BY_SUBMODULE.items() if ref() is None]:
+            del _BY_SUBMODULE[key]        # states collected without being unregistered
         if not _WATCH:
             _WATCH.append(register_module_module_registration_hook(_child_set))
 

@@ -18,9 +18,8 @@ RATES = dict(flop_rate=1e12, memory_bandwidth=1e11, h2d_bandwidth=1e10, launch_o
 class WithGetattr(nn.Module):
     """Dynamo names this class's submodules ``L['self'].__dict__['_modules']['blocks']``."""
 
-    def __init__(self, defines_getattr: bool = True):
+    def __init__(self):
         super().__init__()
-        self.defines_getattr = defines_getattr
         self.blocks = nn.ModuleList(MLPBlock(16, 32) for _ in range(4))
 
     def __getattr__(self, name):
