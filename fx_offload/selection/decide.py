@@ -19,7 +19,7 @@ from ..text import format_bytes
 from . import budget
 from .choice import Choice, NothingOffloaded
 from .params import select_params
-from .stack import LayerStack, find_layer_stack, first_use, in_run_order
+from .stack import LayerStack, find_layer_stack, first_runs, in_run_order
 
 log = logging.getLogger("fx_offload")
 
@@ -37,7 +37,7 @@ def choose(model: nn.Module, options: OffloadOptions, graph=None, layer_frame: b
     ``order``: the layer lists' paths in the order that trace ran them."""
     stack = find_layer_stack(model, order if order is not None else options.layers)
     if graph is not None and not layer_frame:
-        stack = in_run_order(stack, first_use(stack, graph[0], graph[1].root_expr))
+        stack = in_run_order(stack, first_runs(stack, *graph))
     if options.planned:
         if planner is None:
             planner = budget.plan_for(model, stack, options, graph, layer_frame)

@@ -14,7 +14,7 @@ import sys
 from torch import nn
 
 from ..errors import OffloadError
-from ..graph_inputs import module_path
+from ..graph_inputs import layers_of_nodes
 
 log = logging.getLogger("fx_offload")
 
@@ -41,9 +41,18 @@ class LayerStack:
 
     def layer_path(self, index: int) -> str:
         """Dotted path of layer ``index`` from the model root."""
+        path, local = self._locate(index)
+        return f"{path}.{local}" if path else str(local)
+
+    def list_of(self, index: int) -> str:
+        """Path of the layer list that holds layer ``index``."""
+        return self._locate(index)[0]
+
+    def _locate(self, index: int) -> tuple[str, int]:
+        """(path of the list holding layer ``index``, its index in that list)."""
         for path, size in zip(self.paths, self.sizes):
             if index < size:
-                return f"{path}.{index}" if path else str(index)
+                return path, index
             index -= size
         raise IndexError(index)
 
@@ -119,29 +128,27 @@ def _layer_list(root: nn.Module, path: str) -> list[nn.Module]:
     return list(module)
 
 
-def first_use(stack: LayerStack, gm, root_expr: str | None) -> dict[str, int]:
-    """Each layer list's path -> the position of the first node of graph ``gm`` traced in
-    one of its layers (``root_expr``: how the graph's ``nn_module_stack`` names the model)."""
+def first_runs(stack: LayerStack, gm, gi) -> dict[str, int]:
+    """Each layer list's path -> the position, in graph ``gm``, of the first node traced in
+    one of its layers (read as the pass reads layers: ``layers_of_nodes``)."""
+    paths = {stack.layer_path(i): i for i in range(len(stack.modules))}
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
     first: dict[str, int] = {}
-    prefixes = [(path, f"{path}." if path else "") for path in stack.paths]
-    for position, node in enumerate(gm.graph.nodes):
-        for entry in (node.meta.get("nn_module_stack") or {}).values():
-            where = module_path(entry[0], root_expr)
-            for path, prefix in prefixes:
-                if where is not None and where.startswith(prefix) and path not in first:
-                    first[path] = position
+    for node, layers in layers_of_nodes(gm, gi, paths).items():
+        for layer in layers:
+            first.setdefault(stack.list_of(layer), position[node])
     return first
 
 
-def in_run_order(stack: LayerStack, first_use: dict[str, int]) -> LayerStack:
-    """``stack`` with its lists ordered by ``first_use`` (a list's path -> the position
-    of the first graph node traced inside one of its layers); lists the graph does not
-    use keep their place after those it does."""
+def in_run_order(stack: LayerStack, first: dict[str, int]) -> LayerStack:
+    """``stack`` with its lists ordered by ``first`` (a list's path -> the position of the
+    first graph node traced inside one of its layers, :func:`first_runs`); lists the graph
+    does not use keep their place after those it does."""
     if len(stack.paths) < 2:
         return stack
     sections = stack.sections()
     order = sorted(range(len(sections)),
-                   key=lambda i: (first_use.get(sections[i][0], sys.maxsize), i))
+                   key=lambda i: (first.get(sections[i][0], sys.maxsize), i))
     if order == list(range(len(sections))):
         return stack
     ordered = [sections[i] for i in order]

@@ -21,7 +21,7 @@ from ..errors import OffloadError
 from ..graph_inputs import read_graph_inputs
 from ..options import OffloadOptions
 from . import budget
-from .stack import find_layer_stack, first_use, in_run_order
+from .stack import find_layer_stack, first_runs, in_run_order
 
 log = logging.getLogger("fx_offload")
 REASON_CHARS = 300              # of the failed trace's message
@@ -58,7 +58,7 @@ def plan_from_example(model: nn.Module, options: OffloadOptions, example_inputs,
             gi = read_graph_inputs(gm, inputs)
             if gi.root is twin and gi.params:
                 stack = find_layer_stack(twin, options.layers)
-                stack = in_run_order(stack, first_use(stack, gm, gi.root_expr))
+                stack = in_run_order(stack, first_runs(stack, gm, gi))
                 found.append((budget.plan_for(twin, stack, options, (gm, gi), False, device),
                               stack.paths))
         return gm.forward
