@@ -3,6 +3,7 @@
     compiled = torch.compile(model, backend="prefetch_offload", options={...})
     fx_offload.report(model)     # what was offloaded
     fx_offload.restore(model)    # weights back where they were
+    fx_offload.compile_forward(model, group_size=2)   # for model.generate / pipelines
 
     with fx_offload.empty_weights():             # a model bigger than the GPU
         model = build_model()
@@ -19,13 +20,14 @@ from . import ops as _ops  # noqa: F401  (registers the fx_offload:: custom ops)
 from .checkpoint import empty_weights
 from .compiler import PrefetchOffloadBackend, backend, prefetch_offload, register_names
 from .errors import OffloadError
+from .forward import compile_forward
 from .options import OffloadOptions, parse_options
 from .placement import place
 from .reporting.explain import Explanation, explain
 from .reporting.report import Report, report
 from .runtime.weights import named_weights, restore, update_weights
 
-__all__ = ["backend", "prefetch_offload", "place", "empty_weights", "report", "restore", "explain",
+__all__ = ["backend", "prefetch_offload", "compile_forward", "place", "empty_weights", "report", "restore", "explain",
            "Explanation",
            "named_weights", "update_weights", "OffloadError",
            "Report", "OffloadOptions", "PrefetchOffloadBackend", "parse_options"]

@@ -368,3 +368,29 @@ def test_dense_and_moe_layers_share_a_slot_on_gpu():
     state = fx_offload.registry.state_for_model(model)
     assert rep.num_slots == 1 and state.stats["prefetches"] > 0
     assert rep.buffer_bytes < rep.offloaded_bytes / 3     # the largest layer, not the sum
+
+
+def test_generate_compile_config_with_reduce_overhead():
+    """Hugging Face's own compile route on the GPU, as its docs show it (static cache,
+    CompileConfig's default mode "reduce-overhead": CUDA graphs), naming a configured
+    backend: decode steps run offloaded in CUDA graphs; the tokens equal generate's with the
+    default CompileConfig (Inductor, reduce-overhead) on the resident model."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512,
+                                      num_hidden_layers=6, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=512,
+                                      max_position_embeddings=256)
+    model = transformers.LlamaForCausalLM(config).cuda().eval()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 512, (1, 8), device="cuda")
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                  pad_token_id=0, cache_implementation="static")
+    offloaded = transformers.CompileConfig(
+        backend=fx_offload.backend(group_size=2, num_in_group=1, prefetch_step=1))
+    with torch.no_grad():
+        want = reference.generate(ids, **kwargs, compile_config=transformers.CompileConfig())
+        for _ in range(2):
+            assert torch.equal(model.generate(ids, **kwargs, compile_config=offloaded), want)
+    state = fx_offload.registry.state_for_model(model)
+    assert state.layers == [1, 3, 5] and state.stats["prefetches"] > 0

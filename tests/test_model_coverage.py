@@ -157,10 +157,20 @@ def tiny_wan():
                        encoder_hidden_states=torch.randn(1, 6, 16), return_dict=False)
 
 
-@pytest.mark.parametrize("build", [tiny_sd3, tiny_wan], ids=["sd3", "wan"])
+def tiny_ltx():
+    model = diffusers.LTXVideoTransformer3DModel(
+        in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=8,
+        cross_attention_dim=16, num_layers=4, caption_channels=16)
+    return model, dict(hidden_states=torch.randn(1, 2 * 4 * 4, 8),
+                       encoder_hidden_states=torch.randn(1, 6, 16), timestep=torch.tensor([1]),
+                       encoder_attention_mask=torch.ones(1, 6), num_frames=2, height=4, width=4,
+                       return_dict=False)
+
+
+@pytest.mark.parametrize("build", [tiny_sd3, tiny_wan, tiny_ltx], ids=["sd3", "wan", "ltx"])
 def test_diffusion_transformers_with_every_block_offloaded(build):
     """SD3's last block has other parameters than the rest (it shares their slots now);
-    Wan is a video transformer. Every block offloaded, two slots, bitwise with aot_eager."""
+    Wan and LTX are video transformers. Every block offloaded, two slots, bitwise with aot_eager."""
     torch.manual_seed(0)
     model, inputs = build()
     model.eval()
@@ -296,3 +306,168 @@ def test_encoder_decoder_models_offload_both_stacks(build, stacks):
     with torch.no_grad():
         assert torch.equal(model.generate(source, **kwargs), reference.generate(source, **kwargs))
     assert fx_offload.registry.state_for_model(model).stats["prefetches"] > 0
+
+
+def _word_tokenizer(folder, **special):
+    """A tokenizer of a few words, written to ``folder`` (no hub): enough for a pipeline's
+    text encoders to run."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    words = ["<pad>", "</s>", "<unk>", "<|startoftext|>", "<|endoftext|>", "a", "cat", "on",
+             "the", "moon"]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)},
+                                           unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = str(folder / "tokenizer.json")
+    tokenizer.save(path)
+    return transformers.PreTrainedTokenizerFast(tokenizer_file=path, pad_token="<pad>",
+                                                model_max_length=8, **special)
+
+
+def tiny_flux_pipeline(tmp_path, transformer):
+    clip = transformers.CLIPTextModel(transformers.CLIPTextConfig(
+        vocab_size=10, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, max_position_embeddings=8, projection_dim=16, eos_token_id=4,
+        bos_token_id=3, pad_token_id=0)).eval()
+    t5 = transformers.T5EncoderModel(transformers.T5Config(
+        vocab_size=10, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2)).eval()
+    vae = diffusers.AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 2,
+        up_block_types=["UpDecoderBlock2D"] * 2, block_out_channels=[8, 8], latent_channels=4,
+        norm_num_groups=4, sample_size=16, shift_factor=0.1, scaling_factor=1.5).eval()
+    return diffusers.FluxPipeline(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=clip,
+        tokenizer=_word_tokenizer(tmp_path, eos_token="<|endoftext|>",
+                                  bos_token="<|startoftext|>"),
+        text_encoder_2=t5, tokenizer_2=_word_tokenizer(tmp_path, eos_token="</s>"),
+        transformer=transformer)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_flux_pipeline_end_to_end(tmp_path, device):
+    """A diffusers pipeline (its own tokenizers, CLIP and T5 text encoders, VAE, scheduler)
+    with its transformer's forward compiled by ``compile_forward``: both block lists
+    offloaded, every denoising step through the offloaded graph, the image equal to the
+    pipeline whose transformer runs under the same inner compiler."""
+    torch.manual_seed(0)
+    transformer = diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=2, num_single_layers=4, attention_head_dim=8,
+        num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=16,
+        axes_dims_rope=[2, 2, 4]).eval()
+    reference = copy.deepcopy(transformer)
+    reference.forward = torch.compile(reference.forward, backend="aot_eager")
+    kwargs = dict(prompt="a cat on the moon", height=16, width=16, num_inference_steps=3,
+                  max_sequence_length=8, output_type="pt")
+    pipe = tiny_flux_pipeline(tmp_path, transformer).to(device)
+    fx_offload.compile_forward(pipe.transformer, inner_backend="aot_eager", group_size=1,
+                               prefetch_step=2,
+                               layers=["transformer_blocks", "single_transformer_blocks"])
+    got = pipe(**kwargs, generator=torch.Generator().manual_seed(0)).images
+    want = tiny_flux_pipeline(tmp_path, reference).to(device)
+    want.text_encoder, want.text_encoder_2, want.vae = pipe.text_encoder, pipe.text_encoder_2, \
+        pipe.vae
+    want = want(**kwargs, generator=torch.Generator().manual_seed(0)).images
+    assert got.shape == (1, 3, 16, 16) and torch.equal(got, want)
+    state = fx_offload.registry.state_for_model(transformer)
+    assert state.layers == list(range(6)) and state.stats["sync_loads"] == 0
+    assert state.stats["prefetches"] >= 3 * 6       # three steps, every layer each step
+
+
+def _llama(layers: int = 4):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=layers, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=256,
+                                      max_position_embeddings=128)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def test_compile_forward_makes_generate_run_offloaded():
+    """``compiled.generate`` runs the uncompiled forward (torch.compile compiles __call__
+    only): report says so and names the helper; ``compile_forward`` compiles the forward
+    that generate calls, once (a second call is refused, not stacked)."""
+    from helpers import assert_same_greedy_tokens
+    model = _llama()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 256, (1, 6))
+    wrapper = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+    assert_same_greedy_tokens(wrapper, reference, ids)
+    with pytest.raises(fx_offload.OffloadError, match="compile_forward"):
+        fx_offload.report(wrapper)      # nothing ran through the backend
+    assert fx_offload.compile_forward(wrapper, dynamic=True, **OPTIONS) is model
+    assert_same_greedy_tokens(model, reference, ids)
+    state = fx_offload.registry.state_for_model(model)
+    assert state.layers == [1, 3] and state.stats["prefetches"] > 0
+    with pytest.raises(fx_offload.OffloadError, match="compiled already"):
+        fx_offload.compile_forward(model, **OPTIONS)
+    with pytest.raises(fx_offload.OffloadError, match="group_size"):
+        fx_offload.compile_forward(_llama(), group_size=0)       # checked before compiling
+
+
+def test_generation_config_compile_config_names_the_backend():
+    """Hugging Face's own compile route: ``generate(..., compile_config=CompileConfig(
+    backend="prefetch_offload", mode=None, options=...))`` with a static cache compiles the
+    decode steps with the backend (``mode=None``: torch.compile takes a mode or options, not
+    both; ``backend=fx_offload.backend(...)`` keeps a mode). The prefill runs uncompiled,
+    loading offloaded layers synchronously once the model is offloaded."""
+    model = _llama()
+    reference = copy.deepcopy(model)
+    config = transformers.CompileConfig(backend="prefetch_offload", mode=None, options=OPTIONS)
+    config._compile_all_devices = True        # generate compiles on the GPU only otherwise
+    ids = torch.randint(0, 256, (1, 6))
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                  pad_token_id=0, cache_implementation="static")
+    with torch.no_grad():
+        want = reference.generate(ids, **kwargs)
+        for _ in range(2):
+            assert torch.equal(model.generate(ids, **kwargs, compile_config=config), want)
+    state = fx_offload.registry.state_for_model(model)
+    assert state.layers == [1, 3] and state.stats["prefetches"] >= 2 * 7
+
+
+def test_convnext_stack_is_the_blocks_inside_a_stage(caplog):
+    """ConvNeXt's stages each have their own width: detection looks inside them and takes
+    the longest list of alike blocks (stage 2), not the four unlike stages."""
+    torch.manual_seed(0)
+    config = transformers.ConvNextConfig(hidden_sizes=[8, 16, 32, 64], depths=[2, 2, 6, 2],
+                                         image_size=32)
+    model = transformers.ConvNextModel(config).eval()
+    reference = torch.compile(copy.deepcopy(model), backend="aot_eager")
+    compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+    x = torch.randn(2, 3, 32, 32)
+    with caplog.at_level("WARNING", logger="fx_offload"), torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(compiled(x).last_hidden_state, reference(x).last_hidden_state)
+    rep = fx_offload.report(model)
+    assert rep.stack == "encoder.stages.2.layers" and rep.layers == [1, 3, 5]
+    assert "slots hold nearly all" not in caplog.text
+
+
+def test_detection_looks_inside_unlike_layers_only_when_each_holds_a_list():
+    """Hybrid layers (attention or a mixer, dense or experts) are unlike too, but not each
+    holds a layer list: they stay the stack, and the experts are never taken for it."""
+    from fx_offload.selection.stack import find_layer_stack
+
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(6))
+
+    class Hybrid(nn.Module):
+        def __init__(self, mixer, ffn):
+            super().__init__()
+            self.mixer, self.ffn = mixer, ffn
+
+    class Stage(nn.Module):
+        def __init__(self, width, depth):
+            super().__init__()
+            self.down = nn.Linear(width, width)
+            self.blocks = nn.ModuleList(MLPBlock(width, 2 * width) for _ in range(depth))
+
+    root = nn.Module()
+    root.layers = nn.ModuleList([Hybrid(nn.Conv1d(4, 4, 3), nn.Linear(4, 4)),
+                                 Hybrid(nn.Conv1d(4, 4, 3), Experts()),
+                                 Hybrid(nn.Linear(4, 4), nn.Linear(4, 4)),
+                                 Hybrid(nn.Linear(4, 4), Experts())])
+    assert find_layer_stack(root, None).paths == ("layers",)
+    root.layers = nn.ModuleList([Stage(8, 2), Stage(16, 3), Stage(32, 3), Stage(64, 2)])
+    assert find_layer_stack(root, None).paths == ("layers.1.blocks", "layers.2.blocks")

@@ -77,7 +77,11 @@ def report(model: nn.Module) -> Report:
                       offloaded_bytes=0, buffer_bytes=0, num_slots=0, device="-", slot_of={},
                       refill_of={}, layer_bytes={}, pinned=False,
                       options=kept.options.describe(), planner=kept.planner)
+    hint = ""
+    if callable(getattr(model, "generate", None)):
+        hint = ("; `compiled.generate(...)` on a torch.compile wrapper runs the uncompiled "
+                "forward: compile the forward itself, fx_offload.compile_forward(model, ...)")
     raise OffloadError(
         f"{type(model).__name__} has no offloaded weights; compile it with "
         "backend='prefetch_offload' and run it once first (compilation happens at the first "
-        "call), or it was restored", where="fx_offload.report")
+        f"call), or it was restored{hint}", where="fx_offload.report")

@@ -162,15 +162,50 @@ def _candidate_paths(root: nn.Module) -> list[str]:
 
 def top_level_lists(root: nn.Module) -> list[tuple[str, nn.Module]]:
     """Every layer list of ``root`` that is not inside the layers of another (the experts
-    of a MoE layer are not a stack), with its dotted path."""
+    of a MoE layer are not a stack), with its dotted path.  A list whose layers are not
+    alike (no parameter layout shared by half of them) but each hold a layer list at one
+    path (ConvNeXt's stages, each of its own width, each with its ``blocks``) is looked into
+    instead: the lists at that path are the stacks."""
     found: list[tuple[str, nn.Module]] = []
+    opened: dict[str, set[str]] = {}    # unlike list's path -> inner list paths in a layer
     for name, module in root.named_modules():
         if not _is_layer_list(module):
             continue
         if any(name.startswith(f"{p}." if p else "") for p, _ in found):
             continue  # a list inside the layers of an outer stack (experts of a MoE layer)
+        outer = next((p for p in opened if name.startswith(f"{p}." if p else "")), None)
+        if outer is not None:
+            _, _, inner = name[len(outer) + 1 if outer else 0:].partition(".")
+            if inner not in opened[outer]:
+                continue
+        else:
+            inner_paths = _common_inner_lists(module)
+            if inner_paths:
+                log.debug("fx_offload: %r holds layers of different layouts; its stacks are "
+                          "the lists %s inside them", name or "<root>", sorted(inner_paths))
+                opened[name] = inner_paths
+                continue
         found.append((name, module))
     return found
+
+
+def _common_inner_lists(layers: nn.Module) -> set[str]:
+    """For a list whose layers are not alike (no parameter layout, names and shapes, shared
+    by at least half of them): the paths at which every layer holds a layer list.  Empty for
+    a list of alike layers (SD3's different last block, DeepSeek's first dense layers leave a
+    stack alike) and for one whose layers hold no common list (hybrid layers with experts in
+    some of them stay one stack)."""
+    layouts: dict[tuple, int] = {}
+    for layer in layers:
+        layout = tuple((n, tuple(p.shape)) for n, p in layer.named_parameters())
+        layouts[layout] = layouts.get(layout, 0) + 1
+    if 2 * max(layouts.values()) >= len(layers):
+        return set()
+    common = None
+    for layer in layers:
+        paths = {n for n, m in layer.named_modules() if n and _is_layer_list(m)}
+        common = paths if common is None else common & paths
+    return common or set()
 
 
 MAX_CALLER_FRAMES = 256         # how far up the call stack a layer's model is looked for
