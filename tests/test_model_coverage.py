@@ -210,12 +210,15 @@ def test_peft_lora_on_an_offloaded_base():
 
 
 def test_compiled_wrappers_are_accepted_where_a_model_is():
-    """report/restore/named_weights/update_weights take what torch.compile returned."""
+    """report/restore/explain/named_weights/update_weights take what torch.compile
+    returned."""
     torch.manual_seed(0)
     model = Plain().eval()
     reference = copy.deepcopy(model)
     x = torch.randn(2, 16)
     compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+    assert fx_offload.explain(compiled, x, **OPTIONS).choice.layers == [1, 3]
+    torch._dynamo.reset()
     with torch.no_grad():
         compiled(x)
     assert fx_offload.report(compiled).layers == fx_offload.report(model).layers == [1, 3]

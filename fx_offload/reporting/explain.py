@@ -121,6 +121,7 @@ def explain(model: nn.Module, *example_inputs, aten: bool = False, dynamic: bool
             **options) -> Explanation:
     """Trace ``model`` on ``example_inputs`` and show the plan and the rewritten graphs the
     backend would produce with ``options``, without moving any weight."""
+    model = registry.model_of(model)      # the module behind a torch.compile wrapper
     opts = parse_options(options)
     existing = registry.state_for_model(model)
     if existing is not None and existing.choice.options.placement_key() == opts.placement_key():
