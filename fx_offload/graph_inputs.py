@@ -16,6 +16,7 @@ import torch
 from torch import fx, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from . import dtensor
 from .errors import OffloadError
 
 
@@ -115,6 +116,8 @@ def storage_of(value):
     if isinstance(value, fx.Node):
         value = value_of(value)
     if isinstance(value, torch.Tensor):
+        # a DTensor's storage is its wrapper's own: from_local(x) would not alias x
+        value = dtensor.local(value)
         try:
             return StorageWeakRef(value.untyped_storage())
         except Exception:  # pragma: no cover - tensors without storage (sparse, nested)

@@ -26,7 +26,7 @@ import dataclasses
 import torch
 from torch import fx
 
-from . import registry
+from . import dtensor, registry
 
 
 @torch.library.custom_op("fx_offload::wait_prefetch", mutates_args=("activations",))
@@ -67,6 +67,7 @@ def _(activations, reads, handle):
 WAIT = torch.ops.fx_offload.wait_prefetch.default
 START = torch.ops.fx_offload.start_prefetch.default
 JOIN = torch.ops.fx_offload.join_prefetch.default
+dtensor.register_op_handlers((WAIT, START, JOIN))    # tensor-parallel activations
 NAMES = {WAIT: "wait_prefetch", START: "start_prefetch", JOIN: "join_prefetch"}
 _KIND = {WAIT: "wait", START: "start", JOIN: "join"}
 _OP_TYPES = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)

@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_module_registration_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import dtensor
 from .errors import OffloadError, StateGoneError
 
 log = logging.getLogger("fx_offload")
@@ -178,8 +179,9 @@ def state_for_model(model: nn.Module):
 
 
 def owner_of_param(param) -> "tuple[object, int] | None":
-    """(offload state, layer index) of an offloaded parameter, or None."""
-    return _BY_PARAM.get(param)
+    """(offload state, layer index) of an offloaded parameter (or of a DTensor parameter
+    whose local shard is offloaded), or None."""
+    return _BY_PARAM.get(dtensor.local(param))
 
 
 def nothing_offloaded(model: nn.Module):

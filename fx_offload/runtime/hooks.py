@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import registry
+from .. import dtensor, registry
 from ..errors import GradModeError
 
 
@@ -20,7 +20,8 @@ def refuse_grad(state, args) -> None:
     (the next prefetch overwrites them): refused as a compile with grad enabled is."""
     if not torch.is_grad_enabled():
         return
-    trained = [p.name for ps in state.params.values() for p in ps if p.param.requires_grad]
+    trained = [p.name for ps in state.params.values() for p in ps
+               if getattr(p.owner._parameters.get(p.attr), "requires_grad", False)]
     inputs = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
     if trained or inputs:
         what = (f"offloaded parameters that require grad ({trained[:3]}...)" if trained
@@ -76,12 +77,15 @@ class TruthInStateDict:
         for name, param in module._parameters.items():
             found = registry.owner_of_param(param) if param is not None else None
             key = prefix + name
-            if found is None or key not in state_dict or not found[0].swapped_in:
+            if found is None or key not in state_dict:
                 continue
             state, layer = found
+            if not state.swapped_in and not dtensor.is_dtensor(param):
+                continue
             for p in state.params[layer]:
-                if p.param is param:
-                    state_dict[key] = state.truth_of(layer, p.suffix)
+                if p.param is dtensor.local(param):
+                    truth = state.truth_of(layer, p.suffix) if state.swapped_in else p.param
+                    state_dict[key] = dtensor.as_saved(param, truth)
         return state_dict
 
 

@@ -14,7 +14,7 @@ import threading
 
 import torch
 
-from .. import registry
+from .. import dtensor, registry
 
 log = logging.getLogger("fx_offload")
 
@@ -37,6 +37,7 @@ class Ownership:
         self._holder: int | None = None  # the thread in a call
         self._copied: dict[int, tuple] = {}      # layer -> its parameters' versions, copied
         self._handover: dict[str, tuple] = {}    # name -> (data_ptr, version) of the tensor
+        self._dtensor_params: list | None = None  # (owner, attr) of DTensor parameters
         #   a parameter held when the truth was copied from it; taken over without a copy
 
     # ---- calls -------------------------------------------------------------------------
@@ -94,6 +95,7 @@ class Ownership:
                 for p in ps:
                     p.param.data = (self.buffers.masters[layer][p.suffix] if truth
                                     else self.buffers.slot_tensor(layer, p.suffix))
+        self.rewrap()
         self.swapped_in = not truth
 
     @property
@@ -130,7 +132,18 @@ class Ownership:
         return self.buffers.masters[layer][suffix]
 
     def _versions(self, layer: int) -> tuple:
-        return tuple(p.param._version for p in self.params[layer])
+        # a DTensor parameter's own counter too: a write through it leaves its shard's alone
+        return tuple((p.param._version, dtensor.version(p.owner, p.attr))
+                     for p in self.params[layer])
+
+    def rewrap(self) -> None:
+        """DTensor parameters describe their shards' storage again (see ``dtensor``)."""
+        if self._dtensor_params is None:
+            self._dtensor_params = [
+                (p.owner, p.attr) for ps in self.params.values() for p in ps
+                if dtensor.is_dtensor(p.owner._parameters.get(p.attr))]
+        for owner, attr in self._dtensor_params:
+            dtensor.rewrap(owner, attr)
 
     def _take_up_changes(self) -> None:
         """What the user did to the offloaded parameters since the last call: new storage
@@ -173,6 +186,8 @@ class Ownership:
                 registry.replace_param(self, layer, p.param, current)
                 p.param = current
             current.data = truth
+        if moved:
+            self.rewrap()
         stale |= {layer for layer in self.layers
                   if layer in self._copied and self._versions(layer) != self._copied[layer]}
         for layer in stale:

@@ -129,6 +129,8 @@ class OffloadState(Ownership):
         self._handover = {p.name: handover[p.name] for layer, ps in self.params.items()
                           for p in ps if not hand_over and
                           handover[p.name][0] != buffers.masters[layer][p.suffix].data_ptr()}
+        if hand_over:
+            self.rewrap()
         for layer in self.schedule.call_entry():
             self._load_now(layer)
         self.stats = {"prefetches": 0, "sync_loads": 0}
@@ -155,6 +157,7 @@ class OffloadState(Ownership):
                                 self.masters[layer][p.suffix].data_ptr():
                             current.data = current.data.to(self.device) \
                                 if self.device.type != "cpu" else current.data
+            self.rewrap()
             self.swapped_in = False
             self.detach()
 

@@ -31,6 +31,7 @@ import time
 import torch
 from torch import nn
 
+from .. import dtensor
 from ..errors import META_REFUSED, BudgetError, OffloadError
 from ..options import OffloadOptions
 from ..schedule import Schedule
@@ -229,6 +230,7 @@ def weights_bytes(model: nn.Module, device: torch.device) -> int:
         elif t.device != device:
             continue
         else:
+            t = dtensor.local(t)        # this rank's shard of a DTensor
             key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
         if key in seen:
             continue

@@ -9,6 +9,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from .. import dtensor
 from ..errors import OffloadError
 from ..schedule import Schedule
 from .stack import LayerStack
@@ -43,8 +44,8 @@ class OffloadedParam:
 
     def current(self) -> nn.Parameter | None:
         """The parameter the owner holds now (``load_state_dict(assign=True)`` or an
-        assignment may have put another one there)."""
-        return self.owner._parameters.get(self.attr)
+        assignment may have put another one there); a DTensor's local shard."""
+        return dtensor.local(self.owner._parameters.get(self.attr))
 
 
 def layer_bytes(params: dict[int, list[OffloadedParam]]) -> dict[int, int]:
@@ -79,7 +80,9 @@ def select_params(root: nn.Module, stack: LayerStack, layers: Iterable[int],
                 continue
             where, _, attr = suffix.rpartition(".")
             owner = layer.get_submodule(where) if where else layer
-            picked.append(OffloadedParam(f"{path}.{suffix}", suffix, p, owner, attr))
+            # a DTensor parameter (tensor parallelism): this rank's shard is what moves
+            picked.append(OffloadedParam(f"{path}.{suffix}", suffix, dtensor.local(p), owner,
+                                         attr))
         if picked:
             chosen[index] = picked
         else:

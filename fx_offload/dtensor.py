@@ -1,0 +1,77 @@
+"""DTensor parameters (tensor parallelism): what is offloaded is each rank's local shard.
+
+A model sharded with ``parallelize_module`` holds ``DTensor`` parameters; the graph reads
+them as DTensors, and AOTAutograd hands the inner compiler their local shards.  The backend
+offloads the local shard object (``param._local_tensor``): the host block and slot hold this
+rank's shard only, and pointing the shard at a slot (``.data =``) is what the compiled graph
+reads at each call.  Three things keep the DTensor around it honest:
+
+* our ops take DTensor activations: they only order the graph, so they run on the local
+  tensors (a handler in DTensor's dispatcher, no sharding strategy to propagate);
+* the DTensor's own metadata (storage offset, device) follows its shard's (``rewrap``):
+  Dynamo fakeifies a DTensor whose offset differs from its shard's through a path that
+  fails, so a recompile while the shards sit in their slots would fail;
+* an in-place write through the DTensor bumps only its own version counter, and a write
+  through the shard only the shard's: both are read (``version``).
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:          # a torch built without distributed
+    DTensor = None
+
+
+def is_dtensor(t) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local(t):
+    """The local shard of a DTensor; anything else as it is."""
+    return t._local_tensor if is_dtensor(t) else t
+
+
+def version(owner, attr: str) -> int:
+    """The version counter of the parameter ``owner.attr`` itself (a DTensor's own)."""
+    return getattr(owner._parameters.get(attr), "_version", 0)
+
+
+def rewrap(owner, attr: str) -> None:
+    """Make the DTensor ``owner.attr`` describe its local shard's storage again after the
+    shard was pointed elsewhere; the shard object stays the one the backend offloads."""
+    outer = owner._parameters.get(attr)
+    if not is_dtensor(outer):
+        return
+    shard = outer._local_tensor
+    if outer.storage_offset() == shard.storage_offset() and outer.device == shard.device:
+        return
+    with torch.no_grad():
+        outer.data = DTensor.from_local(shard, outer.device_mesh, outer.placements,
+                                        run_check=False, shape=outer.shape,
+                                        stride=outer.stride())
+
+
+def as_saved(param, value: torch.Tensor) -> torch.Tensor:
+    """What ``state_dict`` gives for an offloaded parameter whose true shard is ``value``:
+    a DTensor around it for a DTensor parameter (sharing its version counter, so that
+    ``torch.distributed.checkpoint.load`` writing into it is seen), else ``value``."""
+    if not is_dtensor(param):
+        return value
+    return DTensor.from_local(value.detach(), param.device_mesh, param.placements,
+                              run_check=False, shape=param.shape, stride=param.stride())
+
+
+def register_op_handlers(ops) -> None:
+    """Run our ops on the local tensors of DTensor arguments (they read no values)."""
+    if DTensor is None:
+        return
+    from torch.utils._pytree import tree_map_only
+
+    def on_local(op_call, args, kwargs):
+        return op_call(*tree_map_only(DTensor, local, args),
+                       **tree_map_only(DTensor, local, kwargs))
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    for op in ops:
+        handlers[op] = on_local

@@ -1,0 +1,183 @@
+"""Tensor parallelism on torch.distributed: each rank offloads its own shards.  Two gloo
+processes on the CPU, a hard timeout (a hung rank is killed, never the suite), for both
+styles: DTensor parameters from ``parallelize_module`` and hand-sharded layers with
+functional collectives.  Each rank compares with the same TP model, not offloaded, under the
+same inner compiler."""
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch without distributed")
+
+WORLD = 2
+TIMEOUT_S = 240
+OPTIONS = {"inner_backend": "aot_eager", "group_size": 2, "num_in_group": 1}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, port, check, errors):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        check(rank)
+    except BaseException:
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_ranks(check):
+    """Run ``check(rank)`` on two gloo ranks; fail with the first rank's traceback, or after
+    TIMEOUT_S with every process killed."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(r, port, check, errors)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(TIMEOUT_S)
+    hung = [p for p in procs if p.is_alive()]
+    for p in hung:
+        p.kill()
+        p.join()
+    if not errors.empty():
+        pytest.fail(errors.get())
+    assert not hung, f"{len(hung)} rank(s) hung for {TIMEOUT_S} s and were killed"
+    assert [p.exitcode for p in procs] == [0] * WORLD
+
+
+def _tp_mlp_stack(seed=0):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    from fx_offload.tools.models import build
+    model, (x,) = build("mlp", num_layers=4, hidden=32, inner=64, seed=seed)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    plan = {}
+    for i in range(4):
+        plan[f"layers.{i}.fc1"] = ColwiseParallel()
+        plan[f"layers.{i}.fc2"] = RowwiseParallel()
+    parallelize_module(model.eval(), mesh, plan)
+    return model, x
+
+
+def _check_dtensor_parameters(rank):
+    import torch.distributed.checkpoint as dcp
+    import fx_offload
+    from torch.distributed.tensor import DTensor
+
+    model, x = _tp_mlp_stack()
+    reference = copy.deepcopy(model)
+    expected = torch.compile(reference, backend="aot_eager")
+    compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+    with torch.no_grad():
+        for inp in (x, x, torch.cat([x, x])):          # the last one recompiles
+            assert torch.equal(compiled(inp), expected(inp))
+    rep = fx_offload.report(model)
+    weight = model.layers[1].fc1.weight
+    assert rep.layers == [1, 3] and isinstance(weight, DTensor)
+    local_bytes = sum(p.to_local().numel() * 4 for p in model.layers[1].parameters())
+    assert rep.layer_bytes[1] == local_bytes       # this rank's shards, not the whole layer
+    assert weight.to_local().device.type == "cpu"
+    state = fx_offload.registry.state_for_model(model)
+    assert state.stats["sync_loads"] == 0 and state.stats["prefetches"] > 0
+
+    with torch.no_grad():                          # a write through the DTensor is seen
+        weight.mul_(0.5)
+        reference.layers[1].fc1.weight.mul_(0.5)
+        assert torch.equal(compiled(x), expected(x))
+    saved = model.state_dict()["layers.1.fc1.weight"]
+    assert isinstance(saved, DTensor) and torch.equal(
+        saved.to_local(), reference.layers[1].fc1.weight.to_local())
+
+    # torch.distributed.checkpoint: save the offloaded model, load into a plain TP model
+    folder = os.environ["FX_OFFLOAD_TEST_DCP"]
+    dcp.save(model.state_dict(), checkpoint_id=folder)
+    fresh, _ = _tp_mlp_stack(seed=1)
+    loaded = fresh.state_dict()
+    dcp.load(loaded, checkpoint_id=folder)
+    fresh.load_state_dict(loaded)
+    with torch.no_grad():
+        assert torch.equal(fresh(x), reference(x))
+    # and load into the offloaded model, in place: the next call reads the loaded values
+    other, _ = _tp_mlp_stack(seed=2)
+    dcp.save(other.state_dict(), checkpoint_id=folder + "_other")
+    target = model.state_dict()
+    dcp.load(target, checkpoint_id=folder + "_other")
+    with torch.no_grad():
+        assert torch.equal(compiled(x), torch.compile(other, backend="aot_eager")(x))
+
+    fx_offload.restore(model)
+    assert isinstance(model.layers[1].fc1.weight, DTensor)
+    with torch.no_grad():
+        assert torch.equal(model(x), other(x))
+
+
+class _HandSharded(nn.Module):
+    """A column-split up projection, a row-split down projection and a functional
+    all_reduce: tensor parallelism written by hand, plain tensors."""
+
+    def __init__(self, hidden, inner, rank):
+        super().__init__()
+        torch.manual_seed(0)
+        full_up, full_down = nn.Linear(hidden, inner), nn.Linear(inner, hidden, bias=False)
+        part = inner // WORLD
+        self.up = nn.Linear(hidden, part)
+        self.down = nn.Linear(part, hidden, bias=False)
+        with torch.no_grad():
+            self.up.weight.copy_(full_up.weight[rank * part:(rank + 1) * part])
+            self.up.bias.copy_(full_up.bias[rank * part:(rank + 1) * part])
+            self.down.weight.copy_(full_down.weight[:, rank * part:(rank + 1) * part])
+
+    def forward(self, x):
+        from torch.distributed import _functional_collectives as fc
+        return x + fc.all_reduce(self.down(torch.relu(self.up(x))), "sum", dist.group.WORLD)
+
+
+class _HandShardedStack(nn.Module):
+    def __init__(self, rank):
+        super().__init__()
+        self.layers = nn.ModuleList(_HandSharded(32, 64, rank) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _check_hand_sharded(rank):
+    import fx_offload
+    model = _HandShardedStack(rank).eval()
+    reference = torch.compile(copy.deepcopy(model), backend="aot_eager")
+    compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+    torch.manual_seed(1)
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(compiled(x), reference(x))
+    assert fx_offload.report(model).layers == [1, 3]
+    assert fx_offload.registry.state_for_model(model).stats["sync_loads"] == 0
+
+
+@pytest.mark.parametrize("check", [_check_dtensor_parameters, _check_hand_sharded],
+                         ids=["dtensor_parameters", "hand_sharded"])
+def test_tensor_parallel_ranks_offload_their_shards(check, tmp_path, monkeypatch):
+    monkeypatch.setenv("FX_OFFLOAD_TEST_DCP", str(tmp_path / "dcp"))
+    run_on_ranks(check)
