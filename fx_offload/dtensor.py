@@ -40,17 +40,28 @@ def version(owner, attr: str) -> int:
 
 def rewrap(owner, attr: str) -> None:
     """Make the DTensor ``owner.attr`` describe its local shard's storage again after the
-    shard was pointed elsewhere; the shard object stays the one the backend offloads."""
+    shard was pointed at a slot; the shard object stays the one the backend offloads.
+
+    A shard on the host (between calls, on a GPU mesh) is left undescribed: the DTensor
+    keeps the device its graphs were compiled for, and ``DTensor.from_local`` would copy
+    the shard to the GPU (every weight, every call).  The DTensor is built around the
+    shard directly for that reason."""
     outer = owner._parameters.get(attr)
     if not is_dtensor(outer):
         return
     shard = outer._local_tensor
+    if shard.device.type != outer.device_mesh.device_type:
+        return
     if outer.storage_offset() == shard.storage_offset() and outer.device == shard.device:
         return
     with torch.no_grad():
-        outer.data = DTensor.from_local(shard, outer.device_mesh, outer.placements,
-                                        run_check=False, shape=outer.shape,
-                                        stride=outer.stride())
+        outer.data = _around(shard, outer)
+
+
+def _around(shard: torch.Tensor, like) -> "DTensor":
+    """A DTensor with ``like``'s mesh, placements and global shape around ``shard`` itself
+    (no copy, whatever its device)."""
+    return DTensor(shard, like._spec, requires_grad=False)
 
 
 def as_saved(param, value: torch.Tensor) -> torch.Tensor:
@@ -59,8 +70,7 @@ def as_saved(param, value: torch.Tensor) -> torch.Tensor:
     ``torch.distributed.checkpoint.load`` writing into it is seen), else ``value``."""
     if not is_dtensor(param):
         return value
-    return DTensor.from_local(value.detach(), param.device_mesh, param.placements,
-                              run_check=False, shape=param.shape, stride=param.stride())
+    return _around(value.detach(), param)
 
 
 def register_op_handlers(ops) -> None:
