@@ -29,26 +29,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, port, check, errors):
+def _entry(rank, port, check, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
         check(rank)
+        results.put("ok")
     except BaseException:
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-        raise
-    finally:
+        results.put(f"rank {rank}:\n{traceback.format_exc()}")
+    try:
         dist.destroy_process_group()
+    finally:
+        # the interpreter's own teardown with gloo's threads alive can abort the process
+        # ("terminate called without an active exception") after a passing check
+        os._exit(0)
 
 
 def run_on_ranks(check):
     """Run ``check(rank)`` on two gloo ranks; fail with the first rank's traceback, or after
     TIMEOUT_S with every process killed."""
     ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
+    results = ctx.SimpleQueue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, port, check, errors)) for r in range(WORLD)]
+    procs = [ctx.Process(target=_entry, args=(r, port, check, results)) for r in range(WORLD)]
     for p in procs:
         p.start()
     for p in procs:
@@ -57,10 +61,15 @@ def run_on_ranks(check):
     for p in hung:
         p.kill()
         p.join()
-    if not errors.empty():
-        pytest.fail(errors.get())
+    reported = []
+    while not results.empty():
+        reported.append(results.get())
+    for report in reported:
+        if report != "ok":
+            pytest.fail(report)
     assert not hung, f"{len(hung)} rank(s) hung for {TIMEOUT_S} s and were killed"
-    assert [p.exitcode for p in procs] == [0] * WORLD
+    assert reported == ["ok"] * WORLD, f"ranks reported {reported}, exit codes " \
+        f"{[p.exitcode for p in procs]}"
 
 
 def _tp_mlp_stack(seed=0):
