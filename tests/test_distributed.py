@@ -139,6 +139,40 @@ def _check_dtensor_parameters(rank):
         assert torch.equal(model(x), other(x))
 
 
+def _check_what_users_do_to_a_tp_model(rank):
+    """A submodule's state_dict, deepcopy, an exception inside the compiled call, .half():
+    the shards stay true and later calls stay equal to the TP model not offloaded."""
+    import fx_offload
+    model, x = _tp_mlp_stack()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+    with torch.no_grad():
+        compiled(x)
+        for key, value in model.layers[1].state_dict().items():
+            assert torch.equal(value.to_local(), reference.layers[1].state_dict()[key].to_local())
+        assert torch.equal(copy.deepcopy(model)(x), reference(x))
+        state = fx_offload.registry.state_for_model(model)
+        wait = type(state).wait
+
+        def fail_at_layer_3(self, layer):
+            if layer == 3:
+                raise KeyboardInterrupt
+            return wait(self, layer)
+        type(state).wait = fail_at_layer_3
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                compiled(x)
+        finally:
+            type(state).wait = wait
+        for key, value in model.state_dict().items():
+            assert torch.equal(value.to_local(), reference.state_dict()[key].to_local()), key
+        assert torch.equal(compiled(x), reference(x))
+        model.half()
+        reference.half()
+        assert torch.equal(compiled(x.half()),
+                           torch.compile(reference, backend="aot_eager")(x.half()))
+
+
 class _HandSharded(nn.Module):
     """A column-split up projection, a row-split down projection and a functional
     all_reduce: tensor parallelism written by hand, plain tensors."""
@@ -185,8 +219,9 @@ def _check_hand_sharded(rank):
     assert fx_offload.registry.state_for_model(model).stats["sync_loads"] == 0
 
 
-@pytest.mark.parametrize("check", [_check_dtensor_parameters, _check_hand_sharded],
-                         ids=["dtensor_parameters", "hand_sharded"])
+@pytest.mark.parametrize("check", [_check_dtensor_parameters, _check_what_users_do_to_a_tp_model,
+                                   _check_hand_sharded],
+                         ids=["dtensor_parameters", "user_calls", "hand_sharded"])
 def test_tensor_parallel_ranks_offload_their_shards(check, tmp_path, monkeypatch):
     monkeypatch.setenv("FX_OFFLOAD_TEST_DCP", str(tmp_path / "dcp"))
     run_on_ranks(check)

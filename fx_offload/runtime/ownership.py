@@ -37,8 +37,8 @@ class Ownership:
         self._holder: int | None = None  # the thread in a call
         self._copied: dict[int, tuple] = {}      # layer -> its parameters' versions, copied
         self._handover: dict[str, tuple] = {}    # name -> (data_ptr, version) of the tensor
-        self._dtensor_params: list | None = None  # (owner, attr) of DTensor parameters
         #   a parameter held when the truth was copied from it; taken over without a copy
+        self._dtensor_params: list | None = None  # (owner, attr) of DTensor parameters
 
     # ---- calls -------------------------------------------------------------------------
     def enter(self, root: bool) -> None:
@@ -132,17 +132,24 @@ class Ownership:
         return self.buffers.masters[layer][suffix]
 
     def _versions(self, layer: int) -> tuple:
+        if not self.dtensor_params:          # every call: plain parameters stay cheap
+            return tuple(p.param._version for p in self.params[layer])
         # a DTensor parameter's own counter too: a write through it leaves its shard's alone
         return tuple((p.param._version, dtensor.version(p.owner, p.attr))
                      for p in self.params[layer])
 
-    def rewrap(self) -> None:
-        """DTensor parameters describe their shards' storage again (see ``dtensor``)."""
+    @property
+    def dtensor_params(self) -> list:
+        """(owner, attribute) of the offloaded DTensor parameters, found once."""
         if self._dtensor_params is None:
             self._dtensor_params = [
                 (p.owner, p.attr) for ps in self.params.values() for p in ps
                 if dtensor.is_dtensor(p.owner._parameters.get(p.attr))]
-        for owner, attr in self._dtensor_params:
+        return self._dtensor_params
+
+    def rewrap(self) -> None:
+        """DTensor parameters describe their shards' storage again (see ``dtensor``)."""
+        for owner, attr in self.dtensor_params:
             dtensor.rewrap(owner, attr)
 
     def _take_up_changes(self) -> None:
