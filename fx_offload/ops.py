@@ -9,10 +9,12 @@ ordered after it, so Inductor cannot hoist a layer's compute above its wait or s
 its start.  Parameters are never declared mutated: that would make them mutated graph inputs
 (CUDA graphs refused) and would hide from the compiler that slots alias across layers.
 
-    wait_prefetch(acts, h, layer)          acts: the layer's inputs that feed weight reads
-    start_prefetch(acts, reads, h, layer, target)
-                                           acts/reads: the layer's outputs; target: the layer
-                                           that refills the slot (the schedule's refill)
+    wait_prefetch(acts, h, layer, chunk)   acts: values the reads of the chunk's weights are
+                                           computed from; chunk -1: every chunk of the layer
+    start_prefetch(acts, reads, h, layer, target, chunk)
+                                           acts/reads: the last read of what target's chunk
+                                           overwrites (or the layer's outputs); target: the
+                                           layer that refills the slot (the schedule's refill)
     join_prefetch(acts, reads, h)          acts/reads: the graph's outputs
 
 Other modules read these ops' arguments only through :meth:`OpCall.of`, which understands
@@ -30,25 +32,27 @@ from . import dtensor, registry
 
 
 @torch.library.custom_op("fx_offload::wait_prefetch", mutates_args=("activations",))
-def wait_prefetch(activations: list[torch.Tensor], handle: int, layer: int) -> None:
-    """Block the compute stream until ``layer``'s weights are in its slot."""
-    registry.state_for_op(handle).wait(layer)
+def wait_prefetch(activations: list[torch.Tensor], handle: int, layer: int,
+                  chunk: int = -1) -> None:
+    """Block the compute stream until ``layer``'s ``chunk`` is in its slot."""
+    registry.state_for_op(handle).wait(layer, chunk)
 
 
 @wait_prefetch.register_fake
-def _(activations, handle, layer):
+def _(activations, handle, layer, chunk=-1):
     return None
 
 
 @torch.library.custom_op("fx_offload::start_prefetch", mutates_args=("activations",))
 def start_prefetch(activations: list[torch.Tensor], reads: list[torch.Tensor], handle: int,
-                   layer: int, target: int) -> None:
-    """``layer`` is done with its slot: begin copying ``target``'s weights into it."""
-    registry.state_for_op(handle).start(layer, target)
+                   layer: int, target: int, chunk: int = -1) -> None:
+    """``layer`` is done with the bytes ``target``'s ``chunk`` overwrites: begin copying it
+    into the slot."""
+    registry.state_for_op(handle).start(layer, target, chunk)
 
 
 @start_prefetch.register_fake
-def _(activations, reads, handle, layer, target):
+def _(activations, reads, handle, layer, target, chunk=-1):
     return None
 
 
@@ -83,6 +87,7 @@ class OpCall:
     handle: int
     layer: int | None = None            # wait, start
     refill: int | None = None           # start: the layer copied into the slot
+    chunk: int = -1                     # wait: the layer's chunk; start: the refill's
     acts: object = ()                   # nodes declared mutated (direct calls only)
     reads: object = ()                  # nodes only read
 
@@ -105,7 +110,8 @@ class OpCall:
         else:
             return None
         return OpCall(op, _KIND[op], args.get("handle"), args.get("layer"),
-                      args.get("target"), args.get("activations", ()), args.get("reads", ()))
+                      args.get("target"), args.get("chunk", -1), args.get("activations", ()),
+                      args.get("reads", ()))
 
     @staticmethod
     def is_ours(node: fx.Node) -> bool:

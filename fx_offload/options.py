@@ -30,6 +30,7 @@ class OffloadOptions:
     layers: str | tuple[str, ...] | None = None    # one layer list, or several in run order
     inner_backend: str = "inductor"
     mode: str = "default"
+    copy_chunks: int = 8        # a layer's copy is split into at most this many chunks
     # the planner (used instead of group_size/num_in_group/prefetch_step)
     memory_budget: int | None = None
     plan_tokens: tuple[int, ...] | None = None
@@ -51,7 +52,7 @@ class OffloadOptions:
         """The options that decide what is offloaded and where; the inner compiler is not
         part of it, so one model may be compiled by several inner backends."""
         return (self.group_size, self.num_in_group, self.prefetch_step,
-                self.offload_params, self.layers) + tuple(
+                self.offload_params, self.layers, self.copy_chunks) + tuple(
                     getattr(self, name) for name in PLANNER_KEYS)
 
     def describe(self, placement_only: bool = False) -> str:
@@ -67,6 +68,8 @@ class OffloadOptions:
         if self.layers is not None:
             shown = self.layers if isinstance(self.layers, str) else list(self.layers)
             parts.append(f"layers={shown!r}")
+        if self.copy_chunks != OffloadOptions.copy_chunks:
+            parts.append(f"copy_chunks={self.copy_chunks}")
         if placement_only:
             return ", ".join(parts)
         parts.append(f"inner_backend={self.inner_backend!r}")
@@ -79,7 +82,7 @@ VALID_KEYS = tuple(f.name for f in dataclasses.fields(OffloadOptions))
 PLANNER_KEYS = ("memory_budget", "plan_tokens", "flop_rate", "memory_bandwidth",
                 "h2d_bandwidth", "launch_overhead")
 HAND_PICKED_KEYS = ("group_size", "num_in_group", "prefetch_step")
-PLACEMENT_KEYS = HAND_PICKED_KEYS + ("offload_params", "layers") + PLANNER_KEYS
+PLACEMENT_KEYS = HAND_PICKED_KEYS + ("offload_params", "layers", "copy_chunks") + PLANNER_KEYS
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -200,6 +203,7 @@ def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None 
             f"option 'num_in_group' ({num_in_group}) must not exceed "
             f"'group_size' ({group_size}): it counts the offloaded layers in each group")
     prefetch_step = _check_int("prefetch_step", options.get("prefetch_step", 1), 1)
+    copy_chunks = _check_int("copy_chunks", options.get("copy_chunks", 8), 1)
     inner_backend = _check_choice("inner_backend", options.get("inner_backend", "inductor"),
                                   INNER_BACKENDS)
     mode_name = _check_choice("mode", options.get("mode") or "default", MODES)
@@ -223,6 +227,7 @@ def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None 
         layers=layers,
         inner_backend=inner_backend,
         mode=mode_name,
+        copy_chunks=copy_chunks,
         **planner,
     )
 

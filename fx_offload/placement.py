@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import registry
+from . import layout, registry
 from .checkpoint import Checkpoint, check_model
 from .errors import OffloadError
 from .options import OffloadOptions, parse_options
@@ -194,7 +194,7 @@ def activate(state: OffloadState, model: nn.Module, hand_over: bool, fill=None,
     """Allocate and fill ``state``'s memory and hook it to ``model``."""
     state.materialize(hand_over, fill, None if progress is None else progress.layer)
     strip_hooks(model)
-    spec = (state.choice.options, str(state.device))
+    spec = (state.choice.options, str(state.device), layout.chunk_names(state.choice.layout))
     state.hooks = [model.register_forward_pre_hook(EnterCall(*spec)),
                    model.register_forward_hook(LeaveCall(), always_call=True)]
     state.hooks += hooks.install_layer_hooks(state)
@@ -211,10 +211,14 @@ def strip_hooks(model: nn.Module) -> None:
                 module._forward_hooks_always_called.pop(key, None)
 
 
-def _offload_again(model: nn.Module, options: OffloadOptions, device: str) -> OffloadState:
+def _offload_again(model: nn.Module, options: OffloadOptions, device: str,
+                   chunks=None) -> OffloadState:
     choice = choose(model, options, device=torch.device(device))
     if isinstance(choice, NothingOffloaded):   # pragma: no cover - place() refuses budgets
         raise OffloadError("nothing to offload", where="fx_offload")
+    # the chunks the model had: a graph compiled for it (Dynamo shares one among copies)
+    # then fits this state's slots
+    layout.arrange(choice, like=chunks)
     state = OffloadState(model, choice)
     activate(state, model, hand_over=True)
     offloaded = {id(p.param) for ps in choice.params.values() for p in ps}
@@ -225,8 +229,8 @@ def _offload_again(model: nn.Module, options: OffloadOptions, device: str) -> Of
 class EnterCall:
     """Forward pre-hook of an offloaded model's root: a call begins."""
 
-    def __init__(self, options: OffloadOptions, device: str):
-        self.options, self.device = options, device
+    def __init__(self, options: OffloadOptions, device: str, chunks=None):
+        self.options, self.device, self.chunks = options, device, chunks
 
     @torch._dynamo.disable
     def __call__(self, module, args):
@@ -234,7 +238,7 @@ class EnterCall:
         if state is None:
             log.info("fx_offload: %s carries offload hooks but no offload state (a copy, or "
                      "unpickled): offloading it again", type(module).__name__)
-            state = _offload_again(module, self.options, self.device)
+            state = _offload_again(module, self.options, self.device, self.chunks)
         hooks.refuse_grad(state, args)
         try:
             state.enter(root=True)
@@ -243,7 +247,7 @@ class EnterCall:
                         "stack); offloading the model again in its new form", changed,
                         type(module).__name__)
             state.detach()
-            state = _offload_again(module, self.options, self.device)
+            state = _offload_again(module, self.options, self.device, self.chunks)
             state.enter(root=True)
         return None
 

@@ -32,7 +32,7 @@ _BY_MODEL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _BY_PARAM = WeakIdKeyDictionary()            # Parameter -> (state, layer index)
 _BY_TOKEN: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 _NOTHING_OFFLOADED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_RESTORED: dict[int, object] = {}             # handle -> the schedule it had
+_RESTORED: dict[int, tuple] = {}              # handle -> (the schedule, the chunks) it had
 _BY_SUBMODULE: dict[int, "weakref.ref"] = {}  # id of a module inside an offloaded layer ->
 #   its state, told when a child module is set (``layer.fc1 = new``).  Ids, not the modules:
 #   Dynamo finds objects through a global dict keyed by them and names them by that path.
@@ -60,10 +60,10 @@ class _Restored:
     """Stands in for a restored state: a compiled graph of a restored model reads the
     parameters' own (restored) data, and its offload ops have nothing left to do."""
 
-    def wait(self, layer):
+    def wait(self, layer, chunk=-1):
         pass
 
-    def start(self, layer, refill):
+    def start(self, layer, refill, chunk=-1):
         pass
 
     def join(self):
@@ -78,11 +78,12 @@ class _OnDemand:
     def __init__(self, state):
         self.state = state
 
-    def wait(self, layer):
+    def wait(self, layer, chunk=-1):
+        # the graph's chunks are another state's: load every chunk of the layer
         if layer in self.state.schedule.slot_of:
             self.state.wait(layer)
 
-    def start(self, layer, refill):
+    def start(self, layer, refill, chunk=-1):
         pass
 
     def join(self):
@@ -134,8 +135,9 @@ def state_for_op(handle: int):
             return state_for_handle(handle)
         _warn_shared_graph(compiled_for)
         return _Restored()
-    schedule = compiled_for.schedule if compiled_for is not None else _RESTORED.get(handle)
-    if schedule == active.schedule:
+    schedule, chunks = ((compiled_for.schedule, compiled_for.choice.layout)
+                        if compiled_for is not None else _RESTORED.get(handle, (None, None)))
+    if schedule == active.schedule and chunks == active.choice.layout:
         return active
     if schedule is not None and set(active.layers) <= set(schedule.layers):
         return _OnDemand(active)    # every layer it offloads has a wait in this graph
@@ -232,7 +234,7 @@ def unregister(state, model: nn.Module | None) -> None:
     with _LOCK:
         _HANDLES.pop(state.handle, None)
         _BY_TOKEN.pop(state.token, None)
-        _RESTORED[state.handle] = state.schedule
+        _RESTORED[state.handle] = (state.schedule, dict(state.choice.layout))
         if model is not None and _BY_MODEL.get(model) is state:
             del _BY_MODEL[model]
         for ps in state.params.values():

@@ -121,4 +121,4 @@ def test_explain_leaves_the_model_untouched():
     for n, p in model.named_parameters():
         assert p.data_ptr() == before[n][0] and torch.equal(p, before[n][1])
     assert [r.plan is not None for r in explanation.graphs] == [True]
-    assert ">>> wait_prefetch(layer 1)" in str(explanation)
+    assert ">>> wait_prefetch(layer 1 chunk 0)" in str(explanation)

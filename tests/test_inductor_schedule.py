@@ -1,6 +1,7 @@
-"""Inductor keeps the schedule: read its generated code and check, for every offloaded layer,
-that its wait precedes its first weight read, its start follows its last, no wait sits above
-the previous layer's compute, and no slot buffer is copied."""
+"""Inductor keeps the schedule: read its generated code and check, for every copy chunk of
+every offloaded layer, that its wait precedes its first weight read, that the start that
+overwrites it follows its last, that no wait sits above the previous layer's compute, and
+that no slot buffer is copied."""
 import re
 
 import pytest
@@ -53,45 +54,65 @@ def compile_and_read_code(name, options, layers):
     (example_inputs,) = seen_inputs
     (code,) = codes
     names = {id(p): n for n, p in model.named_parameters()}
-    layer_of_input = {}
+    layout = fx_offload.registry.state_for_model(model).choice.layout
+    layer_of_input = {}         # input index -> (layer, chunk); chunk None: not offloaded
     for i, value in enumerate(example_inputs):
-        match = re.match(r"layers\.(\d+)\.", names.get(id(value), ""))
+        match = re.match(r"layers\.(\d+)\.(.*)", names.get(id(value), ""))
         if match:
-            layer_of_input[i] = int(match.group(1))
-    return model, reference, inputs, out, code, layer_of_input
+            layer, suffix = int(match.group(1)), match.group(2)
+            chunk = next((c.index for c in layout.get(layer, ()) if suffix in c.suffixes), None)
+            layer_of_input[i] = (layer, chunk)
+    return model, reference, inputs, out, code, (layer_of_input, layout)
 
 
-def schedule_violations(code, layer_of_input, rep) -> list[str]:
-    offloaded_inputs = {i for i, l in layer_of_input.items() if l in rep.layers}
-    waits, starts, reads, problems = {}, {}, {}, []
+def schedule_violations(code, inputs, rep) -> list[str]:
+    layer_of_input, layout = inputs
+    offloaded_inputs = {i for i, (l, c) in layer_of_input.items() if c is not None}
+    waits, starts, reads, layer_reads, problems = {}, {}, {}, {}, []
     for pos, line in enumerate(schedule_lines(code)):
         op = CALL.search(line)
         if op:
             kind, args = op.groups()
             if kind != "join":
-                layer = int(args.rsplit("]", 1)[1].split(",")[2])
-                (waits if kind == "wait" else starts)[layer] = pos
+                ints = [int(a) for a in args.rsplit("]", 1)[1].strip(" ,)").split(",")]
+                if kind == "wait":                       # handle, layer, chunk
+                    waits.setdefault((ints[1], ints[2]), pos)
+                else:                                    # handle, layer, target, chunk
+                    starts[(ints[1], ints[3])] = pos
             continue
         used = [int(i) for i in ARG.findall(line)]
         for i in used:
             if i in layer_of_input:
-                reads.setdefault(layer_of_input[i], []).append(pos)
+                layer, chunk = layer_of_input[i]
+                layer_reads.setdefault(layer, []).append(pos)
+                if chunk is not None:
+                    reads.setdefault((layer, chunk), []).append(pos)
         if any(i in offloaded_inputs for i in used) and re.search(r"\.clone\(|copy_\(", line):
             problems.append(f"slot buffer copied: {line}")
-    if set(waits) != set(rep.layers):
-        problems.append(f"waits for layers {sorted(waits)}, expected {rep.layers}")
-    expected_starts = {l for l in rep.layers if rep.refill_of[l] is not None}
-    if set(starts) != expected_starts:
-        problems.append(f"starts for layers {sorted(starts)}, expected {sorted(expected_starts)}")
-    for layer in rep.layers:
-        if not reads.get(layer) or layer not in waits:
-            problems.append(f"layer {layer}: no reads or no wait")
+    expected = {(l, c.index) for l in rep.layers for c in layout[l]}
+    if set(waits) != expected:
+        problems.append(f"waits for {sorted(waits)}, expected {sorted(expected)}")
+    for (layer, chunk), positions in sorted(reads.items()):
+        if (layer, chunk) not in waits:
+            problems.append(f"layer {layer} chunk {chunk}: no wait")
             continue
-        if waits[layer] > min(reads[layer]):
-            problems.append(f"layer {layer} read before its wait")
-        if layer in starts and starts[layer] < max(reads[layer]):
-            problems.append(f"layer {layer} read after its start")
-        if layer - 1 in reads and waits[layer] < max(reads[layer - 1]):
+        if waits[(layer, chunk)] > min(positions):
+            problems.append(f"layer {layer} chunk {chunk} read before its wait")
+        refill = rep.refill_of[layer]
+        if refill is None:
+            continue
+        mine = layout[layer][chunk]
+        for target in layout[refill]:
+            start = starts.get((layer, target.index))
+            if start is None:
+                problems.append(f"no start of layer {refill} chunk {target.index}")
+            elif target.overlaps(mine) and start < max(positions):
+                problems.append(f"layer {layer} chunk {chunk} read after the start that "
+                                f"overwrites it")
+    for layer in rep.layers:
+        first_wait = min((p for (l, _), p in waits.items() if l == layer), default=None)
+        if layer - 1 in layer_reads and first_wait is not None and \
+                first_wait < max(layer_reads[layer - 1]):
             problems.append(f"wait of layer {layer} hoisted above layer {layer - 1}'s compute")
     return problems
 
@@ -112,27 +133,27 @@ def test_generated_code_keeps_the_schedule(name, options, layers):
 
 
 def test_planted_early_start_is_caught_and_gives_wrong_numbers(monkeypatch):
-    """The checks can fail, and slots are really shared: a start placed before its layer's
-    last weight read is refused by the pass's verifier; let through, the generated-code
-    check flags it, and its refill corrupts that layer's output."""
+    """The checks can fail, and slots are really shared: a chunk's start placed before the
+    last read of what it overwrites is refused by the pass's verifier; let through, the
+    generated-code check flags it, and its refill corrupts that layer's output."""
     real_plan = prefetch.plan_graph
 
     def early_start(*args):
         plan = real_plan(*args)
         for lp in plan.layers:
-            lp.last_node = lp.first_use      # start right after the first weight read
-            lp.start_acts, lp.start_reads = [lp.first_use], []
+            start = lp.starts[0]     # chunk 0 (norm, q, k) right after its first read
+            start.after, start.acts, start.reads = lp.first_use, [lp.first_use], []
         return plan
 
     monkeypatch.setattr(prefetch, "plan_graph", early_start)
-    with pytest.raises(Exception, match=r"reads .* of layer 1 from slot 0, but it is being "
-                                        r"refilled with layer 3"):
-        compile_and_read_code("mlp", dict(group_size=2, num_in_group=1, prefetch_step=1), 6)
+    with pytest.raises(Exception, match=r"reads .* of layer 1 chunk 0 from slot 0, but its "
+                                        r"bytes are being refilled with layer 3 chunk 0"):
+        compile_and_read_code("decoder", dict(group_size=2, num_in_group=1, prefetch_step=1), 6)
     torch._dynamo.reset()
     monkeypatch.setattr(prefetch, "verify_graph", lambda *a: None)   # let it through
     model, reference, inputs, out, code, layer_of_input = compile_and_read_code(
-        "mlp", dict(group_size=2, num_in_group=1, prefetch_step=1), 6)
+        "decoder", dict(group_size=2, num_in_group=1, prefetch_step=1), 6)
     problems = schedule_violations(code, layer_of_input, fx_offload.report(model))
-    assert any("read after its start" in p for p in problems), problems
+    assert any("read after the start that overwrites it" in p for p in problems), problems
     with torch.no_grad():
         assert not torch.allclose(out, reference(*inputs), atol=1e-3)

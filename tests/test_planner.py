@@ -66,6 +66,7 @@ def test_simulate_copy_bound_and_compute_bound():
         pytest.approx(48.0)
     # the bench's bound is the same simulation
     assert schedule_bound(8, schedule, 30.0, copy) == pytest.approx(240.0)
+    assert schedule_bound(8, schedule, 0.1, copy) == pytest.approx(40.0)
 
 
 def test_one_slot_schedule_waits_for_the_previous_layer():
@@ -73,6 +74,14 @@ def test_one_slot_schedule_waits_for_the_previous_layer():
     # its 3 units; likewise layer 1's copy for the next call behind layer 0: 2 + 2 waited
     t = simulate(0, [1.0] * 4, 0, Schedule([1, 3], 1), {1: 3.0, 3: 3.0})
     assert t == pytest.approx(4.0 + 2.0 + 2.0)
+    # in two chunks, layer 3's first half copies while layer 1 computes its second half,
+    # and layer 3 computes its first half while its second half copies: the copy stream
+    # never idles, and the call takes what the copies take (6 units)
+    assert simulate(0, [1.0] * 4, 0, Schedule([1, 3], 1), {1: 3.0, 3: 3.0}, chunks=2) == \
+        pytest.approx(6.0)
+    # compute-bound, the chunks change nothing
+    assert simulate(0, [2.0] * 4, 0, Schedule([1, 3], 1), {1: 2.0, 3: 2.0}, chunks=4) == \
+        pytest.approx(8.0)
     # two slots would start each copy a call ahead: fully hidden with 4 units per call
     t = simulate(0, [3.0] * 4, 0, Schedule([0, 1, 2, 3], 2), dict.fromkeys(range(4), 3.0))
     assert t == pytest.approx(12.0)

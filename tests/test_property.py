@@ -87,5 +87,5 @@ def test_thousand_calls_with_changing_batch_sizes():
     assert len(compiles) <= 2, len(compiles)
     assert rss_1000 - rss_100 < 16 * 2**20, (rss_100, rss_1000)
     state = fx_offload.registry.state_for_model(model)
-    assert state.stats["sync_loads"] == 0 and not state.pending
+    assert state.stats["sync_loads"] == 0 and not state.contents.pending()
     assert checked == 20

@@ -28,53 +28,84 @@ def explained(name="mlp", **options):
 
 
 def verify(e, record):
-    verify_graph(record.after, {w: t[0] for w, t in record.weight_tags.items()},
-                 slot_model_for(e.choice.schedule, [lp.layer for lp in record.plan.layers]))
+    verify_graph(record.after, {w: (t[0], t[2]) for w, t in record.weight_tags.items()},
+                 slot_model_for(e.choice.schedule, e.choice.layout,
+                                [lp.layer for lp in record.plan.layers]))
 
 
-def op_nodes(gm, target, layer):
+def op_nodes(gm, target, layer, chunk=None):
     return [n for n in gm.graph.nodes
-            if (call := ops.OpCall.of(n)) is not None and call.op is target and call.layer == layer]
+            if (call := ops.OpCall.of(n)) is not None and call.op is target and call.layer == layer
+            and (chunk is None or call.chunk == chunk)]
 
 
 def test_verifier_passes_the_real_schedules():
     for options in (dict(group_size=2), dict(group_size=1, num_in_group=1, prefetch_step=4),
-                    dict(group_size=3, num_in_group=2, prefetch_step=3)):
+                    dict(group_size=3, num_in_group=2, prefetch_step=3),
+                    dict(group_size=2, copy_chunks=1)):
         e, record = explained(**options)
         verify(e, record)
 
 
+def test_each_layer_moves_in_chunks_waited_and_started_at_their_reads():
+    e, record = explained(group_size=2)
+    assert [[c.suffixes for c in e.choice.layout[layer]] for layer in (1, 3)] == [
+        [("fc1.weight", "fc1.bias"), ("fc2.weight", "fc2.bias")]] * 2
+    for layer in (1, 3, 5):
+        assert len(op_nodes(record.after, ops.WAIT, layer)) == 2
+        starts = op_nodes(record.after, ops.START, layer)
+        assert [ops.OpCall.of(n).chunk for n in starts] == [0, 1]
+        # chunk 0's copy starts before the layer reads chunk 1: while fc2 still computes
+        (wait1,) = op_nodes(record.after, ops.WAIT, layer, chunk=1)
+        order = {n: i for i, n in enumerate(record.after.graph.nodes)}
+        assert order[starts[0]] < order[wait1] < order[starts[1]]
+    e1, record1 = explained(group_size=2, copy_chunks=1)
+    assert [len(e1.choice.layout[layer]) for layer in (1, 3, 5)] == [1, 1, 1]
+    assert len(op_nodes(record1.after, ops.START, 1)) == 1
+
+
 def test_start_moved_early_is_caught():
     e, record = explained(group_size=2)
-    (start,) = op_nodes(record.after, ops.START, 1)
-    (wait,) = op_nodes(record.after, ops.WAIT, 1)
+    (start,) = op_nodes(record.after, ops.START, 1, chunk=0)
+    (wait,) = op_nodes(record.after, ops.WAIT, 1, chunk=0)
     wait.append(start)                       # start right after the wait: before the reads
-    with pytest.raises(ScheduleError, match=r"reads .* of layer 1 from slot 0, but it is "
-                                            r"being refilled with layer 3"):
+    with pytest.raises(ScheduleError, match=r"reads .* of layer 1 chunk 0 from slot 0, but its "
+                                            r"bytes are being refilled with layer 3 chunk 0"):
+        verify(e, record)
+
+
+def test_chunk_start_before_its_chunks_last_read_is_caught():
+    e, record = explained(group_size=2)
+    (start,) = op_nodes(record.after, ops.START, 1, chunk=1)
+    (wait,) = op_nodes(record.after, ops.WAIT, 1, chunk=1)
+    wait.append(start)       # chunk 0's reads are done, chunk 1's are not
+    with pytest.raises(ScheduleError, match=r"reads .*fc2.* of layer 1 chunk 1 from slot 0, "
+                                            r"but its bytes are being refilled with layer 3 "
+                                            r"chunk 1"):
         verify(e, record)
 
 
 def test_missing_wait_is_caught():
     e, record = explained(group_size=2)
-    (wait,) = op_nodes(record.after, ops.WAIT, 3)
+    (wait,) = op_nodes(record.after, ops.WAIT, 3, chunk=1)
     record.after.graph.erase_node(wait)
-    with pytest.raises(ScheduleError, match=r"layer 3 from slot 0, but no wait_prefetch for it "
-                                            r"precedes this read"):
+    with pytest.raises(ScheduleError, match=r"layer 3 chunk 1 from slot 0, but no wait_prefetch "
+                                            r"for it precedes this read"):
         verify(e, record)
 
 
 def test_two_layers_in_one_slot_at_once_is_caught():
     e, record = explained(group_size=2)
-    (start,) = op_nodes(record.after, ops.START, 1)
+    (start,) = op_nodes(record.after, ops.START, 1, chunk=0)
     record.after.graph.erase_node(start)     # layer 3 waited for while slot 0 holds layer 1
-    with pytest.raises(ScheduleError, match=r"wait for layer 3, but slot 0 was last filled "
-                                            r"with layer 1"):
+    with pytest.raises(ScheduleError, match=r"wait for layer 3 chunk 0, but slot 0's bytes "
+                                            r"for it were last filled with layer 1 chunk 0"):
         verify(e, record)
 
 
 def test_missing_circular_prefetch_is_caught():
     e, record = explained(group_size=2)
-    (start,) = op_nodes(record.after, ops.START, 5)
+    (start,) = op_nodes(record.after, ops.START, 5, chunk=1)
     record.after.graph.erase_node(start)
     with pytest.raises(ScheduleError, match="a circular prefetch is missing"):
         verify(e, record)
@@ -83,7 +114,7 @@ def test_missing_circular_prefetch_is_caught():
 def test_prefetch_into_the_wrong_slot_is_caught():
     e, record = explained(group_size=2, prefetch_step=3)   # layers 1, 3, 5 in slots 0, 1, 2
     wrong = record.after.graph.call_function(ops.START, ([], [], record.plan.handle, 1, 3))
-    (wait,) = op_nodes(record.after, ops.WAIT, 1)
+    (wait,) = op_nodes(record.after, ops.WAIT, 1, chunk=0)
     wait.append(wrong)
     with pytest.raises(ScheduleError, match=r"prefetches layer 3, which lives in slot 1"):
         verify(e, record)
@@ -95,7 +126,7 @@ def test_inspect_cli_builtin_and_file_targets(tmp_path):
                           "--aten"], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "layer  slot  params  bytes  wait" in out.stdout
-    assert ">>> wait_prefetch(layer 1)" in out.stdout and "(ATen)" in out.stdout
+    assert ">>> wait_prefetch(layer 1 chunk 0)" in out.stdout and "(ATen)" in out.stdout
     factory = tmp_path / "my_model.py"
     factory.write_text("from fx_offload.tools.models import build_decoder\n"
                        "def make():\n    return build_decoder(num_layers=4)\n")

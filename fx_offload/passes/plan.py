@@ -1,17 +1,21 @@
 """Step 1 of the pass: decide, for one Dynamo graph, where each offloaded layer's ops go.
 
-Nothing here edits the graph; :mod:`~fx_offload.passes.rewrite` applies the plan.  For every
-offloaded layer present in the graph the plan holds:
+Nothing here edits the graph; :mod:`~fx_offload.passes.rewrite` applies the plan.  A layer
+moves chunk by chunk (:mod:`fx_offload.layout`); for every offloaded layer present in the
+graph the plan holds:
 
-* ``first_use``: the first node that reads one of the layer's offloaded weights; the wait goes
-  immediately before it;
-* ``wait_acts``: the layer's input activations from which its weight-reading nodes are
-  computed; the wait declares them mutated, so every such node is ordered after it.  A graph
-  input is never declared mutated (that would make it a mutated input of the compiled graph);
-  where a weight read depends on graph inputs alone, the plan clones one (``clone_inputs``);
-* ``last_node``: the layer's last node; the start goes immediately after it and declares the
-  layer's outputs (``start_acts``) mutated and reads the rest (``start_reads``), so it follows
-  everything the layer computes and precedes everything computed from the layer's results.
+* one :class:`ChunkWait` per chunk the graph reads, immediately before the chunk's first
+  read (``first_use``), declaring mutated the values live there from which the reads of the
+  chunk's weights are computed (``acts``), so every such read is ordered after it.  A graph
+  input is never declared mutated (that would make it a mutated input of the compiled
+  graph); where a read depends on graph inputs alone, the plan clones one
+  (``clone_inputs``).  A chunk whose reads depend on weights alone shares the wait before it;
+* where the slot is refilled, one :class:`ChunkStart` per chunk of the refill, immediately
+  after the last read of this layer's chunks whose bytes it overwrites (``after``): it
+  declares that node mutated and reads every other read of those chunks, so no read of the
+  old bytes is ordered after the copy that overwrites them.  A refill chunk that overwrites
+  nothing this graph reads (a larger layer sharing the slot) starts after the layer's last
+  node, tied to its outputs as a whole-layer start would be.
 
 Layer membership comes from ``nn_module_stack``; weights of an offloaded layer read outside
 it, or a layer output that aliases an offloaded weight, are refused with an error naming the
@@ -27,9 +31,26 @@ from torch import fx
 
 from ..errors import PlanError
 from ..graph_inputs import GraphInputs, layers_of_nodes, storage_of, value_of
+from ..layout import chunk_of_suffix
 from ..selection.choice import Choice
 
 log = logging.getLogger("fx_offload")
+
+
+@dataclasses.dataclass
+class ChunkWait:
+    chunks: list[int]                   # of the layer; more than one where reads share a wait
+    first_use: fx.Node                  # the wait goes immediately before it
+    acts: list[fx.Node]
+    clone_inputs: list[fx.Node]
+
+
+@dataclasses.dataclass
+class ChunkStart:
+    chunk: int                          # of the refill
+    after: fx.Node                      # the start goes immediately after it
+    acts: list[fx.Node]
+    reads: list[fx.Node]
 
 
 @dataclasses.dataclass
@@ -37,13 +58,11 @@ class LayerPlan:
     layer: int
     slot: int
     refill: int | None                  # layer copied into this slot after this one
-    weights: list[fx.Node]              # placeholders of the offloaded weights
+    weights: dict[fx.Node, int]         # placeholders of the offloaded weights -> chunk
     first_use: fx.Node
     last_node: fx.Node
-    wait_acts: list[fx.Node]
-    clone_inputs: list[fx.Node]
-    start_acts: list[fx.Node]
-    start_reads: list[fx.Node]
+    waits: list[ChunkWait]              # in graph order
+    starts: list[ChunkStart]            # in chunk order
     members: list[fx.Node]              # the layer's nodes, in graph order
 
 
@@ -58,21 +77,25 @@ class GraphPlan:
     def has_starts(self) -> bool:
         return any(lp.refill is not None for lp in self.layers)
 
-    def weight_layers(self) -> dict[fx.Node, int]:
-        """Offloaded weight placeholder -> its layer."""
-        return {w: lp.layer for lp in self.layers for w in lp.weights}
+    def weight_chunks(self) -> dict[fx.Node, tuple[int, int]]:
+        """Offloaded weight placeholder -> (its layer, its chunk)."""
+        return {w: (lp.layer, chunk) for lp in self.layers for w, chunk in lp.weights.items()}
 
 
 def plan_graph(gm: fx.GraphModule, gi: GraphInputs, choice: Choice, handle: int) -> GraphPlan:
     """Where the ops for ``choice``'s offloaded layers go in ``gm`` (the state's ``handle``
-    names them); edits nothing."""
+    names them); edits nothing.  ``choice.layout`` (the chunks) must be arranged."""
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
-    offloaded = {p.name: layer for layer, ps in choice.params.items() for p in ps}
-    weights: dict[int, list[fx.Node]] = {}
+    chunk_of: dict[str, tuple[int, int]] = {}       # parameter name -> (layer, chunk)
+    for layer, ps in choice.params.items():
+        index = chunk_of_suffix(choice.layout[layer])
+        for p in ps:
+            chunk_of[p.name] = (layer, index[p.suffix])
+    weights: dict[int, dict[fx.Node, int]] = {}
     for node, (name, _) in gi.params.items():
-        layer = offloaded.get(name)
-        if layer is not None:
-            weights.setdefault(layer, []).append(node)
+        found = chunk_of.get(name)
+        if found is not None:
+            weights.setdefault(found[0], {})[node] = found[1]
 
     paths = {choice.stack.layer_path(layer): layer for layer in weights}
     membership = layers_of_nodes(gm, gi, paths)
@@ -152,10 +175,10 @@ def _cover(users, candidates, externals, order) -> list[fx.Node]:
     return sorted(chosen, key=order.__getitem__)
 
 
-def _plan_layer(layer, weight_nodes, layer_nodes, order, choice, param_nodes, input_storages,
-                weight_storages) -> LayerPlan | None:
+def _plan_layer(layer, weights: dict[fx.Node, int], layer_nodes, order, choice, param_nodes,
+                input_storages, weight_storages) -> LayerPlan | None:
     name = choice.stack.layer_path(layer)
-    users = sorted({u for w in weight_nodes for u in w.users}, key=order.__getitem__)
+    users = sorted({u for w in weights for u in w.users}, key=order.__getitem__)
     if not users:
         return None
     members = set(layer_nodes)
@@ -167,12 +190,118 @@ def _plan_layer(layer, weight_nodes, layer_nodes, order, choice, param_nodes, in
                 "layer; exclude that parameter with offload_params or move the read into the "
                 "layer")
     ordered = sorted(layer_nodes, key=order.__getitem__)
-    first_use, last_node = users[0], ordered[-1]
+    last_node = ordered[-1]
+    frozen = input_storages | set(weight_storages)
+    by_chunk: dict[int, list[fx.Node]] = {}
+    for w, chunk in weights.items():
+        if w.users:
+            by_chunk.setdefault(chunk, []).append(w)
+
+    found = {chunk: _chunk_wait(chunk, ws, ordered, order, param_nodes, input_storages,
+                                weight_storages, name)
+             for chunk, ws in by_chunk.items()}
+    waits = _share_waits(found, name)
+    outputs = [n for n in ordered
+               if any(u not in members for u in n.users) and isinstance(value_of(n), torch.Tensor)]
+    for out in outputs:
+        w = weight_storages.get(storage_of(out))
+        if w is not None:
+            raise PlanError(
+                f"{out.format_node()} of offloaded layer {name} returns a view "
+                f"of the offloaded weight {w.name}, which would be read after its slot is "
+                "refilled; exclude that parameter with offload_params")
+    start_acts, start_reads = _split_mutable(outputs, input_storages)
+    refill = choice.schedule.refill_of[layer]
+    starts = []
+    if refill is not None:
+        if not start_acts:
+            raise PlanError(
+                f"offloaded layer {name} has no output of its own (each output "
+                "aliases a graph input), so its start_prefetch cannot be ordered after it")
+        readers = {chunk: _slot_readers(ws, members, order) for chunk, ws in by_chunk.items()}
+        mine = choice.layout[layer]
+        for target in choice.layout[refill]:
+            overwritten = [r for c in mine if c.overlaps(target) for r in readers.get(c.index, ())]
+            starts.append(_chunk_start(target.index, overwritten, order, frozen, last_node,
+                                       start_acts, start_reads))
+    first_use = min((w.first_use for w in waits), key=order.__getitem__)
+    return LayerPlan(layer, choice.schedule.slot_of[layer], refill, weights, first_use,
+                     last_node, waits, starts, ordered)
+
+
+_METADATA = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool, torch.dtype,
+             torch.device, torch.Size)
+
+
+def _slot_readers(ws, members, order) -> list[fx.Node]:
+    """Nodes that read the bytes of the weights ``ws``: their users, and the users of views
+    of them (``w.t()``, a split), in graph order."""
+    storages = {storage_of(w) for w in ws} - {None}
+    found, frontier = set(), list(ws)
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            value = value_of(user)
+            if user in found or user not in members or isinstance(value, _METADATA):
+                continue            # a size or a dtype read from a weight reads no bytes
+            found.add(user)
+            if not isinstance(value, torch.Tensor) or storage_of(user) in storages:
+                frontier.append(user)   # a view of the weight (or a tuple of them)
+    return sorted(found, key=order.__getitem__)
+
+
+def _chunk_start(chunk, overwritten, order, frozen, last_node, layer_acts, layer_reads):
+    """The start of the refill's ``chunk``: after the last of the nodes ``overwritten``
+    (the reads of the bytes it overwrites), tied to it and reading the rest of them."""
+    tensors = [n for n in overwritten if isinstance(value_of(n), torch.Tensor)]
+    if tensors:
+        after = max(overwritten, key=order.__getitem__)
+        acts, reads = _split_mutable([after], frozen) if after in tensors else ([], [])
+        if acts:
+            reads = [n for n in tensors if n is not after]
+            return ChunkStart(chunk, after, acts, reads)
+    # nothing this graph reads is overwritten, or the last read yields no value of its own
+    return ChunkStart(chunk, last_node, list(layer_acts), list(layer_reads))
+
+
+def _share_waits(found, name) -> list[ChunkWait]:
+    """The waits in graph order; a chunk whose reads no activation feeds waits with the
+    chunk waited for before it (earlier than needed, so still safe)."""
+    waits: list[ChunkWait] = []
+    orphans = []
+    for chunk, wait in sorted(found.items(), key=lambda kv: kv[1][0]):
+        position, first_use, acts, clones = wait
+        if acts or clones:
+            waits.append(ChunkWait([chunk], first_use, acts, clones))
+        elif waits:
+            waits[-1].chunks.append(chunk)
+        else:
+            orphans.append(chunk)
+    if not waits:
+        raise PlanError(
+            f"offloaded layer {name} computes nothing from an activation "
+            "(every weight read depends on weights alone), so no op can be ordered before its "
+            "weight reads; do not offload this layer")
+    if orphans:
+        raise PlanError(
+            f"offloaded layer {name} reads the weights of its copy chunk(s) {orphans} before "
+            "any activation feeds them, so no wait can be ordered before those reads; do not "
+            "offload this layer, or exclude those parameters with offload_params")
+    return waits
+
+
+def _chunk_wait(chunk, ws, ordered, order, param_nodes, input_storages, weight_storages,
+                name):
+    """(position, first read, acts, clone_inputs) of the wait for ``chunk``, whose weight
+    placeholders are ``ws``."""
+    users = sorted({u for w in ws for u in w.users}, key=order.__getitem__)
+    first_use = users[0]
     reads_weight = set(users)
 
     # The values live at the wait that each later layer node is computed from: inputs of the
-    # layer, or layer nodes computed before its first weight read (a norm's statistics).  The
-    # wait must be tied to values read *after* it, or the compiler drops it as dead code.
+    # layer, or layer nodes computed before the chunk's first read (a norm's statistics, the
+    # attention's output for the MLP's chunks).  The wait must be tied to values read *after*
+    # it, or the compiler drops it as dead code.
     after = [n for n in ordered if order[n] >= order[first_use]]
     after_set = set(after)
     externals: dict[fx.Node, frozenset] = {}
@@ -181,7 +310,8 @@ def _plan_layer(layer, weight_nodes, layer_nodes, order, choice, param_nodes, in
         for arg in node.all_input_nodes:
             if arg in after_set:
                 acc |= externals.get(arg, frozenset())
-            elif arg not in param_nodes and isinstance(value_of(arg), torch.Tensor):
+            elif arg not in param_nodes and isinstance(value_of(arg), torch.Tensor) \
+                    and storage_of(arg) not in weight_storages:
                 acc.add(arg)
         externals[node] = frozenset(acc)
 
@@ -197,37 +327,14 @@ def _plan_layer(layer, weight_nodes, layer_nodes, order, choice, param_nodes, in
     # the middle of the layer cannot)
     needed = {a for u in anchored for a in externals[u] if order[a] < order[first_use]}
     mutable = [a for a in needed if storage_of(a) not in input_storages]
-    wait_acts = _cover(anchored, mutable, externals, order)
-    covered = {u for u in anchored if externals[u] & set(wait_acts)}
+    acts = _cover(anchored, mutable, externals, order)
+    covered = {u for u in anchored if externals[u] & set(acts)}
     # What only graph inputs feed gets a clone of one of them: the clone is tied instead.
     inputs_only = [u for u in anchored if u not in covered]
     clone_inputs = _cover(inputs_only, sorted(needed - set(mutable), key=order.__getitem__),
                           externals, order)
     if weight_only:
-        log.debug("fx_offload: layer %s reads weights in %s without any activation; their "
-                  "order after the wait rests on the graph order", name,
+        log.debug("fx_offload: layer %s chunk %d reads weights in %s without any activation; "
+                  "their order after the wait rests on the graph order", name, chunk,
                   [n.name for n in weight_only])
-    if not wait_acts and not clone_inputs:
-        raise PlanError(
-            f"offloaded layer {name} computes nothing from an activation "
-            "(every weight read depends on weights alone), so no op can be ordered before its "
-            "weight reads; do not offload this layer")
-
-    outputs = [n for n in ordered
-               if any(u not in members for u in n.users) and isinstance(value_of(n), torch.Tensor)]
-    for out in outputs:
-        w = weight_storages.get(storage_of(out))
-        if w is not None:
-            raise PlanError(
-                f"{out.format_node()} of offloaded layer {name} returns a view "
-                f"of the offloaded weight {w.name}, which would be read after its slot is "
-                "refilled; exclude that parameter with offload_params")
-    start_acts, start_reads = _split_mutable(outputs, input_storages)
-    refill = choice.schedule.refill_of[layer]
-    if refill is not None and not start_acts:
-        raise PlanError(
-            f"offloaded layer {name} has no output of its own (each output "
-            "aliases a graph input), so its start_prefetch cannot be ordered after it")
-    return LayerPlan(layer, choice.schedule.slot_of[layer], refill, weight_nodes, first_use,
-                     last_node, list(wait_acts), clone_inputs, start_acts, start_reads,
-                     ordered)
+    return order[first_use], first_use, acts, clone_inputs

@@ -1,7 +1,8 @@
 """The prefetch pass as one sequence, the only one: the backend, ``fx_offload.explain`` and
 the benchmark's pass-cost timing all call :func:`run_prefetch_pass`.
 
-    trace before -> plan (plan.py) -> rewrite (rewrite.py) -> verify (verify.py)
+    trace before -> layout (arranged at the model's first graph) -> plan (plan.py)
+                 -> rewrite (rewrite.py) -> verify (verify.py)
                  -> trace after -> counters
 
 The graph is edited in place; a plan the verifier refuses raises
@@ -17,6 +18,7 @@ from torch._dynamo.utils import counters
 from torch._logging import trace_structured
 
 from ..graph_inputs import GraphInputs
+from ..layout import arrange
 from ..selection.choice import Choice
 from .plan import GraphPlan, plan_graph
 from .rewrite import apply_plan
@@ -31,15 +33,16 @@ def run_prefetch_pass(gm: fx.GraphModule, gi: GraphInputs, choice: Choice,
     state's ``handle``) and verify the result; returns the plan that was applied."""
     _trace_graph("fx_offload_before", gm)
     started = time.perf_counter()
+    chunks = arrange(choice, (gm, gi))       # the model's first graph fixes the layout
     plan = plan_graph(gm, gi, choice, handle)
     apply_plan(gm, plan)
-    verify_graph(gm, plan.weight_layers(),
-                 slot_model_for(choice.schedule, [lp.layer for lp in plan.layers]))
+    verify_graph(gm, plan.weight_chunks(),
+                 slot_model_for(choice.schedule, chunks, [lp.layer for lp in plan.layers]))
     spent_us = int((time.perf_counter() - started) * 1e6)
     _trace_graph("fx_offload_after", gm)
     counters["fx_offload"]["graphs"] += 1
-    counters["fx_offload"]["waits"] += len(plan.layers)
-    counters["fx_offload"]["starts"] += sum(lp.refill is not None for lp in plan.layers)
+    counters["fx_offload"]["waits"] += sum(len(w.chunks) for lp in plan.layers for w in lp.waits)
+    counters["fx_offload"]["starts"] += sum(len(lp.starts) for lp in plan.layers)
     counters["fx_offload"]["pass_us"] += spent_us
     log.debug("fx_offload: pass placed ops for layers %s in %d us",
               [lp.layer for lp in plan.layers], spent_us)

@@ -1,21 +1,22 @@
 """Slot-safety verifier: proves, on a rewritten graph, that no offloaded weight is read from
-a slot that does not hold it.
+slot bytes that do not hold it.
 
-It reads only the graph (the inserted ops and which placeholders are offloaded weights), not
-the plan that produced it, and simulates the slots in program order:
+It reads only the graph (the inserted ops and which placeholders are offloaded weights of
+which chunk), the schedule and the layers' chunks (:mod:`fx_offload.layout`), not the plan
+that produced it, and simulates the slots byte range by byte range in program order:
 
-* at the graph's entry each slot holds what the schedule (:mod:`fx_offload.schedule`) leaves
-  there: for the first graph of a call, the slot's first layer (circularly, from the previous
-  call);
-* ``wait(L)`` is legal only if the last fill of ``slot(L)`` was for ``L`` (a start targeting
-  ``L``, or the entry state); it makes ``L`` readable;
-* a read of ``L``'s weights is legal only while ``L`` is the readable layer of its slot: after
-  its wait and before the next start that refills the slot;
-* ``start(L -> T)`` refills ``slot(L)``; ``T`` must belong to that slot; ``L`` is no longer
-  readable.
-* a graph that ends the model's forward must leave every slot holding its first layer, which
-  is what the next call's entry assumes.
-Violations raise :class:`ScheduleError` naming the node, the layer and the slot.
+* at the graph's entry each slot holds every chunk of what the schedule
+  (:mod:`fx_offload.schedule`) leaves there: for the first graph of a call, the slot's first
+  layer (circularly, from the previous call);
+* ``wait(L, c)`` is legal only if the last fill of the bytes of ``L``'s chunk ``c`` was for
+  that chunk (a start of it, or the entry state); it makes the chunk readable;
+* a read of a weight of ``L``'s chunk ``c`` is legal only while that chunk is readable:
+  after its wait and before a start overwrites any of its bytes;
+* ``start(L -> T, d)`` fills ``T``'s chunk ``d`` in ``slot(L)``; ``T`` must belong to that
+  slot; every chunk whose bytes it overlaps is gone (no longer readable, nor waitable).
+* a graph that ends the model's forward must leave every slot holding every chunk of its
+  first layer, which is what the next call's entry assumes.
+Violations raise :class:`ScheduleError` naming the node, the layer, the chunk and the slot.
 """
 from __future__ import annotations
 
@@ -32,33 +33,51 @@ from ..schedule import Schedule
 class SlotModel:
     """What the verifier needs to know about the schedule."""
     slot_of: dict[int, int]
+    chunks: dict[int, list]         # layer -> its chunks (fx_offload.layout.Chunk)
     entry_owner: list[int]          # layer each slot holds when the graph starts
     exit_owner: list[int] | None    # layer each slot must hold at the end (None: unchecked)
 
 
-def slot_model_for(schedule: Schedule, graph_layers: list[int]) -> SlotModel:
+def slot_model_for(schedule: Schedule, chunks: dict[int, list],
+                   graph_layers: list[int]) -> SlotModel:
     """The slots around a graph holding the offloaded layers ``graph_layers``."""
     first = min(graph_layers) if graph_layers else None
     exit_owner = schedule.call_entry() if schedule.ends_call(graph_layers) else None
-    return SlotModel(dict(schedule.slot_of), schedule.graph_entry(first), exit_owner)
+    return SlotModel(dict(schedule.slot_of), chunks, schedule.graph_entry(first), exit_owner)
 
 
-def verify_graph(gm: fx.GraphModule, weight_layer: dict[fx.Node, int], model: SlotModel) -> None:
-    """Raise :class:`ScheduleError` at the first unsafe node of ``gm``."""
-    owner = list(model.entry_owner)
-    readable: list[int | None] = [None] * len(owner)
+def verify_graph(gm: fx.GraphModule, weight_chunk: dict[fx.Node, tuple[int, int]],
+                 model: SlotModel) -> None:
+    """Raise :class:`ScheduleError` at the first unsafe node of ``gm``.  ``weight_chunk``:
+    offloaded weight placeholder -> (its layer, its chunk)."""
+    # per slot: (layer, chunk) whose bytes it holds -> readable (waited for since filled)
+    held: list[dict[tuple[int, int], bool]] = [
+        {(layer, c.index): False for c in model.chunks[layer]} for layer in model.entry_owner]
+
+    def chunks_of(layer, chunk):
+        return model.chunks[layer] if chunk < 0 else [model.chunks[layer][chunk]]
+
+    def holder_of(slot, layer, chunk):
+        """What last filled the bytes of ``layer``'s ``chunk``, in words."""
+        for (other, index) in held[slot]:
+            if model.chunks[other][index].overlaps(model.chunks[layer][chunk]):
+                return f"layer {other} chunk {index}"
+        return "nothing"
+
     for node in gm.graph.nodes:
         call = OpCall.of(node)
         kind = None if call is None else call.kind
         if kind == "wait":
             layer = call.layer
             slot = model.slot_of[layer]
-            if owner[slot] != layer:
-                raise ScheduleError(
-                    f"{node.format_node()}: wait for layer {layer}, but slot {slot} was last "
-                    f"filled with layer {owner[slot]}; no start_prefetch of layer {layer} "
-                    "precedes this wait")
-            readable[slot] = layer
+            for c in chunks_of(layer, call.chunk):
+                if (layer, c.index) not in held[slot]:
+                    raise ScheduleError(
+                        f"{node.format_node()}: wait for layer {layer} chunk {c.index}, but "
+                        f"slot {slot}'s bytes for it were last filled with "
+                        f"{holder_of(slot, layer, c.index)}; no start_prefetch of layer "
+                        f"{layer} chunk {c.index} precedes this wait")
+                held[slot][(layer, c.index)] = True
         elif kind == "start":
             layer, refill = call.layer, call.refill
             slot = model.slot_of[layer]
@@ -66,24 +85,31 @@ def verify_graph(gm: fx.GraphModule, weight_layer: dict[fx.Node, int], model: Sl
                 raise ScheduleError(
                     f"{node.format_node()}: start after layer {layer} (slot {slot}) prefetches "
                     f"layer {refill}, which lives in slot {model.slot_of.get(refill)}")
-            owner[slot] = refill
-            readable[slot] = None
+            for c in chunks_of(refill, call.chunk):
+                for other, index in list(held[slot]):
+                    if model.chunks[other][index].overlaps(c):
+                        del held[slot][(other, index)]
+                held[slot][(refill, c.index)] = False
         else:
             for arg in node.all_input_nodes:
-                layer = weight_layer.get(arg)
-                if layer is None:
+                found = weight_chunk.get(arg)
+                if found is None:
                     continue
+                layer, chunk = found
                 slot = model.slot_of[layer]
-                if readable[slot] != layer:
-                    state = ("it is being refilled with layer "
-                             f"{owner[slot]}" if owner[slot] != layer
-                             else "no wait_prefetch for it precedes this read")
+                readable = held[slot].get((layer, chunk))
+                if not readable:
+                    state = ("no wait_prefetch for it precedes this read" if readable is False
+                             else "its bytes are being refilled with "
+                             f"{holder_of(slot, layer, chunk)}")
                     raise ScheduleError(
-                        f"{node.format_node()}: reads {arg.name} of layer {layer} from slot "
-                        f"{slot}, but {state}")
-    if model.exit_owner is not None and owner != model.exit_owner:
-        bad = [s for s, (a, b) in enumerate(zip(owner, model.exit_owner)) if a != b]
-        raise ScheduleError(
-            f"graph ends with slot(s) {bad} holding layer(s) {[owner[s] for s in bad]}, but "
-            f"the next call starts by reading layer(s) {[model.exit_owner[s] for s in bad]} "
-            "from them: a circular prefetch is missing")
+                        f"{node.format_node()}: reads {arg.name} of layer {layer} chunk "
+                        f"{chunk} from slot {slot}, but {state}")
+    if model.exit_owner is not None:
+        bad = [s for s, layer in enumerate(model.exit_owner)
+               if any((layer, c.index) not in held[s] for c in model.chunks[layer])]
+        if bad:
+            raise ScheduleError(
+                f"graph ends with slot(s) {bad} not holding all of layer(s) "
+                f"{[model.exit_owner[s] for s in bad]}, but the next call starts by reading "
+                "them from there: a circular prefetch is missing")

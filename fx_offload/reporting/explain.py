@@ -11,7 +11,7 @@ import dataclasses
 import torch
 from torch import fx, nn
 
-from .. import registry
+from .. import layout, registry
 from ..errors import OffloadError
 from ..graph_inputs import read_graph_inputs
 from ..options import parse_options
@@ -28,7 +28,7 @@ class GraphRecord:
     before: fx.GraphModule                 # the graph Dynamo made (a copy)
     after: fx.GraphModule                  # the rewritten graph
     plan: GraphPlan | None                 # None: no offloaded layer in this graph
-    weight_tags: dict[fx.Node, tuple[int, int]]     # node of ``after`` -> (layer, slot)
+    weight_tags: dict[fx.Node, tuple[int, int, int]]  # node of ``after`` -> (layer, slot, chunk)
     aten: fx.GraphModule | None = None     # post-AOTAutograd forward graph, if asked for
     input_names: list[str] = dataclasses.field(default_factory=list)
     input_tags: list = dataclasses.field(default_factory=list)
@@ -56,9 +56,10 @@ class Explanation:
         where: dict[int, tuple[str, str]] = {}
         for record in self.graphs:
             for lp in record.plan.layers if record.plan else []:
-                where[lp.layer] = (f"g{record.index}: before {lp.first_use.name}",
-                                   f"after {lp.last_node.name}" if lp.refill is not None
-                                   else "-")
+                befores = ", ".join(w.first_use.name for w in lp.waits)
+                afters = ", ".join(dict.fromkeys(st.after.name for st in lp.starts))
+                where[lp.layer] = (f"g{record.index}: before {befores}",
+                                   f"after {afters}" if lp.starts else "-")
         rows = [("layer", "slot", "params", "bytes", "wait", "start", "prefetches")]
         sizes = choice.layer_bytes
         for layer in choice.layers:
@@ -80,7 +81,9 @@ class Explanation:
                 f"offloaded {choice.offloaded_bytes} bytes "
                 f"({format_bytes(choice.offloaded_bytes)}); {choice.schedule.num_slots} slot(s) "
                 f"of {choice.slot_bytes} bytes in all on <device>"]
-        params = [f"layer {layer}: {', '.join(p.suffix for p in choice.params[layer])}"
+        params = [f"layer {layer} chunks: {layout.describe(choice.layout[layer])}"
+                  if layer in choice.layout else
+                  f"layer {layer}: {', '.join(p.suffix for p in choice.params[layer])}"
                   for layer in choice.layers]
         planner = [] if choice.planner is None else ["", str(choice.planner)]
         return "\n".join(head + [""] + render_table(self.plan_rows()) + [""] + params
@@ -152,7 +155,8 @@ def explain(model: nn.Module, *example_inputs, aten: bool = False, dynamic: bool
                                        input_names=names))
             return gm.forward
         plan = run_prefetch_pass(after, gi, choice, handle)
-        tags = {w: (lp.layer, lp.slot) for lp in plan.layers for w in lp.weights}
+        tags = {w: (lp.layer, lp.slot, chunk) for lp in plan.layers
+                for w, chunk in lp.weights.items()}
         record = GraphRecord(index, gm, after, plan, tags, input_names=names,
                              input_tags=[tags.get(n) for n in gi.placeholders])
         if aten:

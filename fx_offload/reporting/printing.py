@@ -88,10 +88,10 @@ def _target_str(node: fx.Node) -> str:
     return f"{module}.{name}" if module else name
 
 
-def format_graph(gm: fx.GraphModule, weight_layer: dict[fx.Node, tuple[int, int]] | None = None,
+def format_graph(gm: fx.GraphModule, weight_layer: dict[fx.Node, tuple] | None = None,
                  input_names: list[str] | None = None,
-                 input_tags: list[tuple[int, int] | None] | None = None) -> str:
-    """``weight_layer``: offloaded weight placeholder -> (layer, slot).  ``input_names`` and
+                 input_tags: list[tuple[int, int, int] | None] | None = None) -> str:
+    """``weight_layer``: offloaded weight placeholder -> (layer, slot, chunk).  ``input_names`` and
     ``input_tags`` name and tag placeholders by position instead (an ATen graph's placeholders
     are the Dynamo graph's, in order)."""
     weight_layer = dict(weight_layer or {})
@@ -109,7 +109,7 @@ def format_graph(gm: fx.GraphModule, weight_layer: dict[fx.Node, tuple[int, int]
         if isinstance(a, fx.Node):
             tag = weight_layer.get(a)
             name = names.get(a, a.name)
-            return f"{name}[L{tag[0]} s{tag[1]}]" if tag else name
+            return f"{name}[L{tag[0]} s{tag[1]} c{tag[2]}]" if tag else name
         if isinstance(a, (list, tuple)):
             inner = ", ".join(arg_str(x) for x in a)
             return f"[{inner}]" if isinstance(a, list) else f"({inner}{',' if len(a) == 1 else ''})"
@@ -135,7 +135,8 @@ def format_graph(gm: fx.GraphModule, weight_layer: dict[fx.Node, tuple[int, int]
                 display = node.name
             names[node] = display
             tag = weight_layer.get(node)
-            mark = f"  # offloaded: layer {tag[0]}, slot {tag[1]}" if tag else ""
+            mark = (f"  # offloaded: layer {tag[0]}, slot {tag[1]}, chunk {tag[2]}"
+                    if tag else "")
             lines.append(f"input {display}: {_type_str(value_of(node), symbols)}{mark}")
         elif node.op == "output":
             lines.append(f"return {arg_str(node.args[0])}")
@@ -158,9 +159,14 @@ def format_graph(gm: fx.GraphModule, weight_layer: dict[fx.Node, tuple[int, int]
 
 def _format_ours(call: OpCall, arg_str) -> str:
     if call.kind == "wait":
-        return f">>> {call.name}(layer {call.layer}) ties {arg_str(call.acts)}"
+        return (f">>> {call.name}(layer {call.layer}{_chunk(call)}) ties "
+                f"{arg_str(call.acts)}")
     extra = f", reads {arg_str(call.reads)}" if call.reads else ""
     if call.kind == "start":
-        return (f">>> {call.name}(layer {call.layer} -> prefetch layer {call.refill}) ties "
-                f"{arg_str(call.acts)}{extra}")
+        return (f">>> {call.name}(layer {call.layer} -> prefetch layer {call.refill}"
+                f"{_chunk(call)}) ties {arg_str(call.acts)}{extra}")
     return f">>> {call.name}() ties {arg_str(call.acts)}{extra}"
+
+
+def _chunk(call: OpCall) -> str:
+    return "" if call.chunk < 0 else f" chunk {call.chunk}"

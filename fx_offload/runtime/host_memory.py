@@ -38,6 +38,11 @@ def _page_lock(buffer: torch.Tensor) -> tuple[torch.Tensor, bool, bool]:
             return buffer, False, False
 
 
+def align_for(device: torch.device) -> int:
+    """The alignment of each tensor in a host block and its slot on ``device``."""
+    return ALIGN if device.type == "cuda" else ALIGN_CPU
+
+
 def _round_up(n: int, align: int) -> int:
     return (n + align - 1) // align * align
 

@@ -5,7 +5,7 @@ between calls and point at their slots during one.
 its own): it waits for another thread's call to end, takes up what the user changed in the
 offloaded parameters since the last call, and points them at their slots.
 :meth:`Ownership.leave` points them back.  Mixed into :class:`~.state.OffloadState`, whose
-``params``, ``buffers``, ``owner`` and ``_load_now`` it uses.
+``params``, ``buffers``, ``contents`` and ``_load_now`` it uses.
 """
 from __future__ import annotations
 
@@ -199,7 +199,7 @@ class Ownership:
                   if layer in self._copied and self._versions(layer) != self._copied[layer]}
         for layer in stale:
             log.debug("fx_offload: layer %d changed since it was copied; reloading", layer)
-            if layer in self.owner:
+            if self.contents.holds(layer):
                 self._load_now(layer)
             else:
                 self._copied.pop(layer, None)

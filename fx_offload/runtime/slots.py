@@ -6,11 +6,12 @@ master and nothing is copied (unless the weights come from a checkpoint: then in
 host block).  Each slot is one flat device buffer as large as the largest layer that uses
 it, and each layer sees its parameters as views into its slot laid out as its host block::
 
-    slot 0  [ layer 1: fc1.weight | fc1.bias | ... ]         one copy per layer:
-            [ layer 3 (an MoE layer): gate | experts... ]    block -> slot[:block size]
+    slot 0  [ layer 1: fc1.weight | fc1.bias | ... ]         one copy per chunk:
+            [ layer 3 (an MoE layer): gate | experts... ]    block[a:b] -> slot[a:b]
 
 so layers of different shapes may share a slot (a dense-then-MoE stack, several stacks),
-and a layer moves in one copy.
+and a layer moves in one copy per chunk (:mod:`fx_offload.layout`: its parameters in the
+order its forward reads them, split where the pass waits and starts per chunk).
 
 The slots are allocated first, then the host blocks one layer at a time; ``hand_over`` lets
 each layer's parameters take their block as soon as it is filled, so the storage they held
@@ -24,13 +25,13 @@ import os
 
 import torch
 
-from .host_memory import ALIGN, ALIGN_CPU, HostBlock, layout_of, views_into
+from .host_memory import HostBlock, align_for, layout_of, views_into
 
 
 class SlotBuffers:
     """Masters and slots for a :class:`~fx_offload.selection.Choice`."""
 
-    # One copy per layer from a packed host block into its slot, rather than one copy per
+    # One copy per chunk from a packed host block into its slot, rather than one copy per
     # parameter (see docs/benchmarks.md for the measurement that chose the default).
     packed = os.environ.get("FX_OFFLOAD_PACKED", "1") != "0"
 
@@ -40,7 +41,7 @@ class SlotBuffers:
         checkpoint) instead of copying them from the parameters, which may be on the meta
         device."""
         self.schedule, self.params, self.device = choice.schedule, choice.params, choice.device
-        self.align = ALIGN if self.device.type == "cuda" else ALIGN_CPU
+        self.align = align_for(self.device)
         self.pinned = False
         self._blocks: dict[int, HostBlock] = {}
         layouts = {layer: layout_of({p.suffix: p.param for p in ps}, self.align)
@@ -78,17 +79,21 @@ class SlotBuffers:
         """The slot tensor a parameter of ``layer`` reads."""
         return self.views[layer][suffix]
 
-    def copy_in(self, layer: int, non_blocking: bool = False) -> None:
-        """Copy ``layer``'s masters into its slot (on the current stream)."""
+    def copy_in(self, layer: int, chunk=None, non_blocking: bool = False) -> None:
+        """Copy ``layer``'s masters into its slot (on the current stream): the bytes of one
+        :class:`~fx_offload.layout.Chunk`, or all of them."""
         block = self._blocks.get(layer)
-        if self.packed and block is not None:       # one copy for the whole layer
+        if self.packed and block is not None:       # one copy per chunk
+            start, end = (0, block.nbytes) if chunk is None else (chunk.start, chunk.end)
             flat = self.flat[self.schedule.slot_of[layer]]
-            flat[:block.nbytes].copy_(block.buffer, non_blocking=non_blocking)
+            flat[start:end].copy_(block.buffer[start:end], non_blocking=non_blocking)
             return
+        wanted = None if chunk is None else set(chunk.suffixes)
         with torch.no_grad():
             for p in self.params[layer]:
-                self.views[layer][p.suffix].copy_(self.masters[layer][p.suffix],
-                                                  non_blocking=non_blocking)
+                if wanted is None or p.suffix in wanted:
+                    self.views[layer][p.suffix].copy_(self.masters[layer][p.suffix],
+                                                      non_blocking=non_blocking)
 
     def release(self) -> None:
         """Unlock the host blocks; the slots and masters must not be used afterwards."""

@@ -16,39 +16,35 @@ at a time holds the slots.
 
 The compiled graph reaches this state through an integer handle passed to the custom ops in
 :mod:`fx_offload.ops`.  Which slot a layer lives in and which layer refills it come from the
-schedule (:mod:`fx_offload.schedule`).
+schedule (:mod:`fx_offload.schedule`); a layer moves chunk by chunk (:mod:`fx_offload.layout`),
+and the state keeps, per slot, which layer's chunks its bytes hold.
 
 Correctness never depends on the schedule being followed: :meth:`OffloadState.wait` checks
-which layer a slot holds and loads the right one synchronously if anything (a partial call,
-eager use of a layer, a graph break) left the slot holding another layer.
+that the slot holds the chunk asked for and loads it synchronously if anything (a partial
+call, eager use of a layer, a graph break) left other bytes there.
 
 On CUDA the copies run on one copy stream per device.  ``start`` records an event on the
-compute stream and makes the copy stream wait for it before overwriting the slot, so the
-copy cannot begin before the kernels that read the slot's previous layer; ``wait`` makes the
-compute stream wait on the copy's done event.  Both work inside CUDA-graph capture, where the
+compute stream and makes the copy stream wait for it before overwriting the chunk's bytes, so
+the copy cannot begin before the kernels that read what they held; ``wait`` makes the
+compute stream wait on the copy's done event.  Both events of every chunk are made once, when
+the slots are, and recorded again on every call.  Both work inside CUDA-graph capture, where the
 fork (event wait) pulls the copy into the capture; ``join`` ends a captured forward by joining
 copies that were forked during the capture.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import weakref
 
 import torch
 from torch import nn
 
-from .. import registry
+from .. import layout, registry
+from .contents import Pending, SlotContents
 from .ownership import Ownership, ShapeChanged
 from .slots import SlotBuffers
 
 log = logging.getLogger("fx_offload")
-
-
-@dataclasses.dataclass
-class _Pending:
-    event: "torch.cuda.Event"
-    in_capture: bool        # recorded while the stream was being captured into a CUDA graph
 
 
 class OffloadState(Ownership):
@@ -66,8 +62,8 @@ class OffloadState(Ownership):
         self.layers: list[int] = list(self.schedule.layers)
         self.num_slots = self.schedule.num_slots
         self.buffers: SlotBuffers | None = None
-        self.owner: list[int | None] = [None] * self.num_slots
-        self.pending: dict[int, _Pending] = {}
+        self.contents = SlotContents(choice.layout, self.schedule.slot_of, self.num_slots)
+        self._events: dict[tuple[int, int], tuple] = {}   # (layer, chunk) -> (fork, done)
         self.copy_stream = None
         self.materialized = False
         self.restored = False
@@ -122,9 +118,13 @@ class OffloadState(Ownership):
                 placed(layer, masters)
         handover = {p.name: (p.param.data_ptr(), p.param._version)
                     for ps in self.params.values() for p in ps}
+        layout.arrange(self.choice)     # a model placed before any graph: arranged now
         buffers = SlotBuffers(self.choice, take if hand_over else None, fill)
         if self.device.type == "cuda":
             self.copy_stream = torch.cuda.Stream(self.device)
+            # made once: no event is created on the forward path
+            self._events = {(layer, c.index): (torch.cuda.Event(), torch.cuda.Event())
+                            for layer in self.layers for c in self.choice.layout[layer]}
         self.buffers = buffers
         self._handover = {p.name: handover[p.name] for layer, ps in self.params.items()
                           for p in ps if not hand_over and
@@ -178,76 +178,75 @@ class OffloadState(Ownership):
             self.copy_stream.synchronize()
 
     # ---- the operations the graph calls ------------------------------------------------
-    def wait(self, layer: int) -> None:
-        """Before ``layer`` reads its weights: make sure its slot holds them."""
+    def wait(self, layer: int, chunk: int = -1) -> None:
+        """Before ``layer`` reads the weights of ``chunk`` (-1: all of them): make sure its
+        slot holds them."""
         if self.restored:
             return
-        slot = self.schedule.slot_of[layer]
-        pending = self.pending.pop(layer, None)
-        if self.owner[slot] != layer:
-            self._load_now(layer)
-            return
-        if pending is not None:
-            stream = torch.cuda.current_stream(self.device)
-            if pending.in_capture or not _capturing():
-                stream.wait_event(pending.event)
-            # A copy recorded before the capture began was completed by the synchronization
-            # that starts every capture; waiting on it inside the capture is not allowed.
+        held = self.contents.slot(layer)
+        for c in self.contents.chunks(layer, chunk):
+            key = (layer, c.index)
+            if key not in held:
+                self._load_now(layer, c)
+            elif held[key] is not None:
+                self._wait_for(held[key])
+                held[key] = None
 
-    def start(self, layer: int, refill: int) -> None:
-        """After ``layer`` has run: refill its slot with ``refill`` asynchronously."""
+    def start(self, layer: int, refill: int, chunk: int = -1) -> None:
+        """``layer`` has read the last of what ``refill``'s ``chunk`` (-1: all of them)
+        overwrites in their slot: copy it in asynchronously."""
         if self.restored:
             return
-        slot = self.schedule.slot_of[layer]
-        if self.owner[slot] == refill:
-            return
-        self.stats["prefetches"] += 1
-        self.owner[slot] = refill
-        if self.copy_stream is None:
-            self.buffers.copy_in(refill)
+        held = self.contents.slot(refill)
+        for c in self.contents.chunks(refill, chunk):
+            if c.index == 0:
+                self.stats["prefetches"] += 1       # refills begun, whole or in chunks
+            if (refill, c.index) in held:
+                continue        # its bytes were not overwritten since: nothing to copy
             self._copied[refill] = self._versions(refill)
-            return
-        compute = torch.cuda.current_stream(self.device)
-        capturing = _capturing()
-        fork = torch.cuda.Event()
-        fork.record(compute)
-        self.copy_stream.wait_event(fork)
-        self._copied[refill] = self._versions(refill)
-        with torch.cuda.stream(self.copy_stream):
-            self.buffers.copy_in(refill, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.copy_stream)
-        self.pending[refill] = _Pending(done, capturing)
+            if self.copy_stream is None:
+                self.buffers.copy_in(refill, c)
+                self.contents.fill(refill, c, None)
+                continue
+            fork, done = self._events[(refill, c.index)]    # made once, recorded again
+            fork.record(torch.cuda.current_stream(self.device))
+            self.copy_stream.wait_event(fork)
+            with torch.cuda.stream(self.copy_stream):
+                self.buffers.copy_in(refill, c, non_blocking=True)
+                done.record(self.copy_stream)
+            self.contents.fill(refill, c, Pending(done, _capturing()))
 
     def join(self) -> None:
         """End of a forward: inside a CUDA-graph capture, join every copy forked during it."""
-        if self.copy_stream is None or not self.pending:
-            return
-        stream = torch.cuda.current_stream(self.device)
-        if not _capturing():
+        if self.copy_stream is None or not _capturing():
             return       # eager: let the copies run on into the next call
-        for layer, pending in list(self.pending.items()):
-            if pending.in_capture:
-                stream.wait_event(pending.event)
-                # Joined inside the graph: whoever runs after a replay is ordered after the
-                # copy, and the event itself means nothing outside the capture.
-                del self.pending[layer]
+        stream = torch.cuda.current_stream(self.device)
+        for held in self.contents.held:
+            for key, pending in held.items():
+                if pending is not None and pending.in_capture:
+                    stream.wait_event(pending.event)
+                    # Joined inside the graph: whoever runs after a replay is ordered after
+                    # the copy, and the event itself means nothing outside the capture.
+                    held[key] = None
 
-    def _load_now(self, layer: int) -> None:
-        """Synchronous (stream-ordered) load of ``layer`` into its slot."""
-        slot = self.schedule.slot_of[layer]
-        if self.copy_stream is not None:
-            stream = torch.cuda.current_stream(self.device)
-            for other, pending in list(self.pending.items()):
-                if self.schedule.slot_of[other] == slot:
-                    if pending.in_capture or not _capturing():
-                        stream.wait_event(pending.event)
-                    del self.pending[other]
-        self.buffers.copy_in(layer, non_blocking=self.copy_stream is not None)
+    def _wait_for(self, pending: Pending) -> None:
+        # A copy recorded before a capture began was completed by the synchronization that
+        # starts every capture; waiting on it inside the capture is not allowed.
+        if pending.in_capture or not _capturing():
+            torch.cuda.current_stream(self.device).wait_event(pending.event)
+
+    def _load_now(self, layer: int, chunk=None) -> None:
+        """Stream-ordered load of ``layer``'s ``chunk`` (None: all) into its slot."""
+        chunks = self.contents.chunks(layer) if chunk is None else (chunk,)
+        for key, pending in self.contents.in_flight_over(layer, chunks):
+            self._wait_for(pending)
+            self.contents.slot(layer)[key] = None
+        for c in chunks:
+            self.buffers.copy_in(layer, c, non_blocking=self.copy_stream is not None)
+            self.contents.fill(layer, c, None)
         self._copied[layer] = self._versions(layer)
-        self.owner[slot] = layer
         self.stats["sync_loads"] += 1
-        log.debug("fx_offload: loaded layer %d into slot %d synchronously", layer, slot)
+        log.debug("fx_offload: loaded layer %d (chunk %s) synchronously", layer, chunk)
 
 
 def _capturing() -> bool:

@@ -11,8 +11,9 @@ device's rates (:mod:`fx_offload.device_rates`):
    ``resident weights - offloaded bytes + slot buffers`` (a slot is as large as the largest
    layer it holds);
 3. predict each one's forward time at the plan's token counts by simulating the schedule the
-   pass builds (:func:`simulate`: compute in order, one copy stream, a copy into a slot starts
-   when the layer leaving the slot is done, a layer waits for its copy);
+   pass builds (:func:`simulate`: compute in order, one copy stream, each layer moved in
+   chunks: a chunk's copy starts when the layer leaving the slot has read what it overwrites,
+   a layer waits for each chunk before the compute that reads it);
 4. choose the lowest mean predicted slowdown against the resident model; plans predicted
    within 0.5% of it count as equal, and of those the one that copies, then pins, the fewest
    bytes with the fewest slots wins; the runner-ups are kept for ``report``/``inspect``.
@@ -43,6 +44,7 @@ from .stack import LayerStack
 
 log = logging.getLogger("fx_offload")
 
+CHUNKS_PREDICTED = 4        # a decoder layer's usual chunk count (attention, gate, up, down)
 MAX_SLOTS = 8              # deeper prefetch than this has not paid for its memory
 MAX_GROUP = 16             # group patterns tried up to this group size
 MAX_PATTERN_SUBSETS = 6    # with more offload_params patterns, only all of them together
@@ -53,28 +55,37 @@ BREAK_EVENS = 8             # the best plans whose break-even token count is sea
 
 
 def simulate(pre: float, layer_s: list[float], post: float, schedule: Schedule,
-             copy_s: dict[int, float], overlapped: bool = True, calls: int = 3) -> float:
+             copy_s: dict[int, float], overlapped: bool = True, calls: int = 3,
+             chunks: int = 1) -> float:
     """Duration of one forward in steady state (the last of ``calls`` back-to-back calls).
 
-    Compute runs the segments in order; after a layer whose slot has a refill, the copy of
-    the refill starts (after the previous copy: one copy stream) and the refilled layer's
-    compute waits for it.  Not ``overlapped`` (the CPU): copies run in line."""
+    Compute runs the segments in order.  An offloaded layer moves in ``chunks`` equal parts
+    (:mod:`fx_offload.layout`) and computes in as many equal parts, part ``i`` reading chunk
+    ``i``: it waits for each chunk before computing its part, and once it has computed part
+    ``i``, the copy of its refill's chunk ``i`` starts (after the previous copy: one copy
+    stream).  Not ``overlapped`` (the CPU): copies run in line."""
     compute_free = copy_free = 0.0
-    ready = {layer: 0.0 for layer in schedule.layers}
+    ready = {layer: [0.0] * chunks for layer in schedule.layers}
     start = 0.0
     for _ in range(calls):
         start = compute_free
         compute_free += pre
         for layer, seconds in enumerate(layer_s):
-            compute_free = max(compute_free, ready.get(layer, 0.0)) + seconds
-            refill = schedule.refill_of.get(layer)
-            if refill is None:
+            arrived = ready.get(layer)
+            if arrived is None:                 # resident
+                compute_free += seconds
                 continue
-            if overlapped:
-                copy_free = ready[refill] = max(compute_free, copy_free) + copy_s[refill]
-            else:
-                compute_free += copy_s[refill]
-                ready[refill] = compute_free
+            refill = schedule.refill_of.get(layer)
+            for i in range(chunks):
+                compute_free = max(compute_free, arrived[i]) + seconds / chunks
+                if refill is None:
+                    continue
+                if overlapped:
+                    copy_free = ready[refill][i] = max(compute_free, copy_free) + \
+                        copy_s[refill] / chunks
+                else:
+                    compute_free += copy_s[refill] / chunks
+                    ready[refill][i] = compute_free
         compute_free += post
     return compute_free - start
 
@@ -108,9 +119,9 @@ class CostModel:
     """Predicted times of the model and of any plan, from graph costs and device rates."""
 
     def __init__(self, costs: GraphCosts, rates: DeviceRates, num_layers: int,
-                 overlapped: bool):
+                 overlapped: bool, chunks: int = 1):
         self.costs, self.rates = costs, rates
-        self.num_layers, self.overlapped = num_layers, overlapped
+        self.num_layers, self.overlapped, self.chunks = num_layers, overlapped, chunks
         self._cache: dict[float, tuple[float, list[float], float]] = {}
 
     def segments(self, tokens: float) -> tuple[float, list[float], float]:
@@ -137,7 +148,7 @@ class CostModel:
         pre, layer_s, post = self.segments(tokens)
         copy_s = {layer: b / self.rates.h2d_bandwidth for layer, b in layer_bytes.items()}
         return simulate(pre, layer_s, post, Schedule(layers, num_slots), copy_s,
-                        self.overlapped)
+                        self.overlapped, chunks=self.chunks)
 
     def break_even(self, layers: list[int], num_slots: int, layer_bytes: dict[int, int],
                    ) -> int | None:
@@ -307,7 +318,8 @@ def plan(model: nn.Module, stack: LayerStack, options: OffloadOptions, costs: Gr
                f" (parameters matching {list(options.offload_params)})")
             + f"; raise memory_budget to at least {format_bytes(minimum, as_option=True)}")
     fitting = [c for c in all_plans if c.weights_bytes <= budget]
-    cost_model = CostModel(costs, rates, len(stack.modules), overlapped=device.type == "cuda")
+    cost_model = CostModel(costs, rates, len(stack.modules), overlapped=device.type == "cuda",
+                           chunks=min(options.copy_chunks, CHUNKS_PREDICTED))
     tokens = options.plan_tokens or (costs.traced_tokens,)
     best = rank(fitting, total <= budget, cost_model, tokens)[:runner_ups + 1]
     result = PlannerResult(budget, total, minimum, tuple(tokens), best[0], best[1:],

@@ -25,6 +25,9 @@ class Choice:
     schedule: Schedule
     device: torch.device
     planner: object = None            # budget.PlannerResult under memory_budget
+    # layer -> its copy chunks, arranged once at the first graph (fx_offload.layout.arrange),
+    # which also puts each layer's params in the order of its host block
+    layout: dict = dataclasses.field(default_factory=dict)
 
     @property
     def layers(self) -> list[int]:

@@ -9,31 +9,36 @@ from ..runtime.host_memory import HostBlock
 
 
 class HookPrefetcher:
-    """Offloaded layers share one device slot per parameter; a layer's forward pre-hook waits
-    for its copy, its forward hook starts the next offloaded layer's copy on a side stream
-    (the pattern of hand-written offloaders that patch ``forward``)."""
+    """Offloaded layers share ``slots`` device slots (one tensor per parameter each, used
+    circularly); a layer's forward pre-hook waits for its copy, its forward hook starts the
+    copy of the layer that takes its slot next on a side stream (the pattern of hand-written
+    offloaders that patch ``forward``: a whole layer copied at the point a hook sees)."""
 
-    def __init__(self, layers: nn.ModuleList, offloaded: list[int], device):
+    def __init__(self, layers: nn.ModuleList, offloaded: list[int], device, slots: int = 1):
         self.device = torch.device(device)
         self.order = list(offloaded)
+        self.k = min(slots, len(self.order))
         self.stream = torch.cuda.Stream(self.device)
         self.blocks, self.done = {}, {}
         first = layers[self.order[0]]
-        self.slot = {n: torch.empty_like(p) for n, p in first.named_parameters()}
-        for i in self.order:
+        self.slots = [{n: torch.empty_like(p) for n, p in first.named_parameters()}
+                      for _ in range(self.k)]
+        for pos, i in enumerate(self.order):
             params = dict(layers[i].named_parameters())
             self.blocks[i] = HostBlock(params)
             with torch.no_grad():
                 for name, p in params.items():
-                    p.data = self.slot[name]
+                    p.data = self.slots[pos % self.k][name]
             layers[i].register_forward_pre_hook(self._pre(i))
-            layers[i].register_forward_hook(self._post(i))
-        self._copy(self.order[0])
+            layers[i].register_forward_hook(self._post(pos))
+        for i in self.order[:self.k]:
+            self._copy(i)
         torch.cuda.synchronize(self.device)
 
     def _copy(self, i):
+        slot = self.slots[self.order.index(i) % self.k]
         for name, master in self.blocks[i].views.items():
-            self.slot[name].copy_(master, non_blocking=True)
+            slot[name].copy_(master, non_blocking=True)
 
     def _pre(self, i):
         def hook(module, args):
@@ -42,8 +47,10 @@ class HookPrefetcher:
                 torch.cuda.current_stream(self.device).wait_event(event)
         return hook
 
-    def _post(self, i):
-        nxt = self.order[(self.order.index(i) + 1) % len(self.order)]
+    def _post(self, pos):
+        nxt = self.order[(pos + self.k) % len(self.order)]
+        if nxt == self.order[pos]:
+            return lambda module, args, output: None      # alone in its slot
 
         def hook(module, args, output):
             fork = torch.cuda.Event()

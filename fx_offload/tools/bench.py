@@ -4,7 +4,10 @@ the ideal bound, and what users pick today; see docs/benchmarks.md for the metho
 Each method runs on its own copy of a decoder stack with Llama-3-8B layer shapes (hidden 4096,
 intermediate 14336, 32 heads, 8 KV heads, bf16, random weights).  A forward is timed with CUDA
 events over back-to-back calls (no synchronization between calls, so copies that run on into
-the next call are counted where they are waited for); the table gives medians.
+the next call are counted where they are waited for), or with ``--sync-each-call`` by the
+wall clock from one synchronize of every stream to the next (what a generate loop that reads
+each step's token sees: every copy of the call, the circular prefetch included, is in it);
+the table gives medians.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from .. import backend, report
 from ..options import parse_size
 from ..runtime.slots import SlotBuffers
 from ..schedule import Schedule
-from ..selection.budget import simulate, weights_bytes
+from ..selection.budget import CHUNKS_PREDICTED, simulate, weights_bytes
 from .baselines import HookPrefetcher, accelerate_offload
 from .models import TinyDecoder
 
@@ -53,6 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--per-param-copies", action="store_true",
                         help="also run each config with one copy per parameter instead of "
                              "one packed copy per layer")
+    parser.add_argument("--whole-layer-copies", action="store_true",
+                        help="also run each config with copy_chunks=1: each layer copied "
+                             "whole, after its last node, as a forward hook would")
+    parser.add_argument("--sync-each-call", action="store_true",
+                        help="time each call from a synchronize of every stream to the next")
+    parser.add_argument("--hook-slots", default="1",
+                        help="slot counts of the hook prefetcher alternative, e.g. 1,2")
     parser.add_argument("--out", default="bench_out", help="folder for results.md and plot")
     parser.add_argument("--pass-cost", action="store_true",
                         help="instead: time the pass alone at 8, 32 and 128 layers")
@@ -89,15 +99,17 @@ def _build(layers: int, shapes: dict, device, dtype, seed: int = 0) -> TinyDecod
     return model.eval()
 
 
-def _time(fn, ids, repeats: int, device) -> float:
+def _time(fn, ids, repeats: int, device, sync_each_call: bool = False) -> float:
     with torch.no_grad():
         for _ in range(2):
             fn(ids)
-        if device.type != "cuda":
+        if device.type != "cuda" or sync_each_call:
             samples = []
             for _ in range(repeats):
+                _synchronize(device)
                 start = time.perf_counter()
                 fn(ids)
+                _synchronize(device)
                 samples.append((time.perf_counter() - start) * 1e3)
             return statistics.median(samples)
         events = [torch.cuda.Event(enable_timing=True) for _ in range(repeats + 1)]
@@ -107,6 +119,11 @@ def _time(fn, ids, repeats: int, device) -> float:
             events[i + 1].record()
         torch.cuda.synchronize(device)
         return statistics.median(events[i].elapsed_time(events[i + 1]) for i in range(repeats))
+
+
+def _synchronize(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)     # every stream of the device: copies included
 
 
 def h2d_bandwidth(device, nbytes: int = 1 << 28) -> float:
@@ -208,7 +225,7 @@ class Bench:
         for t in timed:
             ids = torch.randint(0, self.shapes["vocab"], (1, t), device=device)
             _reset_peak(device)
-            ms = _time(fn, ids, self.repeats, device)
+            ms = _time(fn, ids, self.repeats, device, self.args.sync_each_call)
             peak = _peak(device)
             self.rows.append(Row(method, t, ms,
                                  peak_gib=None if peak is None else peak - before / 2**30))
@@ -225,19 +242,22 @@ class Bench:
 
     def run_configs(self) -> None:
         default_packed = SlotBuffers.packed
-        modes = [(default_packed, "")] + (
-            [(False, "/per-param")] if self.args.per_param_copies else [])
+        modes = [(default_packed, None, "")] + (
+            [(False, None, "/per-param")] if self.args.per_param_copies else []) + (
+            [(default_packed, 1, "/whole-layer")] if self.args.whole_layer_copies else [])
         for name in self.configs:
             group, num, step = CONFIGS[name]
-            for packed, suffix in modes:
+            for packed, chunks, suffix in modes:
                 def offloaded(group=group, num=num, step=step, name=name + suffix,
-                              packed=packed):
+                              packed=packed, chunks=chunks):
                     SlotBuffers.packed = packed
                     model = self.build()
                     total = weights_bytes(model, self.device)
+                    options = dict(group_size=group, num_in_group=num, prefetch_step=step)
+                    if chunks is not None:
+                        options["copy_chunks"] = chunks
                     fn = torch.compile(model, backend="prefetch_offload", dynamic=True,
-                                       options=dict(group_size=group, num_in_group=num,
-                                                    prefetch_step=step))
+                                       options=options)
                     with torch.no_grad():
                         fn(torch.zeros(1, 1, dtype=torch.long, device=self.device))
                     SlotBuffers.packed = default_packed
@@ -301,11 +321,12 @@ class Bench:
             self.measure("offload g2n1s1 +cudagraphs", reduce_overhead,
                          only={t for t in self.tokens if t <= 128})
         if "hooks" in alternatives and device.type == "cuda":
-            def hooks():
-                model = self.build()
-                HookPrefetcher(model.layers, base_offloaded, device)
-                return model
-            self.measure("hook prefetcher (eager)", hooks)
+            for slots in [int(k) for k in self.args.hook_slots.split(",") if k]:
+                def hooks(slots=slots):
+                    model = self.build()
+                    HookPrefetcher(model.layers, base_offloaded, device, slots=slots)
+                    return model
+                self.measure(f"hook prefetcher {slots} slot(s)", hooks)
         if "accelerate" in alternatives and device.type == "cuda":
             def accel():
                 model = self.build()
@@ -387,7 +408,8 @@ def schedule_bound(num_layers: int, schedule: Schedule, layer_ms: float, copy_ms
     """The fastest a forward can be under the slot constraints, from measured inputs: every
     layer computes for ``layer_ms`` (the resident model's time over the layers); see
     :func:`fx_offload.planner.simulate`."""
-    return simulate(0.0, [layer_ms] * num_layers, 0.0, schedule, copy_ms, calls=calls)
+    return simulate(0.0, [layer_ms] * num_layers, 0.0, schedule, copy_ms, calls=calls,
+                    chunks=CHUNKS_PREDICTED)
 
 
 def planner_summary(rows, chosen, weights_on_device, configs, plans) -> str:

@@ -1,4 +1,4 @@
-"""Command line: ``python -m fx_offload demo|inspect|bench|bigger|flux``."""
+"""Command line: ``python -m fx_offload demo|inspect|bench|bigger|flux|generate|trace``."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,7 @@ import sys
 import torch
 
 from ..errors import OffloadError
-from . import bench, bigger, demo, flux_bench, inspect_cli
+from . import bench, bigger, demo, flux_bench, generate_bench, inspect_cli, trace_bench
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,9 +27,17 @@ def main(argv: list[str] | None = None) -> int:
     flux_bench.add_arguments(sub.add_parser(
         "flux", help="a Flux transformer (real dims) per denoising step: resident, fx_offload "
                      "and diffusers' group offloading side by side (a GPU, diffusers)"))
+    generate_bench.add_arguments(sub.add_parser(
+        "generate", help="Hugging Face generate on a Llama of 8B layer shapes: prefill and "
+                         "decode ms/token resident, with fx_offload and with accelerate "
+                         "(a GPU)"))
+    trace_bench.add_arguments(sub.add_parser(
+        "trace", help="a profiler trace of synchronized offloaded calls, whole-layer against "
+                      "chunked copies: stream busy times and a figure (a GPU)"))
     args = parser.parse_args(argv)
-    commands = {"bigger": bigger.run, "bench": bench.run, "demo": demo.run,
-                "inspect": inspect_cli.run, "flux": flux_bench.run}
+    commands = {"trace": trace_bench.run, "bigger": bigger.run, "bench": bench.run, "demo": demo.run,
+                "inspect": inspect_cli.run, "flux": flux_bench.run,
+                "generate": generate_bench.run}
     try:
         _check_device(args)
         return commands[args.command](args)

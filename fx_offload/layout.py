@@ -1,0 +1,177 @@
+"""The packed slot layout: each offloaded layer's parameters in the order its forward first
+reads them, split into copy chunks.
+
+A layer's host block and its region of the slot share one layout, so a chunk is one
+contiguous copy.  For a Llama-like layer (the default ``copy_chunks=8``: a chunk grows until
+it holds an eighth of the layer)::
+
+    slot  [ in_norm q k v o | post_norm gate | up | down ]
+            chunk 0           chunk 1          2    3
+
+The pass places one wait per chunk, before the first read of that chunk, and starts the copy
+of the next occupant's chunk ``d`` right after the last read of the chunks it overwrites
+(:mod:`fx_offload.passes.plan`): the next layer's attention weights copy while this layer's
+MLP runs, and the next layer begins its attention while its MLP weights still copy.
+
+Parameters first read by the same node (a linear's weight and bias) stay in one chunk.  The
+order comes from the model's first graph; a layer that graph does not read takes the order of
+a layer with the same parameters.  A model placed before any graph (``fx_offload.place``)
+takes the chunks an instance of its class got from a graph with the same options, or else
+small parameters (norms, biases) first, then the rest in declaration order; a copy of an
+offloaded model (``deepcopy``, pickling) offloaded again keeps the chunks it had.  The
+layout is arranged once per model, before its host blocks are filled, and never changes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from .runtime.host_memory import align_for, layout_of
+
+log = logging.getLogger("fx_offload")
+
+# (model class name, placement options) -> the chunks a graph gave it: another instance placed
+# before any graph of its own runs the graph Dynamo compiled for the first (Dynamo shares one
+# among instances), so it is arranged alike
+_FROM_GRAPHS: dict[tuple, dict] = {}
+SMALL = 1 / 64          # without a graph: parameters this fraction of the layer's largest go first
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """One contiguous copy: bytes ``[start, end)`` of a layer's block and slot region."""
+
+    index: int
+    start: int
+    end: int
+    suffixes: tuple[str, ...]
+
+    def overlaps(self, other: "Chunk") -> bool:
+        return self.start < other.end and other.start < self.end
+
+
+def arrange(choice, graph=None, like=None) -> dict[int, list[Chunk]]:
+    """The chunks of every offloaded layer of ``choice``, arranged on the first call: each
+    layer's parameter list (``choice.params[layer]``, whose order is its host block's) is
+    put in first-read order, from ``graph`` (``(gm, graph_inputs)``) when given.  ``like``
+    (:func:`chunk_names` of another layout: a copy of an offloaded model offloaded again)
+    gives the chunks outright, where it names the same parameters."""
+    if choice.layout:
+        return choice.layout
+    align = align_for(choice.device)
+    key = (choice.model_name, choice.options.placement_key())
+    if like is None and graph is None:
+        like = _FROM_GRAPHS.get(key)
+    if like is not None and _names_alike(like, choice.params):
+        for layer, ps in choice.params.items():
+            groups = [list(chunk) for chunk in like[layer]]
+            _put_in_order(ps, groups)
+            choice.layout[layer] = _split(ps, groups, align, len(groups), exact=True)
+        return choice.layout
+    firsts = _first_reads(choice, graph) if graph is not None else {}
+    learned: dict[frozenset, list[list[str]]] = {}
+    for layer, ps in choice.params.items():
+        groups = _groups_from_graph(ps, firsts)
+        if groups is not None:
+            learned.setdefault(frozenset(p.suffix for p in ps), groups)
+    for layer, ps in choice.params.items():
+        names = frozenset(p.suffix for p in ps)
+        groups = learned.get(names) or _groups_without_graph(ps)
+        _put_in_order(ps, groups)
+        choice.layout[layer] = _split(ps, groups, align, choice.options.copy_chunks)
+    if graph is not None:
+        _FROM_GRAPHS[key] = chunk_names(choice.layout)
+    log.debug("fx_offload: copy chunks per layer %s",
+              {layer: len(chunks) for layer, chunks in choice.layout.items()})
+    return choice.layout
+
+
+def _names_alike(like, params) -> bool:
+    return {layer: sorted(s for chunk in chunks for s in chunk)
+            for layer, chunks in like.items()} == \
+        {layer: sorted(p.suffix for p in ps) for layer, ps in params.items()}
+
+
+def _put_in_order(ps, groups) -> None:
+    """Reorder the parameter list ``ps`` (in place) as ``groups`` name them."""
+    by_suffix = {p.suffix: p for p in ps}
+    ps[:] = [by_suffix[s] for group in groups for s in group]
+
+
+def _first_reads(choice, graph) -> dict[str, int]:
+    """Parameter name -> position in the graph of its first reader."""
+    gm, gi = graph
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    return {name: min(order[u] for u in node.users)
+            for node, (name, _) in gi.params.items() if node.users}
+
+
+def _groups_from_graph(ps, firsts) -> list[list[str]] | None:
+    """The layer's parameters in first-read order, those read first by the same node in one
+    group; None if the graph reads none of them."""
+    read = sorted((firsts[p.name], i) for i, p in enumerate(ps) if p.name in firsts)
+    if not read:
+        return None
+    groups: list[list[str]] = []
+    last = None
+    for position, i in read:
+        if position != last:
+            groups.append([])
+            last = position
+        groups[-1].append(ps[i].suffix)
+    unread = [p.suffix for p in ps if p.name not in firsts]
+    return groups + [[s] for s in unread]
+
+
+def _groups_without_graph(ps) -> list[list[str]]:
+    """Small parameters (norms, biases: read early or cheap to wait for) in one group first,
+    then each other parameter in declaration order."""
+    sizes = [p.param.numel() * p.param.element_size() for p in ps]
+    largest = max(sizes, default=0)
+    small = [p.suffix for p, n in zip(ps, sizes) if n < largest * SMALL]
+    rest = [[p.suffix] for p, n in zip(ps, sizes) if n >= largest * SMALL]
+    return ([small] if small else []) + rest
+
+
+def _split(ps, groups: list[list[str]], align: int, max_chunks: int,
+           exact: bool = False) -> list[Chunk]:
+    """Consecutive groups joined into chunks of at least ``1/max_chunks`` of the layer; a
+    last chunk smaller than half that joins the one before.  ``exact``: one chunk per
+    group."""
+    entries, total = layout_of({p.suffix: p.param for p in ps}, align)
+    offset = {key: off for key, off, *_ in entries}
+    ends = [off for _, off, *_ in entries[1:]] + [total]
+    span = {key: end - off for (key, off, *_), end in zip(entries, ends)}
+    target = total / max(max_chunks, 1)
+    bounds: list[list[str]] = []
+    size = 0
+    for group in groups:
+        if not bounds or size >= target or exact:
+            bounds.append([])
+            size = 0
+        bounds[-1] += group
+        size += sum(span[s] for s in group)
+    if len(bounds) > 1 and size < target / 2 and not exact:
+        tail = bounds.pop()
+        bounds[-1] += tail
+    chunks = []
+    for i, suffixes in enumerate(bounds):
+        start = offset[suffixes[0]]
+        end = offset[bounds[i + 1][0]] if i + 1 < len(bounds) else total
+        chunks.append(Chunk(i, start, end, tuple(suffixes)))
+    return chunks
+
+
+def chunk_names(layout: dict[int, list[Chunk]]) -> dict[int, tuple[tuple[str, ...], ...]]:
+    """Layer -> its chunks' parameter names: what :func:`arrange` needs to arrange a copy
+    of the model alike."""
+    return {layer: tuple(c.suffixes for c in chunks) for layer, chunks in layout.items()}
+
+
+def chunk_of_suffix(chunks: list[Chunk]) -> dict[str, int]:
+    return {s: c.index for c in chunks for s in c.suffixes}
+
+
+def describe(chunks: list[Chunk]) -> str:
+    """``0: q k v | 1: gate | ...`` for ``explain``."""
+    return " | ".join(f"{c.index}: {' '.join(c.suffixes)}" for c in chunks)

@@ -1,0 +1,54 @@
+"""What the bytes of each slot hold, chunk by chunk, and the copies in flight into them: the
+runtime's record of the slot layout (:mod:`fx_offload.layout`), read by
+:class:`~.state.OffloadState`'s ``wait``, ``start`` and ``join``.
+
+Each slot maps ``(layer, chunk)`` to the copy that is filling those bytes (``None`` once it is
+done or waited for).  Filling a chunk forgets every chunk of another layer whose bytes it
+overlaps, so a wait finds its chunk only if nothing has overwritten it since it was filled.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class Pending:
+    event: "torch.cuda.Event"   # noqa: F821 - recorded on the copy stream after the copy
+    in_capture: bool            # recorded while the stream was being captured into a CUDA graph
+
+
+class SlotContents:
+    """Per slot: ``(layer, chunk)`` whose bytes it holds -> its copy in flight, or None."""
+
+    def __init__(self, layout: dict, slot_of: dict[int, int], num_slots: int):
+        self.layout, self.slot_of = layout, slot_of
+        self.held: list[dict[tuple[int, int], Pending | None]] = [{} for _ in range(num_slots)]
+
+    def chunks(self, layer: int, chunk: int = -1):
+        """``layer``'s chunk ``chunk``, or all of them (-1)."""
+        chunks = self.layout[layer]
+        return chunks if chunk < 0 else (chunks[chunk],)
+
+    def slot(self, layer: int) -> dict:
+        return self.held[self.slot_of[layer]]
+
+    def holds(self, layer: int) -> bool:
+        """Some chunk of ``layer`` is in (or on its way into) its slot."""
+        return any(other == layer for other, _ in self.slot(layer))
+
+    def fill(self, layer: int, chunk, pending: Pending | None) -> None:
+        """``layer``'s ``chunk`` now fills its bytes; what they held before is gone."""
+        held = self.slot(layer)
+        for other, index in list(held):
+            if other != layer and self.layout[other][index].overlaps(chunk):
+                del held[(other, index)]
+        held[(layer, chunk.index)] = pending
+
+    def in_flight_over(self, layer: int, chunks) -> list[tuple[tuple[int, int], Pending]]:
+        """Copies in flight into bytes of ``layer``'s slot that ``chunks`` cover."""
+        return [(key, p) for key, p in self.slot(layer).items() if p is not None and
+                any(self.layout[key[0]][key[1]].overlaps(c) for c in chunks)]
+
+    def pending(self) -> dict[tuple[int, int], Pending]:
+        """(layer, chunk) -> its copy in flight (not yet waited for)."""
+        return {key: p for held in self.held for key, p in held.items() if p is not None}
