@@ -154,10 +154,10 @@ def _check_what_users_do_to_a_tp_model(rank):
         state = fx_offload.registry.state_for_model(model)
         wait = type(state).wait
 
-        def fail_at_layer_3(self, layer):
+        def fail_at_layer_3(self, layer, chunk=-1):
             if layer == 3:
                 raise KeyboardInterrupt
-            return wait(self, layer)
+            return wait(self, layer, chunk)
         type(state).wait = fail_at_layer_3
         try:
             with pytest.raises(KeyboardInterrupt):

@@ -1,0 +1,54 @@
+"""The packed slot layout: parameters in first-read order, split into copy chunks that tile
+each layer's block; a model placed before any graph gets small parameters first."""
+import torch
+
+import fx_offload
+from fx_offload import layout
+from fx_offload.selection import choose
+from fx_offload.options import parse_options
+from fx_offload.tools import models
+
+
+def _tiles(chunks, total):
+    assert chunks[0].start == 0 and chunks[-1].end == total
+    assert all(a.end == b.start for a, b in zip(chunks, chunks[1:]))
+
+
+def test_chunks_follow_the_graph_and_tile_each_layer():
+    model, inputs = models.build("decoder", num_layers=4)
+    e = fx_offload.explain(model, *inputs, group_size=2)
+    for layer in e.choice.layers:
+        chunks = e.choice.layout[layer]
+        names = [s for c in chunks for s in c.suffixes]
+        # the norm before attention is read first, the down projection last
+        assert names[0] == "input_layernorm.weight" and names[-1] == "mlp.down_proj.weight"
+        assert [p.suffix for p in e.choice.params[layer]] == names     # the block's order
+        _tiles(chunks, sum(c.end - c.start for c in chunks))
+        assert 2 <= len(chunks) <= 8
+    one = fx_offload.explain(model, *inputs, group_size=2, copy_chunks=1).choice.layout
+    assert all(len(chunks) == 1 for chunks in one.values())
+
+
+def test_without_a_graph_small_parameters_go_first():
+    model, inputs = models.build("decoder", num_layers=4)
+    choice = choose(model, parse_options({"group_size": 2, "copy_chunks": 4}))
+    chunks = layout.arrange(choice)[1]
+    first = chunks[0].suffixes
+    assert first[:2] == ("input_layernorm.weight", "post_attention_layernorm.weight")
+    assert len(chunks) <= 4
+
+
+def test_a_placed_model_computes_exactly_with_chunks_from_no_graph():
+    torch.manual_seed(0)
+    model, inputs = models.build("decoder", num_layers=4)
+    reference = models.build("decoder", num_layers=4)[0]
+    reference.load_state_dict(model.state_dict())
+    fx_offload.place(model, "cpu", group_size=2, num_in_group=1, copy_chunks=4)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "aot_eager"})
+    with torch.no_grad():
+        want = torch.compile(reference, backend="aot_eager")(*inputs)
+        for _ in range(2):
+            assert torch.equal(compiled(*inputs), want)
+    state = fx_offload.registry.state_for_model(model)
+    assert state.stats["sync_loads"] == 0 and state.stats["prefetches"] > 0
