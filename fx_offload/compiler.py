@@ -108,7 +108,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
             "fx_offload: %s graph with %d offloaded layer(s) %s (%d wait, %d start%s); model: "
             "%d of %d layers of %r offloaded, %s to host, %d slot(s) = %s on %s; %s",
             state.model_name, len(plan.layers), [lp.layer for lp in plan.layers],
-            len(plan.layers), sum(lp.refill is not None for lp in plan.layers),
+            len(plan.layers), plan.refills(),
             ", join" if plan.has_starts and plan.join_acts else "",
             len(state.layers), len(state.stack.modules), state.stack.path,
             format_bytes(state.offloaded_bytes), state.num_slots,

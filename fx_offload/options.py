@@ -17,6 +17,7 @@ from .text import format_bytes
 
 INNER_BACKENDS = ("inductor", "aot_eager", "eager")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CIRCULAR_PREFETCH = ("auto", "end", "entry")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +32,7 @@ class OffloadOptions:
     inner_backend: str = "inductor"
     mode: str = "default"
     copy_chunks: int = 8        # a layer's copy is split into at most this many chunks
+    circular_prefetch: str = "auto"     # where each slot's first layer is copied back in
     # the planner (used instead of group_size/num_in_group/prefetch_step)
     memory_budget: int | None = None
     plan_tokens: tuple[int, ...] | None = None
@@ -44,6 +46,14 @@ class OffloadOptions:
         """True when the planner chooses the layers and the slot count."""
         return self.memory_budget is not None
 
+    @property
+    def circular_at_entry(self) -> bool:
+        """True when the circular prefetch starts at the next call's entry: asked for, or
+        under ``auto`` with CUDA graphs (``reduce-overhead``), whose captured forward waits
+        for every copy it began before it ends (fx_offload.schedule)."""
+        return self.circular_prefetch == "entry" or (
+            self.circular_prefetch == "auto" and self.mode == "reduce-overhead")
+
     def offloads_layer(self, index: int) -> bool:
         """True for the last ``num_in_group`` layers of each group of ``group_size``."""
         return index % self.group_size >= self.group_size - self.num_in_group
@@ -52,7 +62,8 @@ class OffloadOptions:
         """The options that decide what is offloaded and where; the inner compiler is not
         part of it, so one model may be compiled by several inner backends."""
         return (self.group_size, self.num_in_group, self.prefetch_step,
-                self.offload_params, self.layers, self.copy_chunks) + tuple(
+                self.offload_params, self.layers, self.copy_chunks,
+                self.circular_prefetch) + tuple(
                     getattr(self, name) for name in PLANNER_KEYS)
 
     def describe(self, placement_only: bool = False) -> str:
@@ -70,6 +81,8 @@ class OffloadOptions:
             parts.append(f"layers={shown!r}")
         if self.copy_chunks != OffloadOptions.copy_chunks:
             parts.append(f"copy_chunks={self.copy_chunks}")
+        if self.circular_prefetch != OffloadOptions.circular_prefetch:
+            parts.append(f"circular_prefetch={self.circular_prefetch!r}")
         if placement_only:
             return ", ".join(parts)
         parts.append(f"inner_backend={self.inner_backend!r}")
@@ -82,7 +95,8 @@ VALID_KEYS = tuple(f.name for f in dataclasses.fields(OffloadOptions))
 PLANNER_KEYS = ("memory_budget", "plan_tokens", "flop_rate", "memory_bandwidth",
                 "h2d_bandwidth", "launch_overhead")
 HAND_PICKED_KEYS = ("group_size", "num_in_group", "prefetch_step")
-PLACEMENT_KEYS = HAND_PICKED_KEYS + ("offload_params", "layers", "copy_chunks") + PLANNER_KEYS
+PLACEMENT_KEYS = HAND_PICKED_KEYS + ("offload_params", "layers", "copy_chunks",
+                                     "circular_prefetch") + PLANNER_KEYS
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -204,6 +218,8 @@ def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None 
             f"'group_size' ({group_size}): it counts the offloaded layers in each group")
     prefetch_step = _check_int("prefetch_step", options.get("prefetch_step", 1), 1)
     copy_chunks = _check_int("copy_chunks", options.get("copy_chunks", 8), 1)
+    circular = _check_choice("circular_prefetch", options.get("circular_prefetch", "auto"),
+                             CIRCULAR_PREFETCH)
     inner_backend = _check_choice("inner_backend", options.get("inner_backend", "inductor"),
                                   INNER_BACKENDS)
     mode_name = _check_choice("mode", options.get("mode") or "default", MODES)
@@ -228,6 +244,7 @@ def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None 
         inner_backend=inner_backend,
         mode=mode_name,
         copy_chunks=copy_chunks,
+        circular_prefetch=circular,
         **planner,
     )
 

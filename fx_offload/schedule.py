@@ -1,5 +1,6 @@
 """The slot rule, written once: which slot each offloaded layer lives in, which layer refills
-a slot after each layer, and what the slots hold where a call or a graph begins and ends.
+a slot after each layer, when each refill starts, and what the slots hold where a call or a
+graph begins and ends.
 
 Offloaded layers ``l_0 .. l_{n-1}`` (ascending, the order a forward runs them) share
 ``k = num_slots`` slots circularly::
@@ -9,10 +10,25 @@ Offloaded layers ``l_0 .. l_{n-1}`` (ascending, the order a forward runs them) s
                   l_{i % k}                   end the slot's first layer, for the next call;
                   None                        where the slot holds l_i alone (never refilled)
 
-A slot's refill is copied in once the layer leaving it has run: ``start_prefetch`` after the
-layer's last node, ``wait_prefetch`` before the refilled layer's first weight read.  Every call
-begins and ends with slot ``s`` holding ``l_s``; a graph that starts mid-call (after a graph
-break) finds the refills of every earlier layer done.
+A refill within the call (``l_{i+k}``) is copied in once the layer leaving the slot has read
+what each chunk overwrites: ``start_prefetch`` after those reads, ``wait_prefetch`` before the
+refilled layer's first read of each chunk.  A refill that wraps (``l_s``, for the next call:
+the circular prefetch) starts at one of two places, chosen once per model
+(``circular_prefetch``)::
+
+    at the end      after last(s)'s reads, like the refills within the call.  Every call
+                    begins and ends with slot s holding l_s.  The copy overlaps this call's
+                    last layers and whatever the host does until the next call: best where
+                    calls run back to back or the loop waits for its outputs alone.
+    at the entry    at the top of the graph that runs l_0, before any compute.  Every call
+                    begins and ends with slot s holding last(s).  Nothing is left copying
+                    when a call ends, and the copy stream works from the call's first node:
+                    best where the loop synchronizes the device after each call, and inside
+                    a CUDA graph, whose end waits for every copy it began.
+
+A graph that starts mid-call (after a graph break) finds the entry refills and the refills of
+every earlier layer started.  The runtime's first fill puts ``l_s`` in slot ``s`` either way,
+so a first call's entry refills find nothing to copy.
 
 The runtime's first fill, the pass (plan and verifier), the planner's simulation, ``report``
 and ``explain`` all read this; a change of refill order or distance is made here alone.
@@ -23,11 +39,13 @@ from typing import Iterable, Mapping
 
 
 class Schedule:
-    """The slot rule for one set of offloaded layers and a slot count."""
+    """The slot rule for one set of offloaded layers and a slot count; ``at_entry``: the
+    circular prefetch starts at the next call's entry instead of the end of this one."""
 
-    def __init__(self, layers: Iterable[int], num_slots: int):
+    def __init__(self, layers: Iterable[int], num_slots: int, at_entry: bool = False):
         self.layers: tuple[int, ...] = tuple(sorted(layers))
         self.num_slots = num_slots
+        self.at_entry = at_entry
         n = len(self.layers)
         self.slot_of: dict[int, int] = {layer: i % num_slots
                                         for i, layer in enumerate(self.layers)}
@@ -38,28 +56,68 @@ class Schedule:
             self.refill_of[layer] = None if refill == layer else refill
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, Schedule) and (self.layers, self.num_slots) == (
-            other.layers, other.num_slots)
+        return isinstance(other, Schedule) and self._key() == other._key()
 
     def __hash__(self) -> int:
-        return hash((self.layers, self.num_slots))
+        return hash(self._key())
+
+    def _key(self) -> tuple:
+        return self.layers, self.num_slots, self.at_entry
 
     def __repr__(self) -> str:
-        return f"Schedule(layers={list(self.layers)}, num_slots={self.num_slots})"
+        return (f"Schedule(layers={list(self.layers)}, num_slots={self.num_slots}, "
+                f"at_entry={self.at_entry})")
+
+    def first_fill(self) -> list[int]:
+        """Layer each slot holds for a call to read first: its first layer."""
+        return [self.layers[s] for s in range(self.num_slots)]
 
     def call_entry(self) -> list[int]:
-        """Layer each slot holds when a call begins, and must hold again when it ends."""
-        return [self.layers[s] for s in range(self.num_slots)]
+        """Layer each slot holds when a call begins, and must hold again when it ends: its
+        first layer, or with the circular prefetch at the entry its last (the same where
+        the slot holds one layer alone)."""
+        if not self.at_entry:
+            return self.first_fill()
+        last: dict[int, int] = {}
+        for layer in self.layers:
+            last[self.slot_of[layer]] = layer
+        return [last[s] for s in range(self.num_slots)]
+
+    def refill_in_call(self, layer: int) -> int | None:
+        """The refill started after ``layer`` (once it has read what each chunk overwrites);
+        None where there is none, or where it is started at the next call's entry."""
+        refill = self.refill_of[layer]
+        if refill is None or (self.at_entry and refill < layer):
+            return None
+        return refill
+
+    def entry_refills(self) -> list[tuple[int, int]]:
+        """``(leaving, refill)`` for each slot refilled when a call begins (none unless
+        ``at_entry``): its last layer leaves, its first comes in.  In slot order, the order
+        ``l_0 .. l_{k-1}`` are read."""
+        if not self.at_entry:
+            return []
+        return sorted(((layer, refill) for layer, refill in self.refill_of.items()
+                       if refill is not None and refill < layer), key=lambda lr: lr[1])
+
+    def starts_call(self, graph_layers: Iterable[int]) -> bool:
+        """True when a graph holding ``graph_layers`` runs the call's first offloaded layer,
+        and so starts the entry refills (if any)."""
+        return self.layers[0] in set(graph_layers)
 
     def graph_entry(self, first_layer: int | None) -> list[int]:
         """Layer each slot holds when a graph whose first offloaded layer is ``first_layer``
-        begins: every refill of an earlier offloaded layer (an earlier graph of the same
-        call) has been started."""
+        begins: where it is not the call's first, the entry refills and every refill of an
+        earlier offloaded layer (an earlier graph of the same call) have been started."""
         owner = self.call_entry()
+        if first_layer is None or first_layer <= self.layers[0]:
+            return owner
+        for _, refill in self.entry_refills():
+            owner[self.slot_of[refill]] = refill
         for layer in self.layers:
-            if first_layer is None or layer >= first_layer:
+            if layer >= first_layer:
                 break
-            refill = self.refill_of[layer]
+            refill = self.refill_in_call(layer)
             if refill is not None:
                 owner[self.slot_of[layer]] = refill
         return owner

@@ -86,6 +86,8 @@ ROWS = [
     ("bad_type", mlp, {"group_size": "4"}, {}, r"'group_size' must be an int >= 1"),
     ("bad_value", mlp, {"prefetch_step": 0}, {}, r"'prefetch_step' must be >= 1"),
     ("bad_chunks", mlp, {"copy_chunks": 0}, {}, r"'copy_chunks' must be >= 1"),
+    ("bad_circular", mlp, {"circular_prefetch": "start"}, {},
+     r"'circular_prefetch' must be one of \['auto', 'end', 'entry'\], got 'start'"),
     ("num_over_group", mlp, {"group_size": 2, "num_in_group": 3}, {},
      r"'num_in_group' \(3\) must not exceed 'group_size' \(2\)"),
     ("offload_params_str", mlp, {"offload_params": "fc1"}, {}, r"write \['fc1'\]"),

@@ -52,12 +52,16 @@ def test_inner_backends_on_gpu(inner, dtype):
     assert all(m.is_pinned() for layer in state.masters.values() for m in layer.values())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_reduce_overhead_cudagraph_trees(dtype):
+@pytest.mark.parametrize("dtype,circular", [(torch.float32, "auto"), (torch.bfloat16, "auto"),
+                                            (torch.float32, "end")])
+def test_reduce_overhead_cudagraph_trees(dtype, circular):
+    """``auto`` starts the circular prefetch at the entry under CUDA graphs; ``end`` keeps
+    it after the last layer, joined into the graph."""
     model, ids = decoder(dtype)
     reference = copy.deepcopy(model)
     ref_fn = torch.compile(reference, backend="inductor")
-    compiled = torch.compile(model, backend=fx_offload.backend(prefetch_step=2),
+    compiled = torch.compile(model, backend=fx_offload.backend(prefetch_step=2,
+                                                               circular_prefetch=circular),
                              mode="reduce-overhead")
     from torch._dynamo.utils import counters
     counters.clear()
@@ -71,14 +75,16 @@ def test_reduce_overhead_cudagraph_trees(dtype):
     assert not skipped, skipped
     state = fx_offload.registry.state_for_model(model)
     assert state.stats["sync_loads"] == 0
+    assert state.schedule.at_entry == (circular == "auto")
 
 
-def test_manual_cuda_graph_capture_replays_with_new_inputs():
+@pytest.mark.parametrize("circular", ["end", "entry"])
+def test_manual_cuda_graph_capture_replays_with_new_inputs(circular):
     model, ids = decoder(torch.float32)
     reference = copy.deepcopy(model)
     ref_fn = torch.compile(reference, backend="inductor")
     compiled = torch.compile(model, backend="prefetch_offload",
-                             options={"prefetch_step": 2})
+                             options={"prefetch_step": 2, "circular_prefetch": circular})
     static = ids.clone()
     with torch.no_grad():
         side = torch.cuda.Stream()
@@ -97,6 +103,22 @@ def test_manual_cuda_graph_capture_replays_with_new_inputs():
         # eager calls after the graph still agree
         x = torch.randint(0, 256, ids.shape, device="cuda")
         same(compiled(x), ref_fn(x), torch.float32)
+
+
+def test_circular_prefetch_at_the_entry_leaves_nothing_copying_after_a_call():
+    model, ids = decoder(torch.float32)
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "aot_eager", "prefetch_step": 2,
+                                      "circular_prefetch": "entry"})
+    with torch.no_grad():
+        for call in range(4):
+            x = torch.randint(0, 256, ids.shape, device="cuda")
+            same(compiled(x), reference(x), torch.float32, exact=True)
+            state = fx_offload.registry.state_for_model(model)
+            # every copy this call began was waited for by a layer of this call
+            assert not state.contents.pending(), state.contents.pending()
+    assert state.stats["sync_loads"] == 0 and state.stats["prefetches"] > 0
 
 
 def test_dynamic_batch_sizes():

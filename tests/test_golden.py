@@ -29,6 +29,13 @@ SCENARIOS = {
                                                              prefetch_step=3), False, False),
     "mlp_g3_n1_s2_odd": ("mlp", {"num_layers": 9}, dict(group_size=3, num_in_group=1,
                                                         prefetch_step=2), False, False),
+    # the circular prefetch at the next call's entry: the refills at the top of the graph
+    "mlp_g2_n1_s2_circular_at_entry": ("mlp", {"num_layers": 8},
+                                       dict(group_size=2, num_in_group=1, prefetch_step=2,
+                                            circular_prefetch="entry"), False, True),
+    "split_mlp_graph_break_circular_at_entry": ("split_mlp", {"num_layers": 6, "split": 3},
+                                                dict(group_size=2, num_in_group=1,
+                                                     circular_prefetch="entry"), False, False),
     "mlp_dynamic": ("mlp", {"num_layers": 6}, dict(group_size=2, num_in_group=1), True, False),
     "split_mlp_graph_break": ("split_mlp", {"num_layers": 6, "split": 3},
                               dict(group_size=2, num_in_group=1, prefetch_step=2), False, False),

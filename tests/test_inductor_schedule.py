@@ -1,7 +1,8 @@
 """Inductor keeps the schedule: read its generated code and check, for every copy chunk of
 every offloaded layer, that its wait precedes its first weight read, that the start that
-overwrites it follows its last, that no wait sits above the previous layer's compute, and
-that no slot buffer is copied."""
+overwrites it follows its last (or, for the circular prefetch at the entry, sits above every
+layer's compute), that no wait sits above the previous layer's compute, and that no slot
+buffer is copied."""
 import re
 
 import pytest
@@ -74,7 +75,8 @@ def schedule_violations(code, inputs, rep) -> list[str]:
         if op:
             kind, args = op.groups()
             if kind != "join":
-                ints = [int(a) for a in args.rsplit("]", 1)[1].strip(" ,)").split(",")]
+                ints = [int(a.split("=")[-1])      # chunk=-1 may come as a keyword
+                        for a in args.rsplit("]", 1)[1].strip(" ,)").split(",")]
                 if kind == "wait":                       # handle, layer, chunk
                     waits.setdefault((ints[1], ints[2]), pos)
                 else:                                    # handle, layer, target, chunk
@@ -101,6 +103,15 @@ def schedule_violations(code, inputs, rep) -> list[str]:
         refill = rep.refill_of[layer]
         if refill is None:
             continue
+        if rep.circular_at_entry and refill < layer:
+            # the next call's: one start of every chunk, above every layer's compute
+            entry = starts.get((layer, -1))
+            first_compute = min(p for ps in layer_reads.values() for p in ps)
+            if entry is None:
+                problems.append(f"no start of layer {refill} at the entry")
+            elif entry > first_compute:
+                problems.append(f"entry start of layer {refill} below the first layer's compute")
+            continue
         mine = layout[layer][chunk]
         for target in layout[refill]:
             start = starts.get((layer, target.index))
@@ -122,6 +133,8 @@ def schedule_violations(code, inputs, rep) -> list[str]:
     ("decoder", dict(group_size=1, num_in_group=1, prefetch_step=2), 5),
     ("moe", dict(group_size=2, num_in_group=1, prefetch_step=2), 6),
     ("mlp", dict(group_size=3, num_in_group=2, prefetch_step=3), 9),
+    ("decoder", dict(group_size=2, num_in_group=1, prefetch_step=2, circular_prefetch="entry"),
+     6),
 ])
 def test_generated_code_keeps_the_schedule(name, options, layers):
     model, reference, inputs, out, code, layer_of_input = compile_and_read_code(

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from fx_offload import ops
 from fx_offload.tools import models
@@ -20,8 +21,11 @@ COMPILE_MLP = ("import torch, fx_offload\n"
                " options={'inner_backend': 'eager'})(*inp)\n")
 
 
-def explained(name="mlp", **options):
-    model, inputs = models.build(name, num_layers=6)
+AT_ENTRY = dict(group_size=2, circular_prefetch="entry")
+
+
+def explained(name="mlp", num_layers=6, **options):
+    model, inputs = models.build(name, num_layers=num_layers)
     e = explain(model, *inputs, **options)
     (record,) = e.graphs
     return e, record
@@ -42,7 +46,8 @@ def op_nodes(gm, target, layer, chunk=None):
 def test_verifier_passes_the_real_schedules():
     for options in (dict(group_size=2), dict(group_size=1, num_in_group=1, prefetch_step=4),
                     dict(group_size=3, num_in_group=2, prefetch_step=3),
-                    dict(group_size=2, copy_chunks=1)):
+                    dict(group_size=2, copy_chunks=1), AT_ENTRY,
+                    dict(AT_ENTRY, prefetch_step=2, copy_chunks=1)):
         e, record = explained(**options)
         verify(e, record)
 
@@ -51,13 +56,13 @@ def test_each_layer_moves_in_chunks_waited_and_started_at_their_reads():
     e, record = explained(group_size=2)
     assert [[c.suffixes for c in e.choice.layout[layer]] for layer in (1, 3)] == [
         [("fc1.weight", "fc1.bias"), ("fc2.weight", "fc2.bias")]] * 2
+    order = {n: i for i, n in enumerate(record.after.graph.nodes)}
     for layer in (1, 3, 5):
         assert len(op_nodes(record.after, ops.WAIT, layer)) == 2
         starts = op_nodes(record.after, ops.START, layer)
         assert [ops.OpCall.of(n).chunk for n in starts] == [0, 1]
         # chunk 0's copy starts before the layer reads chunk 1: while fc2 still computes
         (wait1,) = op_nodes(record.after, ops.WAIT, layer, chunk=1)
-        order = {n: i for i, n in enumerate(record.after.graph.nodes)}
         assert order[starts[0]] < order[wait1] < order[starts[1]]
     e1, record1 = explained(group_size=2, copy_chunks=1)
     assert [len(e1.choice.layout[layer]) for layer in (1, 3, 5)] == [1, 1, 1]
@@ -103,11 +108,62 @@ def test_two_layers_in_one_slot_at_once_is_caught():
         verify(e, record)
 
 
+def test_the_call_begins_by_refilling_each_slot_before_any_compute():
+    """The slot's last layer (5) leaves and its first (1) comes in at the top of the graph:
+    the copy runs under layer 0, and nothing is copied past the call's end."""
+    e, record = explained(**AT_ENTRY)
+    nodes = list(record.after.graph.nodes)
+    entry = op_nodes(record.after, ops.START, 5)
+    assert [(ops.OpCall.of(n).refill, ops.OpCall.of(n).chunk) for n in entry] == [(1, -1)]
+    computed = [n for n in nodes if n.op == "call_function" and ops.OpCall.of(n) is None]
+    clone = computed[0]
+    assert clone.target is torch.clone and clone.args[0].op == "placeholder"
+    assert nodes.index(entry[-1]) < nodes.index(computed[1])
+    (first_wait,) = op_nodes(record.after, ops.WAIT, 1, chunk=0)
+    assert clone in ops.OpCall.of(first_wait).acts     # ordered after the starts
+    assert ops.OpCall.of(entry[0]).acts == [clone]
+    rows = {row[0]: row for row in e.plan_rows()}
+    assert rows["5"][5] == "next call, g0: at entry" and rows["5"][6] == "layer 1"
+    e1, record1 = explained(**AT_ENTRY, prefetch_step=2)      # slots 0, 1: 1, 5 and 3
+    assert [(ops.OpCall.of(n).layer, ops.OpCall.of(n).refill) for n in
+            op_nodes(record1.after, ops.START, 5)] == [(5, 1)]
+    assert not op_nodes(record1.after, ops.START, 3)          # alone in its slot
+    e2, record2 = explained(**AT_ENTRY, num_layers=8, prefetch_step=2)  # 1, 5 | 3, 7
+    (clone,) = [n for n in record2.after.graph.nodes if n.target is torch.clone]
+    for layer in (1, 3):            # each layer refilled at the entry waits after the starts
+        first_wait = op_nodes(record2.after, ops.WAIT, layer, chunk=0)[0]
+        assert clone in ops.OpCall.of(first_wait).acts, layer
+
+
+def test_missing_entry_refill_is_caught():
+    e, record = explained(**AT_ENTRY)
+    (start,) = op_nodes(record.after, ops.START, 5)
+    record.after.graph.erase_node(start)
+    with pytest.raises(ScheduleError, match=r"wait for layer 1 chunk 0, but slot 0's bytes for "
+                                            r"it were last filled with layer 5 chunk 0"):
+        verify(e, record)
+
+
 def test_missing_circular_prefetch_is_caught():
     e, record = explained(group_size=2)
     (start,) = op_nodes(record.after, ops.START, 5, chunk=1)
     record.after.graph.erase_node(start)
-    with pytest.raises(ScheduleError, match="a circular prefetch is missing"):
+    with pytest.raises(ScheduleError, match=r"graph ends with slot\(s\) \[0\] not holding all "
+                                            r"of layer\(s\) \[1\].*a circular prefetch is "
+                                            r"missing"):
+        verify(e, record)
+
+
+def test_circular_prefetch_at_the_end_where_the_entry_was_asked_for_is_caught():
+    """A refill after the call's last layer, where the schedule puts it at the next call's
+    entry, leaves the slot not holding what that entry overwrites."""
+    e, record = explained(**AT_ENTRY)
+    graph = record.after.graph
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    with graph.inserting_before(output):
+        graph.call_function(ops.START, ([], [], record.plan.handle, 5, 1, 0))
+    with pytest.raises(ScheduleError, match=r"graph ends with slot\(s\) \[0\] not holding all "
+                                            r"of layer\(s\) \[5\]"):
         verify(e, record)
 
 

@@ -15,7 +15,11 @@ graph the plan holds:
   declares that node mutated and reads every other read of those chunks, so no read of the
   old bytes is ordered after the copy that overwrites them.  A refill chunk that overwrites
   nothing this graph reads (a larger layer sharing the slot) starts after the layer's last
-  node, tied to its outputs as a whole-layer start would be.
+  node, tied to its outputs as a whole-layer start would be;
+* in the graph that runs the call's first offloaded layer, the :class:`EntryStarts`: the
+  refills a call begins with (each slot's first layer over the previous call's last), at the
+  top of the graph, before any compute, tied to a clone of the smallest graph input; the first
+  wait of each layer they refill is tied to that clone too, so it stays after them.
 
 Layer membership comes from ``nn_module_stack``; weights of an offloaded layer read outside
 it, or a layer output that aliases an offloaded weight, are refused with an error naming the
@@ -29,6 +33,7 @@ import logging
 import torch
 from torch import fx
 
+from .. import dtensor
 from ..errors import PlanError
 from ..graph_inputs import GraphInputs, layers_of_nodes, storage_of, value_of
 from ..layout import chunk_of_suffix
@@ -54,6 +59,14 @@ class ChunkStart:
 
 
 @dataclasses.dataclass
+class EntryStarts:
+    starts: list[tuple[int, int]]       # (leaving layer, refill): one op copies every chunk
+    source: fx.Node | None              # the graph input cloned to tie them to; None: placed
+    #                                     before the first wait of l_0, with its values
+    tied: list[ChunkWait]               # the first wait of each refilled layer in this graph
+
+
+@dataclasses.dataclass
 class LayerPlan:
     layer: int
     slot: int
@@ -72,10 +85,16 @@ class GraphPlan:
     layers: list[LayerPlan]
     join_acts: list[fx.Node]
     join_reads: list[fx.Node]
+    entry: EntryStarts | None = None
 
     @property
     def has_starts(self) -> bool:
-        return any(lp.refill is not None for lp in self.layers)
+        return self.entry is not None or any(lp.refill is not None for lp in self.layers)
+
+    def refills(self) -> int:
+        """Layers this graph starts copying in (at the call's entry or after a layer)."""
+        entry = set() if self.entry is None else {r for _, r in self.entry.starts}
+        return len(entry) + sum(lp.refill is not None for lp in self.layers)
 
     def weight_chunks(self) -> dict[fx.Node, tuple[int, int]]:
         """Offloaded weight placeholder -> (its layer, its chunk)."""
@@ -118,10 +137,38 @@ def plan_graph(gm: fx.GraphModule, gi: GraphInputs, choice: Choice, handle: int)
             plans.append(plan)
 
     _check_not_interleaved(plans, order, choice)
+    entry = _entry_starts(plans, gi, choice) \
+        if choice.schedule.starts_call([lp.layer for lp in plans]) else None
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     outs = [n for n in output.all_input_nodes if isinstance(value_of(n), torch.Tensor)]
     join_acts, join_reads = _split_mutable(outs, input_storages | set(weight_storages))
-    return GraphPlan(handle, plans, join_acts, join_reads)
+    return GraphPlan(handle, plans, join_acts, join_reads, entry)
+
+
+def _entry_starts(plans: list[LayerPlan], gi: GraphInputs, choice: Choice) -> EntryStarts | None:
+    """The entry refills, for the graph that runs the first offloaded layer."""
+    refills = choice.schedule.entry_refills()
+    if not refills:
+        return None
+    inputs = [n for n in gi.placeholders
+              if n not in gi.params and _anchor_size(n, choice) is not None]
+    # the clone is only an anchor: the smallest input costs least to copy
+    source = min(inputs, key=lambda n: _anchor_size(n, choice), default=None)
+    targets = {refill for _, refill in refills}
+    tied = [lp.waits[0] for lp in plans if lp.layer in targets]
+    return EntryStarts(refills, source, tied)
+
+
+def _anchor_size(node: fx.Node, choice: Choice) -> int | None:
+    """Elements of a graph input the entry starts may be tied to (a clone of it): a plain
+    tensor of fixed size on the offload device; None for any other (a clone on another
+    device would keep a CUDA graph from being captured; a symbolic size is not compared)."""
+    value = value_of(node)
+    if not isinstance(value, torch.Tensor) or dtensor.is_dtensor(value) \
+            or value.device.type != choice.device.type:
+        return None
+    numel = value.numel()
+    return numel if isinstance(numel, int) and numel > 0 else None
 
 
 def _check_not_interleaved(plans: list[LayerPlan], order, choice: Choice) -> None:
@@ -211,7 +258,7 @@ def _plan_layer(layer, weights: dict[fx.Node, int], layer_nodes, order, choice, 
                 f"of the offloaded weight {w.name}, which would be read after its slot is "
                 "refilled; exclude that parameter with offload_params")
     start_acts, start_reads = _split_mutable(outputs, input_storages)
-    refill = choice.schedule.refill_of[layer]
+    refill = choice.schedule.refill_in_call(layer)
     starts = []
     if refill is not None:
         if not start_acts:

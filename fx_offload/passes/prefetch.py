@@ -42,7 +42,8 @@ def run_prefetch_pass(gm: fx.GraphModule, gi: GraphInputs, choice: Choice,
     _trace_graph("fx_offload_after", gm)
     counters["fx_offload"]["graphs"] += 1
     counters["fx_offload"]["waits"] += sum(len(w.chunks) for lp in plan.layers for w in lp.waits)
-    counters["fx_offload"]["starts"] += sum(len(lp.starts) for lp in plan.layers)
+    counters["fx_offload"]["starts"] += sum(len(lp.starts) for lp in plan.layers) + (
+        len(plan.entry.starts) if plan.entry is not None else 0)
     counters["fx_offload"]["pass_us"] += spent_us
     log.debug("fx_offload: pass placed ops for layers %s in %d us",
               [lp.layer for lp in plan.layers], spent_us)

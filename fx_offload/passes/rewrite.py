@@ -13,6 +13,16 @@ layer ``T`` (chunks 0 and 1, the same bytes) after it::
     ...                                        # later layers, resident or in other slots
     join_prefetch([result], [], h)             # before the graph's output
 
+In the graph that runs the first offloaded layer ``F`` (slot ``s``, whose last layer is
+``E``), the call's entry refills come first::
+
+    x   = placeholder                          # the smallest tensor input
+    e   = clone(x)                             # an anchor the ops may declare mutated
+    start_prefetch([e], [], h, E, F, -1)       # E (the previous call's) leaves, F comes in,
+                                               # every chunk
+    ...                                        # layers before F: the copy runs under them
+    wait_prefetch([x1, e], h, F, 0)            # F's first wait: ordered after the starts
+
 ``x``, ``a`` and ``out`` keep their values; the ops only declare them mutated so that no
 compiler moves a read of a chunk above its wait or below the start that overwrites it (a
 start also reads every other read of what it overwrites).  A layer whose weight reads depend
@@ -64,16 +74,50 @@ def drop_traced_hook_waits(gm: fx.GraphModule, plan: GraphPlan) -> int:
     return dropped
 
 
+def _insert_entry_starts(graph: fx.Graph, plan: GraphPlan, where, acts: list[fx.Node]) -> None:
+    """The refills a call begins with, in order, immediately after the node ``where``: one
+    op each, copying all its chunks (nothing runs between them that the chunks could wait
+    for, and one op costs the host less than one per chunk)."""
+    for leaving, refill in plan.entry.starts:
+        with graph.inserting_after(where):
+            where = _no_value(graph.call_function(
+                ops.START, (acts, [], plan.handle, leaving, refill, -1)))
+
+
+def _entry_anchor(graph: fx.Graph, plan: GraphPlan) -> fx.Node | None:
+    """The clone of a graph input that the entry starts (and the waits they must precede)
+    declare mutated, placed after the last placeholder, with the starts after it."""
+    source = plan.entry.source if plan.entry is not None else None
+    if source is None:
+        return None
+    last_input = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    with graph.inserting_after(last_input):
+        clone = graph.call_function(torch.clone, (source,))
+    clone.meta["example_value"] = source.meta.get("example_value")
+    clone.meta["val"] = source.meta.get("val", clone.meta["example_value"])
+    _insert_entry_starts(graph, plan, clone, [clone])
+    return clone
+
+
 def apply_plan(gm: fx.GraphModule, plan: GraphPlan) -> None:
     graph = gm.graph
     drop_traced_hook_waits(gm, plan)
+    entry_clone = _entry_anchor(graph, plan)
+    tied = set() if plan.entry is None else {id(w) for w in plan.entry.tied}
     for lp in plan.layers:
         for wait in lp.waits:
             clones = _insert_clones(graph, lp, wait)
+            acts = wait.acts + clones
+            if id(wait) in tied:
+                if entry_clone is None:     # no input to clone: the starts go just before
+                    _insert_entry_starts(graph, plan, wait.first_use.prev, acts)
+                    tied.clear()            # the first of these waits, tied to its values
+                else:
+                    acts = acts + [entry_clone]
             for chunk in wait.chunks:
                 with graph.inserting_before(wait.first_use):
                     _no_value(graph.call_function(
-                        ops.WAIT, (wait.acts + clones, plan.handle, lp.layer, chunk)))
+                        ops.WAIT, (acts, plan.handle, lp.layer, chunk)))
         placed_after: dict[fx.Node, fx.Node] = {}     # keeps starts after one node in order
         for start in lp.starts:
             anchor = placed_after.get(start.after, start.after)

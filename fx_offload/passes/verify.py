@@ -6,16 +6,17 @@ which chunk), the schedule and the layers' chunks (:mod:`fx_offload.layout`), no
 that produced it, and simulates the slots byte range by byte range in program order:
 
 * at the graph's entry each slot holds every chunk of what the schedule
-  (:mod:`fx_offload.schedule`) leaves there: for the first graph of a call, the slot's first
-  layer (circularly, from the previous call);
+  (:mod:`fx_offload.schedule`) leaves there: for the graph that runs the call's first
+  offloaded layer, what the previous call left (the slot's first layer, or with the circular
+  prefetch at the entry its last, which the entry refills overwrite);
 * ``wait(L, c)`` is legal only if the last fill of the bytes of ``L``'s chunk ``c`` was for
   that chunk (a start of it, or the entry state); it makes the chunk readable;
 * a read of a weight of ``L``'s chunk ``c`` is legal only while that chunk is readable:
   after its wait and before a start overwrites any of its bytes;
 * ``start(L -> T, d)`` fills ``T``'s chunk ``d`` in ``slot(L)``; ``T`` must belong to that
   slot; every chunk whose bytes it overlaps is gone (no longer readable, nor waitable).
-* a graph that ends the model's forward must leave every slot holding every chunk of its
-  first layer, which is what the next call's entry assumes.
+* a graph that ends the model's forward must leave every slot holding every chunk of what
+  the next call's entry assumes.
 Violations raise :class:`ScheduleError` naming the node, the layer, the chunk and the slot.
 """
 from __future__ import annotations
@@ -111,5 +112,6 @@ def verify_graph(gm: fx.GraphModule, weight_chunk: dict[fx.Node, tuple[int, int]
         if bad:
             raise ScheduleError(
                 f"graph ends with slot(s) {bad} not holding all of layer(s) "
-                f"{[model.exit_owner[s] for s in bad]}, but the next call starts by reading "
-                "them from there: a circular prefetch is missing")
+                f"{[model.exit_owner[s] for s in bad]}, which is what the next call begins "
+                "with: a circular prefetch is missing, or one runs where the schedule does "
+                "not put it")

@@ -54,7 +54,11 @@ class Explanation:
     def plan_rows(self) -> list[tuple[str, ...]]:
         choice = self.choice
         where: dict[int, tuple[str, str]] = {}
+        at_entry: dict[int, str] = {}           # leaving layer -> where its slot is refilled
         for record in self.graphs:
+            if record.plan is not None and record.plan.entry is not None:
+                for leaving, _ in record.plan.entry.starts:
+                    at_entry[leaving] = f"next call, g{record.index}: at entry"
             for lp in record.plan.layers if record.plan else []:
                 befores = ", ".join(w.first_use.name for w in lp.waits)
                 afters = ", ".join(dict.fromkeys(st.after.name for st in lp.starts))
@@ -64,6 +68,7 @@ class Explanation:
         sizes = choice.layer_bytes
         for layer in choice.layers:
             wait, start = where.get(layer, ("(not in these graphs)", "-"))
+            start = at_entry.get(layer, start)
             refill = choice.schedule.refill_of[layer]
             rows.append((str(layer), str(choice.schedule.slot_of[layer]),
                          str(len(choice.params[layer])), str(sizes[layer]), wait, start,

@@ -27,6 +27,8 @@ class Report:
     pinned: bool
     options: str
     planner: object = None             # the planner's result under memory_budget, else None
+    circular_at_entry: bool = False    # each slot's first layer copied back in when the next
+    #                                    call begins (else right after this call's last)
 
     @property
     def saved_bytes(self) -> int:
@@ -46,6 +48,10 @@ class Report:
         lines = [f"fx_offload report for {self.model}: {len(self.layers)} of {self.num_layers} "
                  f"layers of {self.stack or '<root>'!r} offloaded ({self.options})"]
         lines += render_table(rows, indent="  ", rule=True)
+        if any(r is not None for r in self.refill_of.values()):
+            lines.append("  circular prefetch (each slot's first layer, for the next call): "
+                         + ("when the next call begins" if self.circular_at_entry else
+                            "after the slot's last layer"))
         host = "pinned host memory" if self.pinned else "host memory"
         lines.append(f"  offloaded to {host}: {format_bytes(self.offloaded_bytes)}; "
                      f"{self.num_slots} slot buffer(s): {format_bytes(self.buffer_bytes)} on "
@@ -69,7 +75,8 @@ def report(model: nn.Module) -> Report:
             num_slots=choice.schedule.num_slots, device=str(choice.device),
             slot_of=dict(choice.schedule.slot_of), refill_of=dict(choice.schedule.refill_of),
             layer_bytes=choice.layer_bytes, pinned=state.pinned,
-            options=choice.options.describe(), planner=choice.planner)
+            options=choice.options.describe(), planner=choice.planner,
+            circular_at_entry=choice.schedule.at_entry)
     kept = registry.nothing_offloaded(model)
     if kept is not None:
         return Report(model=kept.model_name, stack=kept.stack.path,

@@ -131,7 +131,7 @@ class OffloadState(Ownership):
                           handover[p.name][0] != buffers.masters[layer][p.suffix].data_ptr()}
         if hand_over:
             self.rewrap()
-        for layer in self.schedule.call_entry():
+        for layer in self.schedule.first_fill():
             self._load_now(layer)
         self.stats = {"prefetches": 0, "sync_loads": 0}
         registry.register(self, self.model_ref())
@@ -198,11 +198,14 @@ class OffloadState(Ownership):
         if self.restored:
             return
         held = self.contents.slot(refill)
+        capturing = self.copy_stream is not None and _capturing()
         for c in self.contents.chunks(refill, chunk):
+            if (refill, c.index) in held and not capturing:
+                # its bytes were not overwritten since: nothing to copy.  (A CUDA graph
+                # copies anyway: its replays cannot count on what this call found.)
+                continue
             if c.index == 0:
                 self.stats["prefetches"] += 1       # refills begun, whole or in chunks
-            if (refill, c.index) in held:
-                continue        # its bytes were not overwritten since: nothing to copy
             self._copied[refill] = self._versions(refill)
             if self.copy_stream is None:
                 self.buffers.copy_in(refill, c)
@@ -214,7 +217,7 @@ class OffloadState(Ownership):
             with torch.cuda.stream(self.copy_stream):
                 self.buffers.copy_in(refill, c, non_blocking=True)
                 done.record(self.copy_stream)
-            self.contents.fill(refill, c, Pending(done, _capturing()))
+            self.contents.fill(refill, c, Pending(done, capturing))
 
     def join(self) -> None:
         """End of a forward: inside a CUDA-graph capture, join every copy forked during it."""

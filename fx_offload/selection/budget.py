@@ -63,29 +63,37 @@ def simulate(pre: float, layer_s: list[float], post: float, schedule: Schedule,
     (:mod:`fx_offload.layout`) and computes in as many equal parts, part ``i`` reading chunk
     ``i``: it waits for each chunk before computing its part, and once it has computed part
     ``i``, the copy of its refill's chunk ``i`` starts (after the previous copy: one copy
-    stream).  Not ``overlapped`` (the CPU): copies run in line."""
+    stream); the refills a call begins with (:mod:`fx_offload.schedule`) start at its entry,
+    from the second call on (the first finds its slots filled).  Not ``overlapped`` (the
+    CPU): copies run in line."""
     compute_free = copy_free = 0.0
     ready = {layer: [0.0] * chunks for layer in schedule.layers}
+
+    def copy(refill: int, i: int) -> None:
+        nonlocal compute_free, copy_free
+        if overlapped:
+            copy_free = ready[refill][i] = max(compute_free, copy_free) + copy_s[refill] / chunks
+        else:
+            compute_free += copy_s[refill] / chunks
+            ready[refill][i] = compute_free
+
     start = 0.0
-    for _ in range(calls):
+    for call in range(calls):
         start = compute_free
+        for _, refill in schedule.entry_refills() if call else ():
+            for i in range(chunks):
+                copy(refill, i)
         compute_free += pre
         for layer, seconds in enumerate(layer_s):
             arrived = ready.get(layer)
             if arrived is None:                 # resident
                 compute_free += seconds
                 continue
-            refill = schedule.refill_of.get(layer)
+            refill = schedule.refill_in_call(layer)
             for i in range(chunks):
                 compute_free = max(compute_free, arrived[i]) + seconds / chunks
-                if refill is None:
-                    continue
-                if overlapped:
-                    copy_free = ready[refill][i] = max(compute_free, copy_free) + \
-                        copy_s[refill] / chunks
-                else:
-                    compute_free += copy_s[refill] / chunks
-                    ready[refill][i] = compute_free
+                if refill is not None:
+                    copy(refill, i)
         compute_free += post
     return compute_free - start
 
@@ -119,9 +127,10 @@ class CostModel:
     """Predicted times of the model and of any plan, from graph costs and device rates."""
 
     def __init__(self, costs: GraphCosts, rates: DeviceRates, num_layers: int,
-                 overlapped: bool, chunks: int = 1):
+                 overlapped: bool, chunks: int = 1, at_entry: bool = False):
         self.costs, self.rates = costs, rates
         self.num_layers, self.overlapped, self.chunks = num_layers, overlapped, chunks
+        self.at_entry = at_entry        # the circular prefetch's place (fx_offload.schedule)
         self._cache: dict[float, tuple[float, list[float], float]] = {}
 
     def segments(self, tokens: float) -> tuple[float, list[float], float]:
@@ -147,7 +156,7 @@ class CostModel:
                 tokens: float) -> float:
         pre, layer_s, post = self.segments(tokens)
         copy_s = {layer: b / self.rates.h2d_bandwidth for layer, b in layer_bytes.items()}
-        return simulate(pre, layer_s, post, Schedule(layers, num_slots), copy_s,
+        return simulate(pre, layer_s, post, Schedule(layers, num_slots, self.at_entry), copy_s,
                         self.overlapped, chunks=self.chunks)
 
     def break_even(self, layers: list[int], num_slots: int, layer_bytes: dict[int, int],
@@ -319,7 +328,8 @@ def plan(model: nn.Module, stack: LayerStack, options: OffloadOptions, costs: Gr
             + f"; raise memory_budget to at least {format_bytes(minimum, as_option=True)}")
     fitting = [c for c in all_plans if c.weights_bytes <= budget]
     cost_model = CostModel(costs, rates, len(stack.modules), overlapped=device.type == "cuda",
-                           chunks=min(options.copy_chunks, CHUNKS_PREDICTED))
+                           chunks=min(options.copy_chunks, CHUNKS_PREDICTED),
+                           at_entry=options.circular_at_entry)
     tokens = options.plan_tokens or (costs.traced_tokens,)
     best = rank(fitting, total <= budget, cost_model, tokens)[:runner_ups + 1]
     result = PlannerResult(budget, total, minimum, tuple(tokens), best[0], best[1:],

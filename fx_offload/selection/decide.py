@@ -53,7 +53,7 @@ def choose(model: nn.Module, options: OffloadOptions, graph=None, layer_frame: b
     if check_owners:
         _check_not_offloaded_elsewhere(params)
     device = _offload_device(model, params) if device is None else device
-    schedule = Schedule(params, num_slots)
+    schedule = Schedule(params, num_slots, options.circular_at_entry)
     choice = Choice(type(model).__name__, options, stack, params, schedule, device, planner)
     if planner is None:
         _warn_if_little_saved(choice)

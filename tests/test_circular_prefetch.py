@@ -1,0 +1,96 @@
+"""Where the circular prefetch (each slot's first layer, copied back in for the next call)
+starts: after the slot's last layer, or at the next call's entry (``circular_prefetch``)."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fx_offload
+from fx_offload import ops, registry
+from fx_offload.options import parse_options
+from fx_offload.selection.budget import simulate
+from fx_offload.schedule import Schedule
+from fx_offload.tools import models
+from helpers import fresh_inputs
+
+
+def test_auto_starts_it_at_the_entry_under_cuda_graphs_only():
+    assert not parse_options({}).circular_at_entry
+    assert parse_options({}, mode="reduce-overhead").circular_at_entry
+    assert parse_options({"circular_prefetch": "entry"}).circular_at_entry
+    assert not parse_options({"circular_prefetch": "end"}, mode="reduce-overhead").circular_at_entry
+    assert "circular_prefetch='entry'" in parse_options({"circular_prefetch": "entry"}).describe()
+
+
+@pytest.mark.parametrize("circular", ["end", "entry"])
+def test_calls_end_with_the_slots_the_schedule_says_and_outputs_equal(circular):
+    model, inputs = models.build("mlp", num_layers=6)
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options=dict(group_size=2, prefetch_step=2, inner_backend="aot_eager",
+                                          circular_prefetch=circular))
+    with torch.no_grad():
+        for call in range(4):
+            x = fresh_inputs("mlp", inputs, call)
+            assert torch.equal(compiled(*x), reference(*x)), call
+            state = registry.state_for_model(model)
+            held = [sorted({layer for layer, _ in slot}) for slot in state.contents.held]
+            # slots 0 and 1 hold layers 1, 5 and 3; at the end of a call, the first layers
+            # (copied back at the end) or the last ones (to be replaced at the entry)
+            assert held == ([[1], [3]] if circular == "end" else [[5], [3]]), (call, held)
+    assert state.stats["sync_loads"] == 0          # every layer was prefetched in time
+    # per call, layers 5 and 1 come into slot 0 (layer 3 is alone in slot 1); the first
+    # call's entry found layer 1 there already
+    assert state.stats["prefetches"] == (8 if circular == "end" else 7)
+
+
+class FromAnInt(nn.Module):
+    """A forward with no tensor input: nothing to tie the entry refills to but the first
+    offloaded layer's own values."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = models.MLPStack(num_layers=4)
+
+    def forward(self, n: int):
+        return self.inner(torch.full((2, 32), float(n)).sin())
+
+
+def test_a_graph_without_tensor_inputs_starts_the_entry_refills_before_the_first_wait():
+    model = FromAnInt()
+    reference = copy.deepcopy(model)
+    e = fx_offload.explain(model, 3, group_size=2, circular_prefetch="entry")
+    (record,) = e.graphs
+    nodes = list(record.after.graph.nodes)
+    calls = [ops.OpCall.of(n) for n in nodes]
+    kinds = [(c.kind, c.layer, c.refill) for c in calls if c is not None]
+    # layer 3 leaves slot 0, layer 1 comes in, just before layer 1's first wait
+    assert kinds[:2] == [("start", 3, 1), ("wait", 1, None)]
+    first = next(i for i, c in enumerate(calls) if c is not None)
+    assert any(n.op == "call_function" and calls[i] is None for i, n in enumerate(nodes[:first]))
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options=dict(group_size=2, inner_backend="aot_eager",
+                                          circular_prefetch="entry"))
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(compiled(3), reference(3))
+
+
+def test_simulation_follows_where_the_circular_prefetch_starts():
+    """Back to back (what the planner predicts), a copy at the end overlaps the next call's
+    first layers as one at the entry does, and also the end of its own call."""
+    end, entry = Schedule([1, 3], 1), Schedule([1, 3], 1, at_entry=True)
+    copy_s = {1: 3.0, 3: 3.0}
+    # whole layers, one slot: the same either way (layer 1's copy hides under layer 0)
+    assert simulate(0, [1.0] * 4, 0, end, copy_s) == simulate(0, [1.0] * 4, 0, entry, copy_s) \
+        == pytest.approx(8.0)
+    # in two chunks: at the end the copy stream never idles (6 units, the copies); at the
+    # entry it idles while layer 3 computes its second half after the last copy
+    assert simulate(0, [1.0] * 4, 0, end, copy_s, chunks=2) == pytest.approx(6.0)
+    assert simulate(0, [1.0] * 4, 0, entry, copy_s, chunks=2) == pytest.approx(6.5)
+    # every layer offloaded, two slots: at the end each copy is a call ahead; at the entry
+    # the first one has nothing to hide under
+    four = dict.fromkeys(range(4), 3.0)
+    assert simulate(0, [3.0] * 4, 0, Schedule(range(4), 2), four) == pytest.approx(12.0)
+    assert simulate(0, [3.0] * 4, 0, Schedule(range(4), 2, True), four) == pytest.approx(15.0)
