@@ -59,6 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--whole-layer-copies", action="store_true",
                         help="also run each config with copy_chunks=1: each layer copied "
                              "whole, after its last node, as a forward hook would")
+    parser.add_argument("--circular-at-entry", action="store_true",
+                        help="also run each config with circular_prefetch='entry': each "
+                             "slot's first layer copied back in when the next call begins "
+                             "instead of after this call's last layer")
     parser.add_argument("--sync-each-call", action="store_true",
                         help="time each call from a synchronize of every stream to the next")
     parser.add_argument("--hook-slots", default="1",
@@ -242,20 +246,23 @@ class Bench:
 
     def run_configs(self) -> None:
         default_packed = SlotBuffers.packed
-        modes = [(default_packed, None, "")] + (
-            [(False, None, "/per-param")] if self.args.per_param_copies else []) + (
-            [(default_packed, 1, "/whole-layer")] if self.args.whole_layer_copies else [])
+        args = self.args
+        modes = [(default_packed, {}, "")] + (
+            [(False, {}, "/per-param")] if args.per_param_copies else []) + (
+            [(default_packed, {"copy_chunks": 1}, "/whole-layer")]
+            if args.whole_layer_copies else []) + (
+            [(default_packed, {"circular_prefetch": "entry"}, "/circular-at-entry")]
+            if args.circular_at_entry else [])
         for name in self.configs:
             group, num, step = CONFIGS[name]
-            for packed, chunks, suffix in modes:
+            for packed, extra, suffix in modes:
                 def offloaded(group=group, num=num, step=step, name=name + suffix,
-                              packed=packed, chunks=chunks):
+                              packed=packed, extra=extra):
                     SlotBuffers.packed = packed
                     model = self.build()
                     total = weights_bytes(model, self.device)
-                    options = dict(group_size=group, num_in_group=num, prefetch_step=step)
-                    if chunks is not None:
-                        options["copy_chunks"] = chunks
+                    options = dict(group_size=group, num_in_group=num, prefetch_step=step,
+                                   **extra)
                     fn = torch.compile(model, backend="prefetch_offload", dynamic=True,
                                        options=options)
                     with torch.no_grad():
@@ -395,7 +402,7 @@ def write_results(self: Bench) -> None:
 
 
 def schedule_of(rep) -> Schedule:
-    return Schedule(rep.layers, rep.num_slots)
+    return Schedule(rep.layers, rep.num_slots, rep.circular_at_entry)
 
 
 def moved_by(rep) -> int:
