@@ -221,11 +221,12 @@ def test_torch_logs_turns_on_the_summary_line():
 def test_bench_smoke_run_on_cpu(tmp_path):
     out = subprocess.run([sys.executable, "-m", "fx_offload", "bench", "--device", "cpu",
                           "--quick", "--configs", "g2n1s1,g4n1s1", "--tokens", "1,16",
-                          "--out", str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
+                          "--budgets", "g2n1s1", "--out", str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     table = (tmp_path / "results.md").read_text()
     for needle in ("| resident (inductor) | 1 |", "| offload g2n1s1 | 16 |",
-                   "| offload g4n1s1 | 1 |", "bytes copied per forward"):
+                   "| offload g4n1s1 | 1 |", "| planner@g2n1s1 | 16 |",
+                   "bytes copied per forward"):
         assert needle in table, table
 
 

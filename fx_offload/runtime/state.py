@@ -197,13 +197,10 @@ class OffloadState(Ownership):
         overwrites in their slot: copy it in asynchronously."""
         if self.restored:
             return
-        held = self.contents.slot(refill)
-        capturing = self.copy_stream is not None and _capturing()
+        held, capturing = self.contents.slot(refill), _capturing()
         for c in self.contents.chunks(refill, chunk):
             if (refill, c.index) in held and not capturing:
-                # its bytes were not overwritten since: nothing to copy.  (A CUDA graph
-                # copies anyway: its replays cannot count on what this call found.)
-                continue
+                continue    # not overwritten since (a capture copies: its replays cannot know)
             if c.index == 0:
                 self.stats["prefetches"] += 1       # refills begun, whole or in chunks
             self._copied[refill] = self._versions(refill)
@@ -253,4 +250,4 @@ class OffloadState(Ownership):
 
 
 def _capturing() -> bool:
-    return torch.cuda.is_current_stream_capturing()
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
