@@ -150,10 +150,10 @@ def _entry_starts(plans: list[LayerPlan], gi: GraphInputs, choice: Choice) -> En
     refills = choice.schedule.entry_refills()
     if not refills:
         return None
-    inputs = [n for n in gi.placeholders
-              if n not in gi.params and _anchor_size(n, choice) is not None]
+    sizes = {n: _anchor_size(n, choice) for n in gi.placeholders if n not in gi.params}
     # the clone is only an anchor: the smallest input costs least to copy
-    source = min(inputs, key=lambda n: _anchor_size(n, choice), default=None)
+    source = min((n for n, size in sizes.items() if size is not None), key=sizes.get,
+                 default=None)
     targets = {refill for _, refill in refills}
     tied = [lp.waits[0] for lp in plans if lp.layer in targets]
     return EntryStarts(refills, source, tied)
