@@ -21,6 +21,7 @@ import time
 import torch
 
 from .. import report, restore
+from .bench import h2d_bandwidth
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     name = "diffusers group offload, block level, stream (eager)"
     rows[name], outputs[name] = _measure(model, inputs, args.repeats)
 
-    bound = blocks_bytes / _pinned_h2d_bandwidth() * 1e3
+    bound = blocks_bytes / h2d_bandwidth(torch.device("cuda"), 1 << 30) * 1e3
     print(f"\ncopy bound: {blocks_bytes / 2**30:.2f} GiB of blocks per step = {bound:.1f} ms")
     print(f"{'method':58s} {'ms/step':>8s} {'x bound':>8s} {'peak GiB':>9s} {'max diff':>9s}")
     for name, (ms, peak) in rows.items():
@@ -113,16 +114,3 @@ def _measure(step, inputs, repeats: int) -> tuple[tuple[float, int], torch.Tenso
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
     return (sorted(times)[repeats // 2] * 1e3, torch.cuda.max_memory_allocated()), out.float()
-
-
-def _pinned_h2d_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-    device = torch.empty_like(host, device="cuda")
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        device.copy_(host, non_blocking=True)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return nbytes / sorted(times)[repeats // 2]

@@ -24,6 +24,7 @@ import torch
 
 from .. import compile_forward, report
 from ..schedule import Schedule
+from .bench import h2d_bandwidth
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     offloaded = [i for i in range(args.layers) if i % 2 == 1]
     prompt = torch.randint(0, config.vocab_size, (1, args.prompt), device="cuda",
                            generator=torch.Generator("cuda").manual_seed(1))
-    bandwidth = _pinned_h2d_bandwidth()
+    bandwidth = h2d_bandwidth(torch.device("cuda"), 1 << 30)
     print(f"Llama, {args.layers} layers of Llama-3-8B shape (bf16, random weights), prompt "
           f"{args.prompt} tokens, {args.new_tokens} new; {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}; pinned H2D {bandwidth / 1e9:.1f} GB/s", flush=True)
@@ -134,16 +135,3 @@ def _measure(model, prompt, args, repeats: int | None = None):
     decode = (full - prefill) / (args.new_tokens - 1)
     print(f"  prefill {prefill:.1f} ms, decode {decode:.2f} ms/token", flush=True)
     return (prefill, decode), timed[-1][1]
-
-
-def _pinned_h2d_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-    device = torch.empty_like(host, device="cuda")
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        device.copy_(host, non_blocking=True)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return nbytes / statistics.median(times)
