@@ -54,6 +54,13 @@ class OffloadOptions:
         return self.circular_prefetch == "entry" or (
             self.circular_prefetch == "auto" and self.mode == "reduce-overhead")
 
+    @property
+    def hook_starts_entry(self) -> bool:
+        """True when the model's call hook begins the entry refills, ahead of the graph (and
+        of Dynamo's guards): at the entry, and not under CUDA graphs, whose replays run
+        only what the captured graph does."""
+        return self.circular_at_entry and self.mode != "reduce-overhead"
+
     def offloads_layer(self, index: int) -> bool:
         """True for the last ``num_in_group`` layers of each group of ``group_size``."""
         return index % self.group_size >= self.group_size - self.num_in_group

@@ -94,3 +94,54 @@ def test_simulation_follows_where_the_circular_prefetch_starts():
     four = dict.fromkeys(range(4), 3.0)
     assert simulate(0, [3.0] * 4, 0, Schedule(range(4), 2), four) == pytest.approx(12.0)
     assert simulate(0, [3.0] * 4, 0, Schedule(range(4), 2, True), four) == pytest.approx(15.0)
+
+
+def test_the_call_hook_begins_the_entry_refills_before_the_graph_runs():
+    """At the entry, outside CUDA graphs, the model's call hook begins each slot's refill
+    (ahead of Dynamo's guards); the graph's own start then finds it begun and copies nothing,
+    so each refill is copied once per call."""
+    assert parse_options({"circular_prefetch": "entry"}).hook_starts_entry
+    assert not parse_options({}, mode="reduce-overhead").hook_starts_entry   # replays: graph only
+    assert not parse_options({"circular_prefetch": "end"}).hook_starts_entry
+    model, inputs = models.build("mlp", num_layers=6)
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options=dict(group_size=2, prefetch_step=2, inner_backend="aot_eager",
+                                          circular_prefetch="entry"))
+    seen = []
+
+    def after_ours(module, args):       # a pre-hook registered after ours runs after it
+        state = registry.state_for_model(module)
+        seen.append((sorted({layer for layer, _ in state.contents.held[0]}),
+                     state.stats["prefetches"]))
+    with torch.no_grad():
+        compiled(*fresh_inputs("mlp", inputs, 0))      # compiles; places the hooks
+        model.register_forward_pre_hook(after_ours)
+        for call in range(1, 4):
+            x = fresh_inputs("mlp", inputs, call)
+            assert torch.equal(compiled(*x), reference(*x)), call
+    state = registry.state_for_model(model)
+    # slot 0 cycles 1 -> 5 -> 1: when the user's hook runs, layer 1 is already copied in
+    # (over layer 5): the first call copied layer 5, each later one copies 1 in its hook,
+    # then 5; the graph's entry start copies nothing more
+    assert [held for held, _ in seen] == [[1]] * 3
+    assert [n for _, n in seen] == [2, 4, 6]
+    assert state.stats == {"prefetches": 7, "sync_loads": 0}
+
+
+def test_inside_a_capture_the_call_hook_leaves_the_entry_refills_to_the_graph(monkeypatch):
+    from fx_offload.runtime import state as state_module
+    model, inputs = models.build("mlp", num_layers=6)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options=dict(group_size=2, inner_backend="aot_eager",
+                                          circular_prefetch="entry"))
+    with torch.no_grad():
+        compiled(*inputs)
+        state = registry.state_for_model(model)
+        before = state.stats["prefetches"]
+        monkeypatch.setattr(state_module, "_capturing", lambda: True)
+        state.begin_entry_refills()
+        assert state.stats["prefetches"] == before          # nothing begun from the hook
+        monkeypatch.setattr(state_module, "_capturing", lambda: False)
+        state.begin_entry_refills()
+        assert state.stats["prefetches"] == before + 1      # layer 1 over layer 5, slot 0

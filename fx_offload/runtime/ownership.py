@@ -3,9 +3,10 @@ between calls and point at their slots during one.
 
 :meth:`Ownership.enter` begins a call (the model's root hook, or an offloaded layer called on
 its own): it waits for another thread's call to end, takes up what the user changed in the
-offloaded parameters since the last call, and points them at their slots.
+offloaded parameters since the last call, begins the copies the schedule starts at a call's
+entry, and points the parameters at their slots.
 :meth:`Ownership.leave` points them back.  Mixed into :class:`~.state.OffloadState`, whose
-``params``, ``buffers``, ``contents`` and ``_load_now`` it uses.
+``params``, ``buffers``, ``contents``, ``_load_now`` and ``begin_entry_refills`` it uses.
 """
 from __future__ import annotations
 
@@ -60,6 +61,8 @@ class Ownership:
             self._holder = me
         try:
             self._take_up_changes()
+            if root:
+                self.begin_entry_refills()
             self._point_at(truth=False)
             registry.begin_call(self)
             self.entered = True
@@ -218,7 +221,4 @@ class Ownership:
                 if self.mine:
                     state._lock.release()
         return _Hold()
-        self.detach()
-        log.info("fx_offload: restored %d offloaded layer(s) of %s to %s",
-                 len(self.layers), self.model_name, self.device)
 

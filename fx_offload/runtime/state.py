@@ -33,6 +33,7 @@ copies that were forked during the capture.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 
@@ -104,18 +105,7 @@ class OffloadState(Ownership):
         ``placed(layer, masters)``: told as each layer's block is filled (progress)."""
         if self.materialized:
             return
-        def take(layer, masters):
-            with torch.no_grad():
-                for p in self.params[layer]:
-                    if p.param.device.type == "meta":     # cannot take .data of another device
-                        real = type(p.param)(masters[p.suffix],
-                                             requires_grad=p.param.requires_grad)
-                        p.owner._parameters[p.attr] = real
-                        p.param = real
-                    else:
-                        p.param.data = masters[p.suffix]
-            if placed is not None:
-                placed(layer, masters)
+        take = functools.partial(_hold_masters, self.params, placed)
         handover = {p.name: (p.param.data_ptr(), p.param._version)
                     for ps in self.params.values() for p in ps}
         layout.arrange(self.choice)     # a model placed before any graph: arranged now
@@ -216,6 +206,15 @@ class OffloadState(Ownership):
                 done.record(self.copy_stream)
             self.contents.fill(refill, c, Pending(done, capturing))
 
+    def begin_entry_refills(self) -> None:
+        """A call begins (its hook): begin the entry refills now, so the copy stream works
+        while Dynamo's guards run; the graph's own start finds them begun.  Not where the
+        graph alone must (a capture: its replays run only what it recorded)."""
+        if not self.choice.hook_starts_entry or _capturing():
+            return
+        for leaving, refill in self.schedule.entry_refills():
+            self.start(leaving, refill)
+
     def join(self) -> None:
         """End of a forward: inside a CUDA-graph capture, join every copy forked during it."""
         if self.copy_stream is None or not _capturing():
@@ -247,6 +246,20 @@ class OffloadState(Ownership):
         self._copied[layer] = self._versions(layer)
         self.stats["sync_loads"] += 1
         log.debug("fx_offload: loaded layer %d (chunk %s) synchronously", layer, chunk)
+
+
+def _hold_masters(params, placed, layer: int, masters) -> None:
+    """Point ``layer``'s parameters at their host block's views; tell ``placed``."""
+    with torch.no_grad():
+        for p in params[layer]:
+            if p.param.device.type == "meta":     # cannot take .data of another device
+                real = type(p.param)(masters[p.suffix], requires_grad=p.param.requires_grad)
+                p.owner._parameters[p.attr] = real
+                p.param = real
+            else:
+                p.param.data = masters[p.suffix]
+    if placed is not None:
+        placed(layer, masters)
 
 
 def _capturing() -> bool:

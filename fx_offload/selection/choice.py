@@ -25,6 +25,10 @@ class Choice:
     schedule: Schedule
     device: torch.device
     planner: object = None            # budget.PlannerResult under memory_budget
+    # the model's call hook begins the entry refills (fx_offload.schedule) before Dynamo's
+    # guards run; the graph's own entry start then finds them begun.  Not under CUDA graphs
+    # (reduce-overhead), whose replays run only what the graph does.
+    hook_starts_entry: bool = False
     # layer -> its copy chunks, arranged once at the first graph (fx_offload.layout.arrange),
     # which also puts each layer's params in the order of its host block
     layout: dict = dataclasses.field(default_factory=dict)

@@ -54,7 +54,8 @@ def choose(model: nn.Module, options: OffloadOptions, graph=None, layer_frame: b
         _check_not_offloaded_elsewhere(params)
     device = _offload_device(model, params) if device is None else device
     schedule = Schedule(params, num_slots, options.circular_at_entry)
-    choice = Choice(type(model).__name__, options, stack, params, schedule, device, planner)
+    choice = Choice(type(model).__name__, options, stack, params, schedule, device, planner,
+                    hook_starts_entry=options.hook_starts_entry)
     if planner is None:
         _warn_if_little_saved(choice)
     return choice

@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=int, default=33,
                         help="tokens generated per timed generate")
     parser.add_argument("--prefetch-step", type=int, default=2)
+    parser.add_argument("--circular-prefetch", default="auto",
+                        help="comma-separated circular_prefetch values (auto, end, entry): one "
+                             "fx_offload row each")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--methods", default="resident,fx_offload,accelerate",
                         help="comma-separated among resident, fx_offload, accelerate")
@@ -79,11 +82,14 @@ def run(args: argparse.Namespace) -> int:
         model.forward = torch.compile(model.forward, dynamic=True)
         rows["resident (Inductor)"], tokens["resident"] = _measure(model, prompt, args)
         del model
-    if "fx_offload" in methods:
+    circulars = [c for c in args.circular_prefetch.split(",") if c]
+    for circular in circulars if "fx_offload" in methods else []:
         model = build()
         compile_forward(model, dynamic=True, group_size=2, num_in_group=1,
-                        prefetch_step=args.prefetch_step)
+                        prefetch_step=args.prefetch_step, circular_prefetch=circular)
         name = f"fx_offload, {len(offloaded)} layers, {args.prefetch_step} slots (Inductor)"
+        if circulars != ["auto"]:
+            name += f", circular at {circular}"
         rows[name], tokens[name] = _measure(model, prompt, args)
         rep = report(model)
         moved = Schedule(rep.layers, rep.num_slots).moved_bytes(rep.layer_bytes)
@@ -106,12 +112,12 @@ def run(args: argparse.Namespace) -> int:
     bound = moved / bandwidth * 1e3 if moved else float("nan")
     print(f"\ncopy bound of a decode step: {moved / 2**30:.2f} GiB copied per forward = "
           f"{bound:.1f} ms")
-    print(f"{'method':52s} {'prefill ms':>10s} {'decode ms/token':>16s} {'x bound':>8s} "
+    print(f"{'method':62s} {'prefill ms':>10s} {'decode ms/token':>16s} {'x bound':>8s} "
           f"{'tokens as resident':>19s}")
     for name, (prefill, decode) in rows.items():
         same = "-" if "resident" not in tokens or name.startswith("resident") else (
             "yes" if torch.equal(tokens[name], tokens["resident"]) else "NO")
-        print(f"{name:52s} {prefill:10.1f} {decode:16.2f} {decode / bound:8.3f} {same:>19s}")
+        print(f"{name:62s} {prefill:10.1f} {decode:16.2f} {decode / bound:8.3f} {same:>19s}")
     return 0
 
 
