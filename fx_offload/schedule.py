@@ -24,7 +24,9 @@ the circular prefetch) starts at one of two places, chosen once per model
                     begins and ends with slot s holding last(s).  Nothing is left copying
                     when a call ends, and the copy stream works from the call's first node:
                     best where the loop synchronizes the device after each call, and inside
-                    a CUDA graph, whose end waits for every copy it began.
+                    a CUDA graph, whose end waits for every copy it began.  Outside CUDA
+                    graphs the model's call hook begins them first (before Dynamo's
+                    guards); the graph's start then finds them begun.
 
 A graph that starts mid-call (after a graph break) finds the entry refills and the refills of
 every earlier layer started.  The runtime's first fill puts ``l_s`` in slot ``s`` either way,

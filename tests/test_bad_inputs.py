@@ -279,3 +279,47 @@ def test_layer_run_twice_in_one_forward_row():
         torch.compile(model, backend="prefetch_offload",
                       options={"inner_backend": "eager"})(*inputs)
     assert fx_offload.registry.state_for_model(model) is None
+
+
+def test_layer_reading_weights_before_any_activation_row():
+    """A layer whose first copy chunk is read before the graph has computed anything: no op
+    can be ordered ahead of those reads to wait for the chunk (an ordering no compiler may
+    move needs an activation to hang on)."""
+    class ScaledFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.randn(8, 8))
+            self.proj = nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x):
+            scale = self.scale.square().mean()      # weights alone, before any activation
+            if x is None:
+                x = torch.ones(2, 8)
+            return (x @ self.proj) * scale
+
+    class FromNothing(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(ScaledFirst() for _ in range(4))
+
+        def forward(self):
+            x = None
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    model = FromNothing().eval()
+    with torch.no_grad(), pytest.raises(Exception, match=r"offloaded layer layers\.0 reads the "
+                                                         r"weights of its copy chunk\(s\) \[0\] "
+                                                         r"before any activation feeds them"):
+        torch.compile(model, backend="prefetch_offload",
+                      options={"inner_backend": "eager", "group_size": 1, "prefetch_step": 2,
+                               "copy_chunks": 2})()
+    assert fx_offload.registry.state_for_model(model) is None
+    # offloading the layers after it is fine: their reads follow layer 0's output
+    with torch.no_grad():
+        want = model()
+        got = torch.compile(model, backend="prefetch_offload",
+                            options={"inner_backend": "eager", "group_size": 2,
+                                     "copy_chunks": 2})()
+    assert torch.equal(got, want)
