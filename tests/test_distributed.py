@@ -1,8 +1,9 @@
 """Tensor parallelism on torch.distributed: each rank offloads its own shards.  Two gloo
 processes on the CPU, a hard timeout (a hung rank is killed, never the suite), for both
 styles: DTensor parameters from ``parallelize_module`` and hand-sharded layers with
-functional collectives.  Each rank compares with the same TP model, not offloaded, under the
-same inner compiler."""
+functional collectives, and for a Hugging Face Llama sharded by torch's TP plan with sequence
+parallelism and by Hugging Face's own ``tp_plan="auto"``.  Each rank compares with the same
+TP model, not offloaded, under the same inner compiler."""
 from __future__ import annotations
 
 import copy
@@ -219,9 +220,100 @@ def _check_hand_sharded(rank):
     assert fx_offload.registry.state_for_model(model).stats["sync_loads"] == 0
 
 
+def _small_llama(seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                         num_key_value_heads=2, num_hidden_layers=4, vocab_size=128,
+                         max_position_embeddings=64, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).eval()
+
+
+def _llama_sequence_parallel(model):
+    """torch's TP plan for a Llama decoder with sequence parallelism: attention and MLP
+    projections split by column then row, the norms and the residual stream split along the
+    sequence (``SequenceParallel``), gathered before each projection."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                   RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    to_sequence = dict(output_layouts=Shard(1), use_local_output=False)
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh, {
+            "input_layernorm": SequenceParallel(),
+            "post_attention_layernorm": SequenceParallel(),
+            "self_attn": PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": Shard(1)},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),),
+                                      desired_input_layouts=(Replicate(),)),
+            **{f"self_attn.{n}_proj": ColwiseParallel() for n in "qkv"},
+            "self_attn.o_proj": RowwiseParallel(**to_sequence),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(**to_sequence)})
+    parallelize_module(model, mesh, {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), **to_sequence),
+        "model.norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
+    return model
+
+
+def _check_offloaded_llama(model, reference):
+    import fx_offload
+    from fx_offload.dtensor import local
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+    with torch.no_grad():
+        want = torch.compile(reference, backend="aot_eager")(ids, use_cache=False).logits
+        for _ in range(2):
+            assert torch.equal(compiled(ids, use_cache=False).logits, want)
+    rep = fx_offload.report(model)
+    shards = sum(local(p).numel() * 4 for p in model.model.layers[1].parameters())
+    assert rep.layers == [1, 3] and rep.layer_bytes[1] == shards     # this rank's shards
+    assert fx_offload.registry.state_for_model(model).stats["sync_loads"] == 0
+
+
+def _check_llama_tp_plans(rank):
+    """A Hugging Face Llama sharded by torch's TP plan with sequence parallelism, then by
+    Hugging Face's own plan (one pair of processes for both: each costs a transformers import)."""
+    _check_offloaded_llama(_llama_sequence_parallel(_small_llama()),
+                           _llama_sequence_parallel(_small_llama()))
+    _check_hugging_face_tp_plan(rank)
+
+
+def _check_hugging_face_tp_plan(rank):
+    """``from_pretrained`` with ``tp_plan="auto"``: Hugging Face's own TP plan (DTensor
+    parameters)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import LlamaForCausalLM
+    folder = os.environ["FX_OFFLOAD_TEST_DCP"] + "_hf"
+    if rank == 0:
+        _small_llama().save_pretrained(folder)
+    dist.barrier()
+    # as torchrun sets them: without them Hugging Face loads the model unsharded
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD))
+    mesh = init_device_mesh("cpu", (WORLD,))
+    try:
+        from transformers import DistributedConfig
+        plan = {"distributed_config": DistributedConfig(tp_plan="auto")}
+    except ImportError:                         # transformers before DistributedConfig
+        plan = {"tp_plan": "auto"}
+    load = lambda: LlamaForCausalLM.from_pretrained(folder, device_mesh=mesh,    # noqa: E731
+                                                    **plan).eval()
+    model = load()
+    from fx_offload.dtensor import local
+    up = model.model.layers[1].mlp.up_proj.weight
+    assert local(up).shape == (128 // WORLD, 64), (type(up), up.shape)
+    _check_offloaded_llama(model, load())
+
+
 @pytest.mark.parametrize("check", [_check_dtensor_parameters, _check_what_users_do_to_a_tp_model,
-                                   _check_hand_sharded],
-                         ids=["dtensor_parameters", "user_calls", "hand_sharded"])
+                                   _check_hand_sharded, _check_llama_tp_plans],
+                         ids=["dtensor_parameters", "user_calls", "hand_sharded",
+                              "llama_sequence_parallel_and_hugging_face_tp_plan"])
 def test_tensor_parallel_ranks_offload_their_shards(check, tmp_path, monkeypatch):
     monkeypatch.setenv("FX_OFFLOAD_TEST_DCP", str(tmp_path / "dcp"))
     run_on_ranks(check)

@@ -6,6 +6,8 @@ Builds a stack of MLP layers sharded with torch's TP API (``ColwiseParallel`` up
 outputs against the same TP model not offloaded (same inner compiler), and prints per rank:
 memory saved against offloaded - slots, the host-to-device rate of each rank alone and of all
 ranks at once, and the time of a decode-sized call against the per-rank copy bound.
+``--mode reduce-overhead`` runs the offloaded model under CUDA graphs; ``--circular-prefetch``
+sets where each slot's first layer is copied back in (see docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -68,6 +70,9 @@ def main(argv=None):
     ap.add_argument("--inner-backend", default="inductor")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--prefetch-step", type=int, default=1)
+    ap.add_argument("--mode", default="default",
+                    help="Inductor mode of the offloaded model (reduce-overhead: CUDA graphs)")
+    ap.add_argument("--circular-prefetch", default="auto", choices=["auto", "end", "entry"])
     ap.add_argument("--no-tp", action="store_true",
                     help="the same stack unsharded, plain parameters (one rank): a baseline")
     args = ap.parse_args(argv)
@@ -88,13 +93,26 @@ def main(argv=None):
     before = torch.cuda.memory_allocated()
     compiled = torch.compile(model, backend="prefetch_offload", options={
         "inner_backend": args.inner_backend, "group_size": 2, "num_in_group": 1,
-        "prefetch_step": args.prefetch_step})
+        "prefetch_step": args.prefetch_step, "mode": args.mode,
+        "circular_prefetch": args.circular_prefetch})
     with torch.no_grad():
-        got, want = compiled(x), expected(x)
+        got, want = compiled(x).clone(), expected(x)     # a CUDA graph's output is reused
     torch.cuda.synchronize()
     rep = fx_offload.report(model)
     saved = before - torch.cuda.memory_allocated()
-    equal = torch.equal(got, want)
+    with torch.no_grad():
+        # past CUDA-graph warm-up and capture (reduce-overhead), replays still agree
+        replays_same = all(torch.equal(compiled(x), got) for _ in range(3))
+    max_diff = (got.float() - want.float()).abs().max().item()
+    if args.inner_backend == "inductor":
+        # Inductor fuses around our ops differently (they are fusion boundaries), so bf16
+        # rounding may differ by an ulp or so, with or without TP; other inner compilers
+        # run the same kernels: bitwise
+        error = torch.linalg.vector_norm(got.float() - want.float())
+        equal = bool(error <= 1e-2 * torch.linalg.vector_norm(want.float()))
+    else:
+        equal = torch.equal(got, want)
+    equal = equal and replays_same
 
     # host-to-device rate: this rank alone (others wait), then all ranks at once
     layer = rep.layers[0]
@@ -121,7 +139,10 @@ def main(argv=None):
         dist.barrier()
         offloaded_ms = _time(call, args.reps)
         resident_ms = _time(lambda: expected(x), args.reps)
-    line = (f"rank {rank}: equal {equal}; offloaded {rep.offloaded_bytes / 2**20:.1f} MiB, "
+    line = (f"rank {rank}: outputs {'match' if equal else 'DIFFER'} (largest difference "
+            f"{max_diff:.3g}, {'bf16 rounding' if args.inner_backend == 'inductor' else 'bitwise'}"
+            f", later calls "
+            f"{'the same' if replays_same else 'DIFFER'}); offloaded {rep.offloaded_bytes / 2**20:.1f} MiB, "
             f"slots {rep.buffer_bytes / 2**20:.1f} MiB, saved {saved / 2**20:.1f} MiB "
             f"(expected {(rep.offloaded_bytes - rep.buffer_bytes) / 2**20:.1f}); H2D "
             f"{gbps_alone:.1f} GB/s alone, {gbps_together:.1f} GB/s with all ranks copying; "
@@ -133,7 +154,9 @@ def main(argv=None):
     if rank == 0:
         print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, {world} ranks, "
               f"{args.layers} layers {args.hidden}x{args.inner} bf16, {args.tokens} token(s), "
-              f"prefetch_step {args.prefetch_step}, inner {args.inner_backend}")
+              f"prefetch_step {args.prefetch_step}, inner {args.inner_backend}, mode "
+              f"{args.mode}, circular prefetch {args.circular_prefetch} "
+              f"({'entry' if rep.circular_at_entry else 'end'})")
         print("\n".join(lines))
     dist.destroy_process_group()
     if not equal:
