@@ -25,8 +25,11 @@ def configs(draw):
     step = draw(st.integers(1, max(1, offloaded)))
     params = draw(st.sampled_from([None] + PARAM_CHOICES[name]))
     inner = draw(st.sampled_from(["eager", "aot_eager"]))
+    circular = draw(st.sampled_from(["end", "entry"]))
+    chunks = draw(st.sampled_from([1, 2, 8]))
     return name, layers, dict(group_size=group, num_in_group=num, prefetch_step=step,
-                              offload_params=params, inner_backend=inner)
+                              offload_params=params, inner_backend=inner,
+                              circular_prefetch=circular, copy_chunks=chunks)
 
 
 @settings(max_examples=30, deadline=None,
@@ -45,6 +48,8 @@ def test_random_configurations_match_the_model(config):
     rep = fx_offload.report(model)
     assert rep.layers and all(i % options["group_size"] >= options["group_size"] -
                               options["num_in_group"] for i in rep.layers)
+    # every layer was copied in ahead of its reads, wherever the circular prefetch starts
+    assert fx_offload.registry.state_for_model(model).stats["sync_loads"] == 0, config
 
 
 def _rss() -> int:
