@@ -70,6 +70,8 @@ class OffloadState(Ownership):
         self.restored = False
         self.hooks: list = []
         self.stats = {"prefetches": 0, "sync_loads": 0}
+        # the refills the call hook begins, worked out once rather than on every call
+        self._hook_refills = self.schedule.entry_refills() if choice.hook_starts_entry else []
         self._init_ownership()
 
     # ---- bookkeeping -------------------------------------------------------------------
@@ -210,10 +212,9 @@ class OffloadState(Ownership):
         """A call begins (its hook): begin the entry refills now, so the copy stream works
         while Dynamo's guards run; the graph's own start finds them begun.  Not where the
         graph alone must (a capture: its replays run only what it recorded)."""
-        if not self.choice.hook_starts_entry or _capturing():
-            return
-        for leaving, refill in self.schedule.entry_refills():
-            self.start(leaving, refill)
+        if self._hook_refills and not _capturing():
+            for leaving, refill in self._hook_refills:
+                self.start(leaving, refill)
 
     def join(self) -> None:
         """End of a forward: inside a CUDA-graph capture, join every copy forked during it."""

@@ -139,10 +139,11 @@ def main(argv=None):
         dist.barrier()
         offloaded_ms = _time(call, args.reps)
         resident_ms = _time(lambda: expected(x), args.reps)
+    compared = "bf16 rounding" if args.inner_backend == "inductor" else "bitwise"
     line = (f"rank {rank}: outputs {'match' if equal else 'DIFFER'} (largest difference "
-            f"{max_diff:.3g}, {'bf16 rounding' if args.inner_backend == 'inductor' else 'bitwise'}"
-            f", later calls "
-            f"{'the same' if replays_same else 'DIFFER'}); offloaded {rep.offloaded_bytes / 2**20:.1f} MiB, "
+            f"{max_diff:.3g}, {compared}, later calls "
+            f"{'the same' if replays_same else 'DIFFER'}); "
+            f"offloaded {rep.offloaded_bytes / 2**20:.1f} MiB, "
             f"slots {rep.buffer_bytes / 2**20:.1f} MiB, saved {saved / 2**20:.1f} MiB "
             f"(expected {(rep.offloaded_bytes - rep.buffer_bytes) / 2**20:.1f}); H2D "
             f"{gbps_alone:.1f} GB/s alone, {gbps_together:.1f} GB/s with all ranks copying; "
