@@ -153,13 +153,16 @@ def _state_for_graph(gm, gi: GraphInputs, options: OffloadOptions, defaulted: bo
     if state is not None:
         _check_same_options(state, options, defaulted)
         return state, False, False
+    # a graph of one layer's own frame (a graph break in or around it, a user's exception
+    # raised inside it) belongs to the model whose stack holds that layer
+    holder = registry.state_with_layer(gi.root) if gi.frame_is_root_forward else None
+    if holder is not None:
+        _check_same_options(holder, options, defaulted)
+        return holder, False, True
     owners = {id(o[0]): o for _, p in gi.params.values()
               for o in [registry.owner_of_param(p)] if o is not None}
     if owners:
         other, layer = next(iter(owners.values()))
-        if gi.frame_is_root_forward and any(gi.root is m for m in other.stack.modules):
-            _check_same_options(other, options, defaulted)
-            return other, False, True
         raise OffloadError(
             f"parameters of this graph's {type(gi.root).__name__} are already offloaded as "
             f"part of layer {layer} of a {other.model_name}; compile that model itself, not a "

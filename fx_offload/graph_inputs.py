@@ -94,14 +94,20 @@ def read_graph_inputs(gm: fx.GraphModule, example_inputs) -> GraphInputs:
 
 
 def _is_forward_frame(root: nn.Module, f_code) -> bool:
-    """True when Dynamo compiles ``root``'s own ``forward`` (or what follows a graph break in
-    it): ``Module.__call__`` and its hooks then ran eagerly, outside the graph."""
+    """True when Dynamo compiles ``root``'s own ``forward`` (or a base class's ``forward``
+    it calls through ``super()``, or what follows a graph break in either):
+    ``Module.__call__`` and its hooks then ran eagerly, outside the graph."""
     if f_code is None:
         return False
-    forward = getattr(type(root).forward, "__code__", None)
-    return f_code is forward or (
-        forward is not None and f_code.co_name.startswith("torch_dynamo_resume_in_")
-        and f_code.co_filename == forward.co_filename)
+    for cls in type(root).__mro__:
+        forward = vars(cls).get("forward")
+        code = getattr(forward, "__code__", None)
+        if code is None:
+            continue
+        if f_code is code or (f_code.co_name.startswith("torch_dynamo_resume_in_")
+                              and f_code.co_filename == code.co_filename):
+            return True
+    return False
 
 
 def value_of(node: fx.Node):

@@ -29,7 +29,8 @@ from .errors import OffloadError, StateGoneError
 log = logging.getLogger("fx_offload")
 _HANDLES: dict[int, "weakref.ref"] = {}
 _BY_MODEL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_BY_PARAM = WeakIdKeyDictionary()            # Parameter -> (state, layer index)
+_BY_PARAM = WeakIdKeyDictionary()            # Parameter -> (weakref to state, layer index):
+#   the state holds its parameters, so a strong value would keep both alive forever
 _BY_TOKEN: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 _NOTHING_OFFLOADED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _RESTORED: dict[int, tuple] = {}              # handle -> (the schedule, the chunks) it had
@@ -180,10 +181,23 @@ def state_for_model(model: nn.Module):
     return _BY_MODEL.get(model_of(model))
 
 
+def state_with_layer(module: nn.Module):
+    """The live offload state whose layer stack holds ``module`` as one of its layers
+    (offloaded or not), or None: a graph of that layer's own frame (after a graph break)
+    belongs to that state's model."""
+    for ref in list(_HANDLES.values()):
+        state = ref()
+        if state is not None and any(module is layer for layer in state.stack.modules):
+            return state
+    return None
+
+
 def owner_of_param(param) -> "tuple[object, int] | None":
     """(offload state, layer index) of an offloaded parameter (or of a DTensor parameter
     whose local shard is offloaded), or None."""
-    return _BY_PARAM.get(dtensor.local(param))
+    found = _BY_PARAM.get(dtensor.local(param))
+    state = None if found is None else found[0]()
+    return None if state is None else (state, found[1])
 
 
 def nothing_offloaded(model: nn.Module):
@@ -209,7 +223,7 @@ def register(state, model: nn.Module | None) -> None:
             _BY_MODEL[model] = state
         for layer, ps in state.params.items():
             for p in ps:
-                _BY_PARAM[p.param] = (state, layer)
+                _BY_PARAM[p.param] = (weakref.ref(state), layer)
             for module in state.stack.modules[layer].modules():
                 _BY_SUBMODULE[id(module)] = weakref.ref(state)
                 state.watched.append(id(module))
@@ -239,7 +253,7 @@ def unregister(state, model: nn.Module | None) -> None:
             del _BY_MODEL[model]
         for ps in state.params.values():
             for p in ps:
-                if _BY_PARAM.get(p.param, (None,))[0] is state:
+                if _state_of_entry(p.param) is state:
                     del _BY_PARAM[p.param]
         for key in state.watched:
             if _BY_SUBMODULE.get(key, lambda: None)() is state:
@@ -250,6 +264,11 @@ def unregister(state, model: nn.Module | None) -> None:
 def replace_param(state, layer: int, old, new) -> None:
     """``new`` took the place of the offloaded parameter ``old`` (``assign=True``)."""
     with _LOCK:
-        if _BY_PARAM.get(old, (None,))[0] is state:
+        if _state_of_entry(old) is state:
             del _BY_PARAM[old]
-        _BY_PARAM[new] = (state, layer)
+        _BY_PARAM[new] = (weakref.ref(state), layer)
+
+
+def _state_of_entry(param):
+    found = _BY_PARAM.get(param)
+    return None if found is None else found[0]()

@@ -223,10 +223,79 @@ def test_a_saved_model_loads_as_a_correct_offloaded_model(how):
 def test_update_weights_validates_everything_before_writing():
     model, compiled, reference, x = offloaded()
     good = torch.randn_like(reference.layers[3].fc1.weight)
-    with pytest.raises(fx_offload.OffloadError, match="not a tensor"):
-        fx_offload.update_weights(model, {"layers.3.fc1.weight": good,
-                                          "layers.5.fc1.weight": "oops"})
+    bad = {"not a tensor": ("oops", "not a tensor"),
+           "meta": (torch.empty(64, 32, device="meta"), "meta device"),
+           "sparse": (torch.randn(64, 32).to_sparse(), "sparse_coo tensor"),
+           "integer": (torch.ones(64, 32, dtype=torch.long), "is torch.float32, got torch.int64")}
+    for what, (value, message) in bad.items():
+        # the bad entry comes after good ones: nothing may have been written
+        with pytest.raises(fx_offload.OffloadError,
+                           match=f"layers.5.fc1.weight.*{message}.*nothing was written"):
+            fx_offload.update_weights(model, {"layers.3.fc1.weight": good,
+                                              "layers.0.fc1.weight": good,
+                                              "layers.5.fc1.weight": value})
+        assert_weights(model, reference)
+    with pytest.raises(fx_offload.OffloadError, match="must be a mapping"):
+        fx_offload.update_weights(model, [("layers.3.fc1.weight", good)])
+    with torch.no_grad():
+        assert torch.equal(compiled(x), reference(x))
+    assert fx_offload.registry.state_for_model(model).stats["sync_loads"] == 0
+
+
+def test_update_weights_takes_a_whole_state_dict():
+    """A weight sync passes another copy's ``state_dict()``: tied names and buffers included,
+    values in another dtype converted."""
+    model, compiled, reference, x = offloaded()
+    model.register_buffer("scale", torch.ones(1))
+    model.layers[6].fc2.weight = model.layers[2].fc2.weight      # tied: two names, one weight
+    other, _ = models.build("mlp", num_layers=8, seed=5)
+    other.register_buffer("scale", torch.full((1,), 2.0))
+    other.layers[6].fc2.weight = other.layers[2].fc2.weight
+    fx_offload.update_weights(model, {k: v.double() for k, v in other.state_dict().items()})
+    assert_weights(model, other)
+    assert torch.equal(model.scale, other.scale)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), other(x))
+
+
+def test_a_users_exception_inside_a_layer_surfaces_as_itself():
+    """A layer (a subclass of the stack's layer class) raises the user's own error on some
+    inputs: the call raises that error, as plain torch.compile does, and the compiled model
+    keeps working for the inputs it accepts."""
+    class Picky(models.MLPBlock):
+        def forward(self, x):
+            if x.shape[0] > 4:
+                raise ValueError("batch too big for Picky")
+            return super().forward(x)
+
+    model, (x,) = models.build("mlp", num_layers=6)
+    model.layers[4] = Picky(32, 64)           # one subclass among the stack's layers
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for batch in (2, 8, 2, 8, 3):
+            x = torch.randn(batch, 32, generator=gen)
+            if batch > 4:
+                with pytest.raises(ValueError) as raised:
+                    compiled(x)
+                assert type(raised.value) is ValueError, raised.value
+                assert str(raised.value) == "batch too big for Picky"
+            else:
+                assert torch.equal(compiled(x), reference(x))
+    assert fx_offload.report(model).layers == [1, 3, 5]
     assert_weights(model, reference)
+
+
+def test_dropping_the_model_frees_it_at_once():
+    """``del model, compiled`` then ``gc.collect()`` frees the offloaded model (its host
+    blocks and slots) inside the function that dropped it, as with plain torch.compile."""
+    model, compiled, reference, x = offloaded()
+    model_ref = weakref.ref(model)
+    state_ref = weakref.ref(fx_offload.registry.state_for_model(model))
+    del model, compiled
+    gc.collect()
+    assert model_ref() is None and state_ref() is None
 
 
 def test_releasing_the_model_frees_it():

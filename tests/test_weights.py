@@ -72,7 +72,7 @@ def test_update_weights_path_for_weight_sync():
     with torch.no_grad():
         for _ in range(2):
             assert torch.equal(compiled(*inputs), reference(*inputs))
-    with pytest.raises(ValueError, match="has no parameter 'layers.9.fc1.weight'"):
+    with pytest.raises(ValueError, match="has no parameter or buffer 'layers.9.fc1.weight'"):
         update_weights(model, {"layers.9.fc1.weight": torch.zeros(1)})
     with pytest.raises(ValueError, match=r"has shape \(64, 32\), got \(2,\)"):
         update_weights(model, {"layers.1.fc1.weight": torch.zeros(2)})

@@ -48,26 +48,54 @@ def named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def update_weights(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
-    """Copy ``weights`` (dotted name -> tensor) into the model, offloaded or not; the next
-    call uses them.  Unknown names or shape mismatches raise before anything is written."""
+    """Copy ``weights`` (dotted name -> tensor: parameters, tied names and buffers, as
+    ``state_dict`` names them) into the model, offloaded or not; the next call uses them.
+    Every entry is checked, and converted to its weight's dtype, before anything is
+    written: a bad entry raises :class:`OffloadError` naming it and leaves every weight as
+    it was."""
     model = registry.model_of(model)
     where = "fx_offload.update_weights"
     state = _state(model, where)
-    params = dict(model.named_parameters())
-    for name, value in weights.items():
-        if name not in params:
-            raise OffloadError(f"{type(model).__name__} has no parameter {name!r}", where=where)
-        if not isinstance(value, torch.Tensor):
-            raise OffloadError(f"{name}: {type(value).__name__} is not a tensor", where=where)
-        if tuple(value.shape) != tuple(params[name].shape):
-            raise OffloadError(f"{name} has shape {tuple(params[name].shape)}, got "
-                               f"{tuple(value.shape)}", where=where)
-        if value.is_floating_point() != params[name].is_floating_point() or \
-                value.is_complex() != params[name].is_complex():
-            raise OffloadError(f"{name} is {params[name].dtype}, got {value.dtype}",
-                               where=where)
-    # Everything checked: write.  Between calls the parameters are the truth; an in-place
-    # copy moves their version, so the next call reloads any slot holding them.
+    if not isinstance(weights, Mapping):
+        raise OffloadError(f"weights must be a mapping of names to tensors (a state dict), "
+                           f"got {type(weights).__name__}", where=where)
+    targets = dict(model.named_parameters(remove_duplicate=False))
+    targets.update(model.named_buffers(remove_duplicate=False))
+    staged = [_staged(name, value, targets, model, where) for name, value in weights.items()]
+    # Everything checked and converted: write.  Between calls the parameters are the
+    # truth; an in-place copy moves their version, so the next call reloads any slot
+    # holding them.
     with state.holding_slots(), torch.no_grad():
-        for name, value in weights.items():
-            params[name].copy_(value)
+        for target, value in staged:
+            target.copy_(value)
+
+
+def _staged(name, value, targets, model, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the weight ``name``, ``value`` checked against it and converted to its dtype); a
+    failure here writes nothing."""
+    if not isinstance(name, str) or name not in targets:
+        raise OffloadError(f"{type(model).__name__} has no parameter or buffer {name!r}; "
+                           "nothing was written", where=where)
+    target = targets[name]
+    if not isinstance(value, torch.Tensor):
+        raise OffloadError(f"{name}: {type(value).__name__} is not a tensor; nothing was "
+                           "written", where=where)
+    problem = (
+        "is on the meta device (it holds no data): load its values first" if value.is_meta
+        else f"is a {value.layout} tensor: give a dense one (.to_dense())"
+        if value.layout != torch.strided
+        else "is a nested tensor: give a dense one" if value.is_nested
+        else "is a quantized tensor: give it dequantized (.dequantize())" if value.is_quantized
+        else f"has shape {tuple(target.shape)}, got {tuple(value.shape)}"
+        if tuple(value.shape) != tuple(target.shape)
+        else f"is {target.dtype}, got {value.dtype}"
+        if value.is_floating_point() != target.is_floating_point()
+        or value.is_complex() != target.is_complex()
+        else None)
+    if problem is not None:
+        raise OffloadError(f"{name} {problem}; nothing was written", where=where)
+    try:
+        return target, value.detach().to(dtype=target.dtype)
+    except Exception as error:      # out of memory, a tensor subclass that cannot convert
+        raise OffloadError(f"{name} could not be converted to {target.dtype} ({error}); "
+                           "nothing was written", where=where) from error

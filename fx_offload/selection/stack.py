@@ -69,15 +69,17 @@ class LayerStack:
 
 
 def _is_layer_list(module: nn.Module) -> bool:
+    """A list of two or more layers of one class, subclasses of it allowed (a layer that
+    overrides ``forward`` for a few inputs is still a layer of the stack)."""
     if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
         return False
     kinds = {type(child) for child in module}
-    return len(kinds) == 1
+    return any(all(issubclass(other, kind) for other in kinds) for kind in kinds)
 
 
 def find_layer_stack(root: nn.Module, path: str | tuple[str, ...] | None) -> LayerStack:
     """The ``nn.ModuleList``/``nn.Sequential`` of repeated layers: ``path`` (or several
-    paths) if given, else the longest list of same-type modules that is not nested inside
+    paths) if given, else the longest list of modules of one class that is not nested inside
     another such list's layers; several lists of that length are taken together, in the
     order the model registers them."""
     if path is not None:
@@ -95,7 +97,7 @@ def find_layer_stack(root: nn.Module, path: str | tuple[str, ...] | None) -> Lay
     if not candidates:
         raise OffloadError(
             f"found no stack of repeated layers in {type(root).__name__} (no "
-            "nn.ModuleList or nn.Sequential of two or more same-type modules); pass the option "
+            "nn.ModuleList or nn.Sequential of two or more modules of one class); pass the option "
             "'layers' with the dotted path of the layer list, e.g. layers='model.layers'. If the "
             "compiled graph is a single layer, a graph break inside the layer's forward may be "
             "the cause (see TORCH_LOGS=graph_breaks)")
@@ -209,22 +211,32 @@ def _common_inner_lists(layers: nn.Module) -> set[str]:
 
 
 MAX_CALLER_FRAMES = 256         # how far up the call stack a layer's model is looked for
+# Frames of a module's call: their locals hold the calling model as ``self`` and die with the
+# call.  Only these are read: on Python before 3.13 reading a frame's ``f_locals`` stores a
+# snapshot of its locals in the frame, which would keep a user's ``del model`` from freeing
+# the model until that user's function returns.
+_MODULE_CALL_FRAMES = ("forward", "_call_impl", "_wrapped_call_impl")
+_RESUME_PREFIX = "torch_dynamo_resume_in_"      # the rest of a forward after a graph break
 
 
 def find_parent_model(module: nn.Module, max_frames: int = MAX_CALLER_FRAMES):
-    """The nearest caller whose local is a model with ``module`` in its layer stack, for a
-    graph Dynamo compiled from one layer's own ``forward`` frame (a graph break around it)."""
+    """The nearest caller whose ``self`` is a model with ``module`` in its layer stack, for a
+    graph Dynamo compiled from one layer's own ``forward`` frame (a graph break around it).
+    Reads the locals of module-call frames only (see ``_MODULE_CALL_FRAMES``)."""
     frame = sys._getframe(1)
     seen = set()
     for _ in range(max_frames):
         if frame is None:
             return None
-        for value in list(frame.f_locals.values()):
-            if not isinstance(value, nn.Module) or value is module or id(value) in seen:
-                continue
-            seen.add(id(value))
-            for _, stack in top_level_lists(value):
-                if any(layer is module for layer in stack):
-                    return value
+        name = frame.f_code.co_name
+        if name in _MODULE_CALL_FRAMES or name.startswith(_RESUME_PREFIX):
+            for value in list(frame.f_locals.values()):
+                if not isinstance(value, nn.Module) or value is module or \
+                        id(value) in seen:
+                    continue
+                seen.add(id(value))
+                for _, stack in top_level_lists(value):
+                    if any(layer is module for layer in stack):
+                        return value
         frame = frame.f_back
     return None
