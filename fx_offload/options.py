@@ -47,19 +47,21 @@ class OffloadOptions:
         return self.memory_budget is not None
 
     @property
-    def circular_at_entry(self) -> bool:
-        """True when the circular prefetch starts at the next call's entry: asked for, or
-        under ``auto`` with CUDA graphs (``reduce-overhead``), whose captured forward waits
-        for every copy it began before it ends (fx_offload.schedule)."""
-        return self.circular_prefetch == "entry" or (
-            self.circular_prefetch == "auto" and self.mode == "reduce-overhead")
+    def circular_start(self) -> str:
+        """Where the circular prefetch starts (``fx_offload.schedule``): as asked, or under
+        ``auto`` at the entry with CUDA graphs (``reduce-overhead``), whose captured forward
+        waits for every copy it began before it ends, and otherwise chosen call by call
+        (``"either"``) from what the caller does between calls."""
+        if self.circular_prefetch != "auto":
+            return self.circular_prefetch
+        return "entry" if self.mode == "reduce-overhead" else "either"
 
     @property
     def hook_starts_entry(self) -> bool:
         """True when the model's call hook begins the entry refills, ahead of the graph (and
-        of Dynamo's guards): at the entry, and not under CUDA graphs, whose replays run
+        of Dynamo's guards): where they exist, and not under CUDA graphs, whose replays run
         only what the captured graph does."""
-        return self.circular_at_entry and self.mode != "reduce-overhead"
+        return self.circular_start != "end" and self.mode != "reduce-overhead"
 
     def offloads_layer(self, index: int) -> bool:
         """True for the last ``num_in_group`` layers of each group of ``group_size``."""

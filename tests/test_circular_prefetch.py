@@ -15,15 +15,16 @@ from fx_offload.tools import models
 from helpers import fresh_inputs
 
 
-def test_auto_starts_it_at_the_entry_under_cuda_graphs_only():
-    assert not parse_options({}).circular_at_entry
-    assert parse_options({}, mode="reduce-overhead").circular_at_entry
-    assert parse_options({"circular_prefetch": "entry"}).circular_at_entry
-    assert not parse_options({"circular_prefetch": "end"}, mode="reduce-overhead").circular_at_entry
+def test_auto_chooses_per_call_outside_cuda_graphs_and_the_entry_under_them():
+    assert parse_options({}).circular_start == "either"
+    assert parse_options({}, mode="reduce-overhead").circular_start == "entry"
+    assert parse_options({"circular_prefetch": "entry"}).circular_start == "entry"
+    assert parse_options({"circular_prefetch": "end"}, mode="reduce-overhead").circular_start \
+        == "end"
     assert "circular_prefetch='entry'" in parse_options({"circular_prefetch": "entry"}).describe()
 
 
-@pytest.mark.parametrize("circular", ["end", "entry"])
+@pytest.mark.parametrize("circular", ["end", "entry", "auto"])
 def test_calls_end_with_the_slots_the_schedule_says_and_outputs_equal(circular):
     model, inputs = models.build("mlp", num_layers=6)
     reference = copy.deepcopy(model)
@@ -37,12 +38,13 @@ def test_calls_end_with_the_slots_the_schedule_says_and_outputs_equal(circular):
             state = registry.state_for_model(model)
             held = [sorted({layer for layer, _ in slot}) for slot in state.contents.held]
             # slots 0 and 1 hold layers 1, 5 and 3; at the end of a call, the first layers
-            # (copied back at the end) or the last ones (to be replaced at the entry)
-            assert held == ([[1], [3]] if circular == "end" else [[5], [3]]), (call, held)
+            # (copied back at the end) or the last ones (to be replaced at the entry); chosen
+            # per call (auto), the end's copies run in line on the CPU: it stays at the end
+            assert held == ([[5], [3]] if circular == "entry" else [[1], [3]]), (call, held)
     assert state.stats["sync_loads"] == 0          # every layer was prefetched in time
     # per call, layers 5 and 1 come into slot 0 (layer 3 is alone in slot 1); the first
     # call's entry found layer 1 there already
-    assert state.stats["prefetches"] == (8 if circular == "end" else 7)
+    assert state.stats["prefetches"] == (7 if circular == "entry" else 8)
 
 
 class FromAnInt(nn.Module):
@@ -80,7 +82,7 @@ def test_a_graph_without_tensor_inputs_starts_the_entry_refills_before_the_first
 def test_simulation_follows_where_the_circular_prefetch_starts():
     """Back to back (what the planner predicts), a copy at the end overlaps the next call's
     first layers as one at the entry does, and also the end of its own call."""
-    end, entry = Schedule([1, 3], 1), Schedule([1, 3], 1, at_entry=True)
+    end, entry = Schedule([1, 3], 1), Schedule([1, 3], 1, "entry")
     copy_s = {1: 3.0, 3: 3.0}
     # whole layers, one slot: the same either way (layer 1's copy hides under layer 0)
     assert simulate(0, [1.0] * 4, 0, end, copy_s) == simulate(0, [1.0] * 4, 0, entry, copy_s) \
@@ -93,7 +95,8 @@ def test_simulation_follows_where_the_circular_prefetch_starts():
     # the first one has nothing to hide under
     four = dict.fromkeys(range(4), 3.0)
     assert simulate(0, [3.0] * 4, 0, Schedule(range(4), 2), four) == pytest.approx(12.0)
-    assert simulate(0, [3.0] * 4, 0, Schedule(range(4), 2, True), four) == pytest.approx(15.0)
+    assert simulate(0, [3.0] * 4, 0, Schedule(range(4), 2, "entry"), four) == \
+        pytest.approx(15.0)
 
 
 def test_the_call_hook_begins_the_entry_refills_before_the_graph_runs():
@@ -145,3 +148,86 @@ def test_inside_a_capture_the_call_hook_leaves_the_entry_refills_to_the_graph(mo
         monkeypatch.setattr(state_module, "_capturing", lambda: False)
         state.begin_entry_refills()
         assert state.stats["prefetches"] == before + 1      # layer 1 over layer 5, slot 0
+
+
+class Landed:
+    """A stand-in for the done event of a copy begun at a call's end."""
+
+    def __init__(self, landed: bool):
+        self.landed = landed
+
+    def query(self) -> bool:
+        return self.landed
+
+
+def test_per_call_choice_follows_what_the_caller_does_between_calls():
+    from fx_offload.runtime.circular import LANDED_CALLS, RECHECK_EVERY, CircularStart
+    choice = CircularStart("either")
+    assert choice.at_end and choice.copies_at_end(capturing=False)
+    assert not choice.copies_at_end(capturing=True)      # a capture behaves as at the entry
+    # calls back to back, or a loop that waits for its outputs alone: the end's copy is
+    # still running when the next call begins: the end stays
+    for _ in range(5):
+        choice.began_at_end(Landed(False))
+        choice.call_begins()
+        assert choice.at_end
+    choice.call_begins()            # nothing began at the end (a graph break, the CPU)
+    assert choice.at_end
+    # a loop that synchronizes the device after each call: landed every time
+    for _ in range(LANDED_CALLS - 1):
+        choice.began_at_end(Landed(True))
+        choice.call_begins()
+        assert choice.at_end         # once is not enough
+    choice.began_at_end(Landed(True))
+    choice.call_begins()
+    assert not choice.at_end and not choice.copies_at_end(capturing=False)
+    assert "now: the entry" in choice.describe()
+    # the end is tried again once in RECHECK_EVERY calls; still synchronizing: back at once
+    for _ in range(RECHECK_EVERY - 1):
+        choice.call_begins()
+        assert not choice.at_end
+    choice.call_begins()
+    assert choice.at_end
+    choice.began_at_end(Landed(True))
+    choice.call_begins()
+    assert not choice.at_end
+    # the caller changed (now back to back): the next try finds the copy running, and stays
+    for _ in range(RECHECK_EVERY):
+        choice.call_begins()
+    assert choice.at_end
+    choice.began_at_end(Landed(False))
+    choice.call_begins()
+    assert choice.at_end
+    # the other places are fixed
+    assert CircularStart("end").copies_at_end(capturing=True)
+    fixed = CircularStart("entry")
+    fixed.began_at_end(Landed(True))
+    fixed.call_begins()
+    assert not fixed.at_end and fixed.describe() == "when the next call begins"
+
+
+def test_a_call_whose_end_start_stays_idle_leaves_the_refill_to_the_entry():
+    """Chosen per call, once the entry is chosen the end's start copies nothing: the call
+    ends with the slot's last layer, and the next call's entry copies its first; outputs are
+    those of the model, each refill copied once per call, none loaded synchronously."""
+    model, inputs = models.build("mlp", num_layers=6)
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options=dict(group_size=2, prefetch_step=2, inner_backend="aot_eager"))
+    with torch.no_grad():
+        compiled(*fresh_inputs("mlp", inputs, 0))
+        state = registry.state_for_model(model)
+        assert state.schedule.circular == "either"
+        state.circular.at_end = False           # as chosen for a loop that synchronizes
+        state.circular._calls_at_entry = -100   # no try of the end in this test
+        before = state.stats["prefetches"]
+        for call in range(1, 4):
+            x = fresh_inputs("mlp", inputs, call)
+            assert torch.equal(compiled(*x), reference(*x)), call
+            held = [sorted({layer for layer, _ in slot}) for slot in state.contents.held]
+            assert held == [[5], [3]], (call, held)
+    # per call: layer 1 at the entry (over 5), then 5 (over 1); the first of these calls
+    # found layer 1 copied by the end of the compiling call
+    assert state.stats["prefetches"] - before == 5
+    assert state.stats["sync_loads"] == 0
+    assert "chosen per call" in str(fx_offload.report(model))

@@ -78,7 +78,7 @@ def test_reduce_overhead_cudagraph_trees(dtype, circular):
     assert state.schedule.at_entry == (circular == "auto")
 
 
-@pytest.mark.parametrize("circular", ["end", "entry"])
+@pytest.mark.parametrize("circular", ["end", "entry", "auto"])
 def test_manual_cuda_graph_capture_replays_with_new_inputs(circular):
     model, ids = decoder(torch.float32)
     reference = copy.deepcopy(model)
@@ -122,6 +122,45 @@ def test_circular_prefetch_at_the_entry_leaves_nothing_copying_after_a_call():
     # call hook (layer 1) and the graph (layer 5); the graph's entry start copies nothing
     # again, and the first call found layer 1 in place
     assert state.stats == {"prefetches": 7, "sync_loads": 0}
+
+
+def test_circular_prefetch_chosen_per_call_follows_the_loop():
+    """The default (``auto``, chosen per call outside CUDA graphs): calls back to back find
+    the end's copy still running and keep it at the end; a loop that synchronizes after every
+    call finds it landed and moves it to the entry.  Outputs equal the model's throughout, no
+    layer is loaded synchronously, and each refill is copied once per call."""
+    from fx_offload.runtime.circular import LANDED_CALLS
+    kw = dict(hidden=2048, heads=16, kv_heads=8, inner=5632, vocab=1024)
+    model, (ids,) = models.build("decoder", num_layers=6, batch=1, seq=16, **kw)
+    model, ids = model.to("cuda"), ids.cuda()
+    reference = torch.compile(copy.deepcopy(model), backend="inductor")
+    compiled = torch.compile(model, backend="prefetch_offload")    # the default options
+    calls = 0
+    with torch.no_grad():
+        compiled(ids)
+        calls += 1
+        state = fx_offload.registry.state_for_model(model)
+        assert state.schedule.circular == "either" and state.circular.at_end
+        # back to back, outputs read after the last call: three layers of 180 MiB a call
+        # (about 10 ms of copies) keep the GPU behind the host, which queues calls ahead
+        xs = [torch.randint(0, 1024, ids.shape, device="cuda") for _ in range(6)]
+        outs = [compiled(x) for x in xs]
+        calls += len(xs)
+        assert state.circular.at_end
+        for x, out in zip(xs, outs):
+            same(out, reference(x), torch.float32)
+        # synchronized after every call
+        for _ in range(LANDED_CALLS + 2):
+            x = torch.randint(0, 1024, ids.shape, device="cuda")
+            out = compiled(x)
+            torch.cuda.synchronize()
+            calls += 1
+            same(out, reference(x), torch.float32)
+        assert not state.circular.at_end
+    # layers 1, 3, 5 share the one slot: three refills a call; one copy fewer: the call that
+    # moved to the entry found layer 1 copied by the previous call's end, and its own end
+    # copied nothing (the next call's entry did)
+    assert state.stats == {"prefetches": 3 * calls - 1, "sync_loads": 0}
 
 
 def test_dynamic_batch_sizes():

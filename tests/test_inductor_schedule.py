@@ -103,7 +103,7 @@ def schedule_violations(code, inputs, rep) -> list[str]:
         refill = rep.refill_of[layer]
         if refill is None:
             continue
-        if rep.circular_at_entry and refill < layer:
+        if rep.circular != "end" and refill < layer:
             # the next call's: one start of every chunk, above every layer's compute
             entry = starts.get((layer, -1))
             first_compute = min(p for ps in layer_reads.values() for p in ps)
@@ -111,7 +111,8 @@ def schedule_violations(code, inputs, rep) -> list[str]:
                 problems.append(f"no start of layer {refill} at the entry")
             elif entry > first_compute:
                 problems.append(f"entry start of layer {refill} below the first layer's compute")
-            continue
+            if rep.circular == "entry":
+                continue        # chosen per call ("either"), the end's starts follow too
         mine = layout[layer][chunk]
         for target in layout[refill]:
             start = starts.get((layer, target.index))

@@ -18,8 +18,9 @@ graph the plan holds:
   node, tied to its outputs as a whole-layer start would be;
 * in the graph that runs the call's first offloaded layer, the :class:`EntryStarts`: the
   refills a call begins with (each slot's first layer over the previous call's last), at the
-  top of the graph, before any compute, tied to a clone of the smallest graph input; the first
-  wait of each layer they refill is tied to that clone too, so it stays after them.
+  top of the graph, before any compute, tied to an anchor (an empty tensor shaped like the
+  smallest graph input); the first wait of each layer they refill is tied to that anchor
+  too, so it stays after them.
 
 Layer membership comes from ``nn_module_stack``; weights of an offloaded layer read outside
 it, or a layer output that aliases an offloaded weight, are refused with an error naming the
@@ -61,7 +62,7 @@ class ChunkStart:
 @dataclasses.dataclass
 class EntryStarts:
     starts: list[tuple[int, int]]       # (leaving layer, refill): one op copies every chunk
-    source: fx.Node | None              # the graph input cloned to tie them to; None: placed
+    source: fx.Node | None              # the graph input the anchor is shaped like; None: placed
     #                                     before the first wait of l_0, with its values
     tied: list[ChunkWait]               # the first wait of each refilled layer in this graph
 
@@ -151,7 +152,7 @@ def _entry_starts(plans: list[LayerPlan], gi: GraphInputs, choice: Choice) -> En
     if not refills:
         return None
     sizes = {n: _anchor_size(n, choice) for n in gi.placeholders if n not in gi.params}
-    # the clone is only an anchor: the smallest input costs least to copy
+    # the anchor holds no data: the smallest input's shape costs least memory
     source = min((n for n, size in sizes.items() if size is not None), key=sizes.get,
                  default=None)
     targets = {refill for _, refill in refills}
@@ -160,9 +161,10 @@ def _entry_starts(plans: list[LayerPlan], gi: GraphInputs, choice: Choice) -> En
 
 
 def _anchor_size(node: fx.Node, choice: Choice) -> int | None:
-    """Elements of a graph input the entry starts may be tied to (a clone of it): a plain
-    tensor of fixed size on the offload device; None for any other (a clone on another
-    device would keep a CUDA graph from being captured; a symbolic size is not compared)."""
+    """Elements of a graph input the entry starts may be tied to (an empty tensor shaped
+    like it): a plain tensor of fixed size on the offload device; None for any other (an
+    anchor on another device would keep a CUDA graph from being captured; a symbolic size
+    is not compared)."""
     value = value_of(node)
     if not isinstance(value, torch.Tensor) or dtensor.is_dtensor(value) \
             or value.device.type != choice.device.type:

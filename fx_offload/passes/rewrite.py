@@ -17,7 +17,7 @@ In the graph that runs the first offloaded layer ``F`` (slot ``s``, whose last l
 ``E``), the call's entry refills come first::
 
     x   = placeholder                          # the smallest tensor input
-    e   = clone(x)                             # an anchor the ops may declare mutated
+    e   = empty_like(x)                        # an anchor the ops may declare mutated
     start_prefetch([e], [], h, E, F, -1)       # E (the previous call's) leaves, F comes in,
                                                # every chunk
     ...                                        # layers before F: the copy runs under them
@@ -85,35 +85,38 @@ def _insert_entry_starts(graph: fx.Graph, plan: GraphPlan, where, acts: list[fx.
 
 
 def _entry_anchor(graph: fx.Graph, plan: GraphPlan) -> fx.Node | None:
-    """The clone of a graph input that the entry starts (and the waits they must precede)
-    declare mutated, placed after the last placeholder, with the starts after it."""
+    """The anchor the entry starts (and the waits they must precede) declare mutated: an
+    empty tensor shaped like a graph input, placed after the last placeholder, with the
+    starts after it.  Empty, it is no kernel: nothing a compiler could fuse it with (a
+    clone of the input fused with the first layer's own reads of it, and the starts sank
+    below that layer's compute), and nothing to copy."""
     source = plan.entry.source if plan.entry is not None else None
     if source is None:
         return None
     last_input = [n for n in graph.nodes if n.op == "placeholder"][-1]
     with graph.inserting_after(last_input):
-        clone = graph.call_function(torch.clone, (source,))
-    clone.meta["example_value"] = source.meta.get("example_value")
-    clone.meta["val"] = source.meta.get("val", clone.meta["example_value"])
-    _insert_entry_starts(graph, plan, clone, [clone])
-    return clone
+        anchor = graph.call_function(torch.empty_like, (source,))
+    anchor.meta["example_value"] = source.meta.get("example_value")
+    anchor.meta["val"] = source.meta.get("val", anchor.meta["example_value"])
+    _insert_entry_starts(graph, plan, anchor, [anchor])
+    return anchor
 
 
 def apply_plan(gm: fx.GraphModule, plan: GraphPlan) -> None:
     graph = gm.graph
     drop_traced_hook_waits(gm, plan)
-    entry_clone = _entry_anchor(graph, plan)
+    entry_anchor = _entry_anchor(graph, plan)
     tied = set() if plan.entry is None else {id(w) for w in plan.entry.tied}
     for lp in plan.layers:
         for wait in lp.waits:
             clones = _insert_clones(graph, lp, wait)
             acts = wait.acts + clones
             if id(wait) in tied:
-                if entry_clone is None:     # no input to clone: the starts go just before
+                if entry_anchor is None:    # no input to shape it: the starts go just before
                     _insert_entry_starts(graph, plan, wait.first_use.prev, acts)
                     tied.clear()            # the first of these waits, tied to its values
                 else:
-                    acts = acts + [entry_clone]
+                    acts = acts + [entry_anchor]
             for chunk in wait.chunks:
                 with graph.inserting_before(wait.first_use):
                     _no_value(graph.call_function(

@@ -16,7 +16,8 @@ that produced it, and simulates the slots byte range by byte range in program or
 * ``start(L -> T, d)`` fills ``T``'s chunk ``d`` in ``slot(L)``; ``T`` must belong to that
   slot; every chunk whose bytes it overlaps is gone (no longer readable, nor waitable).
 * a graph that ends the model's forward must leave every slot holding every chunk of what
-  the next call's entry assumes.
+  the schedule says a call ends with (``Schedule.call_exit``): the next call's entry
+  assumes it, or (at the entry) refills over it.
 Violations raise :class:`ScheduleError` naming the node, the layer, the chunk and the slot.
 """
 from __future__ import annotations
@@ -43,7 +44,7 @@ def slot_model_for(schedule: Schedule, chunks: dict[int, list],
                    graph_layers: list[int]) -> SlotModel:
     """The slots around a graph holding the offloaded layers ``graph_layers``."""
     first = min(graph_layers) if graph_layers else None
-    exit_owner = schedule.call_entry() if schedule.ends_call(graph_layers) else None
+    exit_owner = schedule.call_exit() if schedule.ends_call(graph_layers) else None
     return SlotModel(dict(schedule.slot_of), chunks, schedule.graph_entry(first), exit_owner)
 
 

@@ -68,7 +68,8 @@ class Explanation:
         sizes = choice.layer_bytes
         for layer in choice.layers:
             wait, start = where.get(layer, ("(not in these graphs)", "-"))
-            start = at_entry.get(layer, start)
+            if layer in at_entry:       # with the end start too where both are in the graphs
+                start = at_entry[layer] if start == "-" else f"{start}, or {at_entry[layer]}"
             refill = choice.schedule.refill_of[layer]
             rows.append((str(layer), str(choice.schedule.slot_of[layer]),
                          str(len(choice.params[layer])), str(sizes[layer]), wait, start,

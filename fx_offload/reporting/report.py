@@ -27,8 +27,9 @@ class Report:
     pinned: bool
     options: str
     planner: object = None             # the planner's result under memory_budget, else None
-    circular_at_entry: bool = False    # each slot's first layer copied back in when the next
-    #                                    call begins (else right after this call's last)
+    circular: str = "end"              # where each slot's first layer is copied back in for
+    #                                    the next call: "end", "entry" or "either" (per call)
+    circular_text: str = ""            # the same in words, with the per-call choice now
 
     @property
     def saved_bytes(self) -> int:
@@ -50,8 +51,7 @@ class Report:
         lines += render_table(rows, indent="  ", rule=True)
         if any(r is not None for r in self.refill_of.values()):
             lines.append("  circular prefetch (each slot's first layer, for the next call): "
-                         + ("when the next call begins" if self.circular_at_entry else
-                            "after the slot's last layer"))
+                         + self.circular_text)
         host = "pinned host memory" if self.pinned else "host memory"
         lines.append(f"  offloaded to {host}: {format_bytes(self.offloaded_bytes)}; "
                      f"{self.num_slots} slot buffer(s): {format_bytes(self.buffer_bytes)} on "
@@ -76,7 +76,7 @@ def report(model: nn.Module) -> Report:
             slot_of=dict(choice.schedule.slot_of), refill_of=dict(choice.schedule.refill_of),
             layer_bytes=choice.layer_bytes, pinned=state.pinned,
             options=choice.options.describe(), planner=choice.planner,
-            circular_at_entry=choice.schedule.at_entry)
+            circular=choice.schedule.circular, circular_text=state.circular.describe())
     kept = registry.nothing_offloaded(model)
     if kept is not None:
         return Report(model=kept.model_name, stack=kept.stack.path,

@@ -52,3 +52,13 @@ class SlotContents:
     def pending(self) -> dict[tuple[int, int], Pending]:
         """(layer, chunk) -> its copy in flight (not yet waited for)."""
         return {key: p for held in self.held for key, p in held.items() if p is not None}
+
+    def join_captured(self, stream) -> None:
+        """End of a captured forward: ``stream`` waits for every copy forked during the
+        capture.  Joined inside the graph, whoever runs after a replay is ordered after the
+        copy, and the event itself means nothing outside the capture: forget it."""
+        for held in self.held:
+            for key, pending in held.items():
+                if pending is not None and pending.in_capture:
+                    stream.wait_event(pending.event)
+                    held[key] = None

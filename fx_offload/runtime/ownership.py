@@ -3,8 +3,8 @@ between calls and point at their slots during one.
 
 :meth:`Ownership.enter` begins a call (the model's root hook, or an offloaded layer called on
 its own): it waits for another thread's call to end, takes up what the user changed in the
-offloaded parameters since the last call, begins the copies the schedule starts at a call's
-entry, and points the parameters at their slots.
+offloaded parameters since the last call (after beginning the copies the schedule starts at
+a call's entry), and points the parameters at their slots.
 :meth:`Ownership.leave` points them back.  Mixed into :class:`~.state.OffloadState`, whose
 ``params``, ``buffers``, ``contents``, ``_load_now`` and ``begin_entry_refills`` it uses.
 """
@@ -60,9 +60,13 @@ class Ownership:
             self._lock.acquire()
             self._holder = me
         try:
-            self._take_up_changes()
             if root:
+                # first, so the copy stream works while the rest of the call's start runs;
+                # what the user changed is taken up after: a weight given new storage is
+                # copied into its host block once the copies in flight have read it, and a
+                # slot it was copied into is reloaded (_take_up_changes)
                 self.begin_entry_refills()
+            self._take_up_changes()
             self._point_at(truth=False)
             registry.begin_call(self)
             self.entered = True

@@ -41,6 +41,8 @@ import torch
 from torch import nn
 
 from .. import layout, registry
+from ..schedule import Schedule
+from .circular import CircularStart
 from .contents import Pending, SlotContents
 from .ownership import Ownership, ShapeChanged
 from .slots import SlotBuffers
@@ -72,6 +74,7 @@ class OffloadState(Ownership):
         self.stats = {"prefetches": 0, "sync_loads": 0}
         # the refills the call hook begins, worked out once rather than on every call
         self._hook_refills = self.schedule.entry_refills() if choice.hook_starts_entry else []
+        self.circular = CircularStart(self.schedule.circular, self.model_name)
         self._init_ownership()
 
     # ---- bookkeeping -------------------------------------------------------------------
@@ -147,8 +150,7 @@ class OffloadState(Ownership):
                         current = p.current()
                         if current is not None and current.data_ptr() == \
                                 self.masters[layer][p.suffix].data_ptr():
-                            current.data = current.data.to(self.device) \
-                                if self.device.type != "cpu" else current.data
+                            current.data = current.data.to(self.device)     # CPU: itself
             self.rewrap()
             self.swapped_in = False
             self.detach()
@@ -156,6 +158,7 @@ class OffloadState(Ownership):
     def detach(self) -> None:
         """Forget the model: remove the hooks, free the slots and host blocks; the
         parameters keep whatever they hold now."""
+        self.synchronize()          # no copy may still read a host block or fill a slot
         for hook in self.hooks:
             hook.remove()
         self.hooks.clear()
@@ -190,6 +193,9 @@ class OffloadState(Ownership):
         if self.restored:
             return
         held, capturing = self.contents.slot(refill), _capturing()
+        at_end = chunk >= 0 and Schedule.wraps(layer, refill)   # an entry start's chunk: -1
+        if at_end and not self.circular.copies_at_end(capturing):
+            return          # left to the next call's entry start (fx_offload.schedule)
         for c in self.contents.chunks(refill, chunk):
             if (refill, c.index) in held and not capturing:
                 continue    # not overwritten since (a capture copies: its replays cannot know)
@@ -207,27 +213,24 @@ class OffloadState(Ownership):
                 self.buffers.copy_in(refill, c, non_blocking=True)
                 done.record(self.copy_stream)
             self.contents.fill(refill, c, Pending(done, capturing))
+            if at_end:
+                self.circular.began_at_end(done)
 
     def begin_entry_refills(self) -> None:
-        """A call begins (its hook): begin the entry refills now, so the copy stream works
-        while Dynamo's guards run; the graph's own start finds them begun.  Not where the
-        graph alone must (a capture: its replays run only what it recorded)."""
-        if self._hook_refills and not _capturing():
-            for leaving, refill in self._hook_refills:
-                self.start(leaving, refill)
+        """A call begins (its hook): choose where this call's circular prefetch starts
+        (``"either"``), and begin the entry refills now, so the copy stream works while
+        Dynamo's guards run; the graph's own start finds them begun.  Not where the graph
+        alone must (a capture: its replays run only what it recorded)."""
+        if _capturing():
+            return
+        self.circular.call_begins()
+        for leaving, refill in self._hook_refills:
+            self.start(leaving, refill)
 
     def join(self) -> None:
         """End of a forward: inside a CUDA-graph capture, join every copy forked during it."""
-        if self.copy_stream is None or not _capturing():
-            return       # eager: let the copies run on into the next call
-        stream = torch.cuda.current_stream(self.device)
-        for held in self.contents.held:
-            for key, pending in held.items():
-                if pending is not None and pending.in_capture:
-                    stream.wait_event(pending.event)
-                    # Joined inside the graph: whoever runs after a replay is ordered after
-                    # the copy, and the event itself means nothing outside the capture.
-                    held[key] = None
+        if self.copy_stream is not None and _capturing():   # eager: copies run on
+            self.contents.join_captured(torch.cuda.current_stream(self.device))
 
     def _wait_for(self, pending: Pending) -> None:
         # A copy recorded before a capture began was completed by the synchronization that

@@ -127,10 +127,12 @@ class CostModel:
     """Predicted times of the model and of any plan, from graph costs and device rates."""
 
     def __init__(self, costs: GraphCosts, rates: DeviceRates, num_layers: int,
-                 overlapped: bool, chunks: int = 1, at_entry: bool = False):
+                 overlapped: bool, chunks: int = 1, circular: str = "end"):
         self.costs, self.rates = costs, rates
         self.num_layers, self.overlapped, self.chunks = num_layers, overlapped, chunks
-        self.at_entry = at_entry        # the circular prefetch's place (fx_offload.schedule)
+        # where the circular prefetch starts (fx_offload.schedule); chosen per call, it is at
+        # the end for the calls the simulation models (back to back, fx_offload.runtime.circular)
+        self.circular = "end" if circular == "either" else circular
         self._cache: dict[float, tuple[float, list[float], float]] = {}
 
     def segments(self, tokens: float) -> tuple[float, list[float], float]:
@@ -156,7 +158,7 @@ class CostModel:
                 tokens: float) -> float:
         pre, layer_s, post = self.segments(tokens)
         copy_s = {layer: b / self.rates.h2d_bandwidth for layer, b in layer_bytes.items()}
-        return simulate(pre, layer_s, post, Schedule(layers, num_slots, self.at_entry), copy_s,
+        return simulate(pre, layer_s, post, Schedule(layers, num_slots, self.circular), copy_s,
                         self.overlapped, chunks=self.chunks)
 
     def break_even(self, layers: list[int], num_slots: int, layer_bytes: dict[int, int],
@@ -329,7 +331,7 @@ def plan(model: nn.Module, stack: LayerStack, options: OffloadOptions, costs: Gr
     fitting = [c for c in all_plans if c.weights_bytes <= budget]
     cost_model = CostModel(costs, rates, len(stack.modules), overlapped=device.type == "cuda",
                            chunks=min(options.copy_chunks, CHUNKS_PREDICTED),
-                           at_entry=options.circular_at_entry)
+                           circular=options.circular_start)
     tokens = options.plan_tokens or (costs.traced_tokens,)
     best = rank(fitting, total <= budget, cost_model, tokens)[:runner_ups + 1]
     result = PlannerResult(budget, total, minimum, tuple(tokens), best[0], best[1:],

@@ -53,7 +53,7 @@ def choose(model: nn.Module, options: OffloadOptions, graph=None, layer_frame: b
     if check_owners:
         _check_not_offloaded_elsewhere(params)
     device = _offload_device(model, params) if device is None else device
-    schedule = Schedule(params, num_slots, options.circular_at_entry)
+    schedule = Schedule(params, num_slots, options.circular_start)
     choice = Choice(type(model).__name__, options, stack, params, schedule, device, planner,
                     hook_starts_entry=options.hook_starts_entry)
     if planner is None:
