@@ -317,3 +317,24 @@ def _check_hugging_face_tp_plan(rank):
 def test_tensor_parallel_ranks_offload_their_shards(check, tmp_path, monkeypatch):
     monkeypatch.setenv("FX_OFFLOAD_TEST_DCP", str(tmp_path / "dcp"))
     run_on_ranks(check)
+
+
+def test_tp_run_job_checks_a_sharded_llama_and_exits(tmp_path):
+    """The job users launch, ``torchrun ... -m fx_offload.tools.tp_run``, on two gloo ranks: a
+    Hugging Face Llama sharded by torch's TP plan; each rank's logits equal the same TP model
+    not offloaded, no layer is loaded synchronously, and the job exits on its own (it releases
+    its compiled models before the process group)."""
+    import subprocess
+    import sys
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(WORLD), "-m", "fx_offload.tools.tp_run", "--device", "cpu",
+               "--model", "llama", "--layers", "4", "--hidden", "64", "--inner", "128",
+               "--tokens", "8", "--inner-backend", "aot_eager", "--reps", "2"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S,
+                          cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("rank ")]
+    assert len(lines) == WORLD, done.stdout
+    for line in lines:
+        assert "outputs match (largest difference 0, bitwise, later calls the same)" in line
+        assert line.endswith("sync loads 0"), line

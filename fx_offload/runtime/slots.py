@@ -75,6 +75,12 @@ class SlotBuffers:
         self._blocks[layer] = block
         return block.views
 
+    def block_of(self, layer: int) -> torch.Tensor | None:
+        """``layer``'s host block, flat bytes (None where its masters are the parameters'
+        own storage: the CPU)."""
+        block = self._blocks.get(layer)
+        return None if block is None else block.buffer
+
     def slot_tensor(self, layer: int, suffix: str) -> torch.Tensor:
         """The slot tensor a parameter of ``layer`` reads."""
         return self.views[layer][suffix]

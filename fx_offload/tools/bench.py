@@ -28,6 +28,7 @@ from ..schedule import Schedule
 from ..selection.budget import CHUNKS_PREDICTED, simulate, weights_bytes
 from .baselines import HookPrefetcher, accelerate_offload
 from .models import TinyDecoder
+from .profiling import copies_alone
 
 log = logging.getLogger("fx_offload")
 
@@ -59,10 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--whole-layer-copies", action="store_true",
                         help="also run each config with copy_chunks=1: each layer copied "
                              "whole, after its last node, as a forward hook would")
+    parser.add_argument("--circular-prefetch", default="auto",
+                        help="comma-separated circular_prefetch values each config runs with "
+                             "(auto, end, entry): where each slot's first layer is copied "
+                             "back in for the next call; the first is the plain row")
     parser.add_argument("--circular-at-entry", action="store_true",
-                        help="also run each config with circular_prefetch='entry': each "
-                             "slot's first layer copied back in when the next call begins "
-                             "instead of after this call's last layer")
+                        help="also run each config with circular_prefetch='entry' (the same "
+                             "as adding entry to --circular-prefetch)")
     parser.add_argument("--sync-each-call", action="store_true",
                         help="time each call from a synchronize of every stream to the next")
     parser.add_argument("--hook-slots", default="1",
@@ -205,6 +209,7 @@ class Bench:
         self.weights_on_device: dict[str, int] = {}   # config -> device bytes for weights
         self.moved: dict[str, int] = {}               # plan name -> bytes copied per call
         self.plans: dict[str, object] = {}            # plan name -> its report
+        self.copies_alone: dict[str, float] = {}      # plan name -> ms of its copies alone
         self.planner_rep: dict[tuple[str, int], object] = {}
         self.chosen: dict[str, tuple] = {}
         self.cost_model = None
@@ -247,12 +252,16 @@ class Bench:
     def run_configs(self) -> None:
         default_packed = SlotBuffers.packed
         args = self.args
-        modes = [(default_packed, {}, "")] + (
-            [(False, {}, "/per-param")] if args.per_param_copies else []) + (
-            [(default_packed, {"copy_chunks": 1}, "/whole-layer")]
-            if args.whole_layer_copies else []) + (
-            [(default_packed, {"circular_prefetch": "entry"}, "/circular-at-entry")]
-            if args.circular_at_entry else [])
+        circular = [c for c in args.circular_prefetch.split(",") if c] or ["auto"]
+        if args.circular_at_entry and "entry" not in circular:
+            circular.append("entry")
+        first = {} if circular[0] == "auto" else {"circular_prefetch": circular[0]}
+        modes = [(default_packed, first, "")] + (
+            [(False, first, "/per-param")] if args.per_param_copies else []) + (
+            [(default_packed, {**first, "copy_chunks": 1}, "/whole-layer")]
+            if args.whole_layer_copies else []) + [
+            (default_packed, {"circular_prefetch": c}, f"/circular-{c}")
+            for c in circular[1:]]
         for name in self.configs:
             group, num, step = CONFIGS[name]
             for packed, extra, suffix in modes:
@@ -270,6 +279,8 @@ class Bench:
                     SlotBuffers.packed = default_packed
                     rep = report(model)
                     self.moved[name] = moved_by(rep)
+                    if self.device.type == "cuda":
+                        self.copies_alone[name] = copies_alone(model)
                     self.plans[name] = rep
                     self.weights_on_device[name] = total - rep.offloaded_bytes + rep.buffer_bytes
                     return fn
@@ -386,7 +397,8 @@ def annotate(self: Bench) -> None:
 def write_results(self: Bench) -> None:
     """The table (printed and written to results.md) and the plot."""
     compute = self.compute
-    table = format_table(self.rows, compute, self.moved, self.bandwidth, self.plans)
+    table = format_table(self.rows, compute, self.moved, self.bandwidth, self.plans,
+                         self.copies_alone)
     table += planner_summary(self.rows, self.chosen, self.weights_on_device, self.configs,
                              self.plans)
     if self.cost_model is not None:
@@ -402,7 +414,7 @@ def write_results(self: Bench) -> None:
 
 
 def schedule_of(rep) -> Schedule:
-    return Schedule(rep.layers, rep.num_slots, rep.circular_at_entry)
+    return Schedule(rep.layers, rep.num_slots, rep.circular)
 
 
 def moved_by(rep) -> int:
@@ -454,7 +466,7 @@ def planner_summary(rows, chosen, weights_on_device, configs, plans) -> str:
     return "\n".join(lines) + "\n"
 
 
-def format_table(rows, compute, moved, bandwidth, plans=None) -> str:
+def format_table(rows, compute, moved, bandwidth, plans=None, alone=None) -> str:
     plans = plans or {}
     lines = ["| method | tokens | median ms | resident ms | bound ms | x bound | "
              "schedule bound ms | x schedule | predicted ms | x predicted | peak GPU GiB |",
@@ -476,6 +488,11 @@ def format_table(rows, compute, moved, bandwidth, plans=None) -> str:
         f"; pinned H2D bandwidth {bandwidth / 1e9:.1f} GB/s")
     lines.append("host memory (page-locked masters): " + ", ".join(
         f"{k} {p.offloaded_bytes / 2**20:.0f} MiB" for k, p in plans.items()))
+    if alone:
+        lines.append("copies alone, one call's bytes from the model's own host blocks in its "
+                     "chunks, no compute: " + ", ".join(
+                         f"{k} {ms:.2f} ms ({moved[k] / ms / 1e6:.1f} GB/s)"
+                         for k, ms in alone.items()))
     return "\n".join(lines) + "\n"
 
 

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from .. import compile_forward, report
+from .. import compile_forward, registry, report
 from ..schedule import Schedule
 from .bench import h2d_bandwidth
 
@@ -84,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         del model
     circulars = [c for c in args.circular_prefetch.split(",") if c]
     for circular in circulars if "fx_offload" in methods else []:
+        torch._dynamo.reset()       # each model compiles afresh (one class: shared caches)
         model = build()
         compile_forward(model, dynamic=True, group_size=2, num_in_group=1,
                         prefetch_step=args.prefetch_step, circular_prefetch=circular)
@@ -93,7 +94,9 @@ def run(args: argparse.Namespace) -> int:
         rows[name], tokens[name] = _measure(model, prompt, args)
         rep = report(model)
         moved = Schedule(rep.layers, rep.num_slots).moved_bytes(rep.layer_bytes)
-        print(rep, flush=True)
+        choice = registry.state_for_model(model).circular
+        print(f"{rep}\n  circular prefetch at the {choice.now} after the run ({choice.moves} "
+              "changes of place)", flush=True)
         del model, rep
     if "accelerate" in methods:
         try:

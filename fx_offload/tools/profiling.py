@@ -1,7 +1,14 @@
-"""Measure how much of the weight-copy time a profiler trace shows hidden behind compute."""
+"""Measure the weight copies: how much of their time a profiler trace shows hidden behind
+compute, and how long they take alone, from the model's own host blocks."""
 from __future__ import annotations
 
 import dataclasses
+import statistics
+import time
+
+import torch
+
+from .. import registry
 
 
 @dataclasses.dataclass
@@ -57,3 +64,29 @@ def overlap_from_events(events, copy_stream_id: int | None = None) -> Overlap:
                 break
             hidden += min(e, ke) - max(s, ks)
     return Overlap(total / 1e3, hidden / 1e3, len(copies), len(kernels))
+
+
+def copies_alone(model, chunked: bool = True, repeats: int = 3) -> float:
+    """Median ms to copy one call's bytes (each refilled layer once) from ``model``'s own host
+    blocks into device memory, back to back on a side stream with nothing else running: in
+    the call's chunks, or each layer whole.  What the link gives from where the weights
+    live, to set beside a fresh pinned buffer's rate and beside the call itself."""
+    state = registry.state_for_model(model)
+    layers = state.schedule.refilled_layers()
+    blocks = {layer: state.buffers.block_of(layer) for layer in layers}
+    pieces = [(blocks[layer], c.start, c.end) if chunked else (blocks[layer], 0,
+                                                                blocks[layer].numel())
+              for layer in layers for c in (state.choice.layout[layer] if chunked else [None])]
+    scratch = torch.empty(max(b.numel() for b in blocks.values()), dtype=torch.uint8,
+                          device=state.device)
+    stream = torch.cuda.Stream(state.device)
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize(state.device)
+        started = time.perf_counter()
+        with torch.cuda.stream(stream):
+            for block, a, b in pieces:
+                scratch[a:b].copy_(block[a:b], non_blocking=True)
+        torch.cuda.synchronize(state.device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e3

@@ -19,6 +19,7 @@ import torch
 
 from .. import restore
 from .bench import _build, _shapes
+from .profiling import copies_alone
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,6 +68,10 @@ def run(args: argparse.Namespace) -> int:
               f"{summary['compute']:7.2f} | copies busy {summary['copy']:7.2f} | copy stream "
               f"idle before its first copy {summary['copy_idle_at_start']:6.2f} | compute "
               f"waiting {summary['span'] - summary['compute']:6.2f}   ({path})", flush=True)
+        if chunks is None:
+            print(f"{'':26s} copies alone from the model's host blocks, no compute: "
+                  f"{copies_alone(model):.2f} ms in the call's chunks, "
+                  f"{copies_alone(model, chunked=False):.2f} ms whole", flush=True)
         restore(model)
         del fn, model
         torch.cuda.empty_cache()
@@ -103,11 +108,18 @@ def _busy(spans) -> float:
 
 
 def summarize(events) -> dict[str, float]:
+    """A call's GPU time (``span``), ms: the compute and copy streams' busy time, and the
+    copy stream's idle time before its first copy, between copies (``copy_gaps``) and after
+    its last (``copy_tail``); span = copy_idle_at_start + copy + copy_gaps + copy_tail."""
     copies = [(t0, t1) for k, t0, t1 in events if k == "copy"]
     compute = [(t0, t1) for k, t0, t1 in events if k == "compute"]
-    return dict(span=max(t1 for _, _, t1 in events), compute=_busy(compute),
-                copy=_busy(copies),
-                copy_idle_at_start=min((t0 for t0, _ in copies), default=0.0))
+    span = max(t1 for _, _, t1 in events)
+    busy = _busy(copies)
+    first = min((t0 for t0, _ in copies), default=0.0)
+    last = max((t1 for _, t1 in copies), default=0.0)
+    return dict(span=span, compute=_busy(compute), copy=busy, copy_idle_at_start=first,
+                copy_gaps=max(0.0, last - first - busy) if copies else 0.0,
+                copy_tail=span - last if copies else span)
 
 
 def figure(calls: dict, path: str) -> None:
