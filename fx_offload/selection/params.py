@@ -87,9 +87,26 @@ def select_params(root: nn.Module, stack: LayerStack, layers: Iterable[int],
             chosen[index] = picked
         else:
             log.debug("fx_offload: layer %s has no parameter to offload; skipped", path)
+    _refuse_tensor_subclasses(chosen)
     if patterns is not None and not any_match:
         sample = [n for n, _ in stack.modules[0].named_parameters()][:NAMES_SHOWN]
         raise OffloadError(
             f"option 'offload_params'={list(patterns)} matches no parameter of the selected "
             f"layers; parameter names inside a layer look like {sample}")
     return chosen
+
+
+def _refuse_tensor_subclasses(chosen: dict[int, list[OffloadedParam]]) -> None:
+    """A parameter that is a tensor subclass (a torchao quantized weight, say) keeps its
+    bytes in inner tensors that the host blocks and slots do not hold yet: refused by name,
+    before anything moves, rather than failing inside the subclass's own code."""
+    found = [(p.name, type(p.param.data)) for ps in chosen.values() for p in ps
+             if type(p.param.data) is not torch.Tensor]
+    if not found:
+        return
+    kinds = sorted({f"{cls.__module__}.{cls.__qualname__}" for _, cls in found})
+    raise OffloadError(
+        f"{len(found)} parameter(s) of the chosen layers are tensor subclasses ({kinds}), "
+        f"e.g. {[name for name, _ in found][:NAMES_SHOWN]}: offloading their packed data is "
+        "not supported yet. Keep them resident with offload_params naming the other "
+        "parameters (or layers= a stack without them), or offload the model unquantized")
