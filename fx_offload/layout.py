@@ -27,6 +27,7 @@ import dataclasses
 import logging
 
 from .runtime.host_memory import align_for, layout_of
+from .runtime.slots import block_tensors
 
 log = logging.getLogger("fx_offload")
 
@@ -126,7 +127,7 @@ def _groups_from_graph(ps, firsts) -> list[list[str]] | None:
 def _groups_without_graph(ps) -> list[list[str]]:
     """Small parameters (norms, biases: read early or cheap to wait for) in one group first,
     then each other parameter in declaration order."""
-    sizes = [p.param.numel() * p.param.element_size() for p in ps]
+    sizes = [p.nbytes for p in ps]
     largest = max(sizes, default=0)
     small = [p.suffix for p, n in zip(ps, sizes) if n < largest * SMALL]
     rest = [[p.suffix] for p, n in zip(ps, sizes) if n >= largest * SMALL]
@@ -138,10 +139,13 @@ def _split(ps, groups: list[list[str]], align: int, max_chunks: int,
     """Consecutive groups joined into chunks of at least ``1/max_chunks`` of the layer; a
     last chunk smaller than half that joins the one before.  ``exact``: one chunk per
     group."""
-    entries, total = layout_of({p.suffix: p.param for p in ps}, align)
-    offset = {key: off for key, off, *_ in entries}
+    entries, total = layout_of(block_tensors(ps), align)
+    part_offset = {key: off for key, off, *_ in entries}
     ends = [off for _, off, *_ in entries[1:]] + [total]
-    span = {key: end - off for (key, off, *_), end in zip(entries, ends)}
+    part_span = {key: end - off for (key, off, *_), end in zip(entries, ends)}
+    # a parameter's bytes: its parts (a tensor subclass's inner tensors), laid out together
+    offset = {p.suffix: min(part_offset[k] for k in p.parts()) for p in ps}
+    span = {p.suffix: sum(part_span[k] for k in p.parts()) for p in ps}
     target = total / max(max_chunks, 1)
     bounds: list[list[str]] = []
     size = 0

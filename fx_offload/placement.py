@@ -104,13 +104,22 @@ def _place(model: nn.Module, device: torch.device, opts: OffloadOptions,
 def _filler(choice, source: Checkpoint, sources):
     """Writes a layer's values into its new host block: from the checkpoint, or from the
     parameter itself where the checkpoint does not have it."""
+    quantized = [p.name for ps in choice.params.values() for p in ps
+                 if p.inner and sources.name_of(p.param) is not None]
+    if quantized:
+        raise OffloadError(
+            f"{quantized[:3]} are tensor subclasses (quantized weights) the checkpoint would "
+            "fill: placing a quantized model from a checkpoint is not supported; load its "
+            "weights, then place it without checkpoint=", where="fx_offload.place")
+
     def fill(layer, views):
         for p in choice.params[layer]:
             name = sources.name_of(p.param)
             if name is not None:
                 source.read_into(name, views[p.suffix])
             else:
-                views[p.suffix].copy_(p.param.detach())
+                for key, t in p.parts().items():
+                    views[key].copy_(t.detach())
     return fill
 
 

@@ -157,7 +157,7 @@ def test_slot_rotation_with_counts_not_divisible_by_step():
     assert rep.slot_of == {0: 0, 1: 1, 2: 0, 3: 1, 4: 0}
     assert rep.refill_of == {0: 2, 1: 3, 2: 4, 3: 1, 4: 0}
     slots = fx_offload.registry.state_for_model(model).buffers
-    ptr = {i: slots.slot_tensor(i, "fc1.weight").data_ptr() for i in range(5)}
+    ptr = {i: slots.views[i]["fc1.weight"].data_ptr() for i in range(5)}
     assert ptr[0] == ptr[2] == ptr[4] != ptr[1] == ptr[3]
 
 

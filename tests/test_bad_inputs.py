@@ -1,6 +1,5 @@
 """Every row of docs/errors.md: a bad input and the clear error it gets.  Nothing is offloaded
 when an error is raised."""
-import copy
 import re
 
 import pytest
@@ -325,31 +324,3 @@ def test_layer_reading_weights_before_any_activation_row():
                                      "copy_chunks": 2})()
     assert torch.equal(got, want)
 
-
-def test_tensor_subclass_weights_row():
-    """A parameter that is a tensor subclass (a torchao quantized weight keeps its bytes in
-    inner tensors: int8 data, scales): refused by name before anything moves; the model keeps
-    running as it was, and offloading its other parameters works."""
-    from torch.testing._internal.two_tensor import TwoTensor
-    model, (x,) = models.build("mlp", num_layers=4)
-    reference = copy.deepcopy(model)
-    for layer in model.layers:
-        w = layer.fc1.weight.detach()
-        layer.fc1.weight = nn.Parameter(TwoTensor(w, w.clone()), requires_grad=False)
-    with torch.no_grad(), pytest.raises(fx_offload.OffloadError,
-                                        match=r"2 parameter\(s\) of the chosen layers are tensor "
-                                              r"subclasses \(\['torch.testing._internal.two_tensor"
-                                              r".TwoTensor'\]\), e\.g\. \['layers.1.fc1.weight', "
-                                              r"'layers.3.fc1.weight'\].*offload_params"):
-        fx_offload.place(model, "cpu", group_size=2, num_in_group=1)
-    assert fx_offload.registry.state_for_model(model) is None
-    assert type(model.layers[1].fc1.weight) is TwoTensor
-    compiled = torch.compile(model, backend="prefetch_offload",
-                             options={"inner_backend": "aot_eager",
-                                      "offload_params": ["fc2", "fc1.bias"]})
-    with torch.no_grad():
-        want = reference(x)
-        # TwoTensor computes with both of its tensors, equal here: so does its output
-        assert torch.allclose(compiled(x), want, atol=1e-5)
-    assert fx_offload.report(model).params[1] == [
-        "layers.1.fc1.bias", "layers.1.fc2.weight", "layers.1.fc2.bias"]

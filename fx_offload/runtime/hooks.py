@@ -84,7 +84,7 @@ class TruthInStateDict:
                 continue
             for p in state.params[layer]:
                 if p.param is dtensor.local(param):
-                    truth = state.truth_of(layer, p.suffix) if state.swapped_in else p.param
+                    truth = state.truth_of(layer, p) if state.swapped_in else p.param
                     state_dict[key] = dtensor.as_saved(param, truth)
         return state_dict
 

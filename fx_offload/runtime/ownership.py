@@ -60,12 +60,8 @@ class Ownership:
             self._lock.acquire()
             self._holder = me
         try:
-            if root:
-                # first, so the copy stream works while the rest of the call's start runs;
-                # what the user changed is taken up after: a weight given new storage is
-                # copied into its host block once the copies in flight have read it, and a
-                # slot it was copied into is reloaded (_take_up_changes)
-                self.begin_entry_refills()
+            if root:    # first: the copy stream works while the rest runs; a layer whose
+                self.begin_entry_refills()  # weights changed is reloaded when taken up
             self._take_up_changes()
             self._point_at(truth=False)
             registry.begin_call(self)
@@ -99,9 +95,9 @@ class Ownership:
     def _point_at(self, truth: bool) -> None:
         with torch.no_grad():
             for layer, ps in self.params.items():
+                views = self.buffers.masters[layer] if truth else self.buffers.views[layer]
                 for p in ps:
-                    p.param.data = (self.buffers.masters[layer][p.suffix] if truth
-                                    else self.buffers.slot_tensor(layer, p.suffix))
+                    p.point_at(views)
         self.rewrap()
         self.swapped_in = not truth
 
@@ -135,14 +131,15 @@ class Ownership:
             if len(now) != len(layers) or any(a is not b for a, b in zip(now, layers)):
                 raise ShapeChanged(f"the layer stack {path!r}")
 
-    def truth_of(self, layer: int, suffix: str) -> torch.Tensor:
-        return self.buffers.masters[layer][suffix]
+    def truth_of(self, layer: int, p) -> torch.Tensor:
+        """The true value of ``layer``'s offloaded parameter ``p``: its host block's."""
+        return p.value_in(self.buffers.masters[layer])
 
     def _versions(self, layer: int) -> tuple:
         if not self.dtensor_params:          # every call: plain parameters stay cheap
-            return tuple(p.param._version for p in self.params[layer])
+            return tuple(p.versions() for p in self.params[layer])
         # a DTensor parameter's own counter too: a write through it leaves its shard's alone
-        return tuple((p.param._version, dtensor.version(p.owner, p.attr))
+        return tuple((p.versions(), dtensor.version(p.owner, p.attr))
                      for p in self.params[layer])
 
     @property
@@ -166,40 +163,41 @@ class Ownership:
         makes a slot holding that layer stale."""
         self._check_stack()
         stale = set()
-        moved = []          # (layer, p, current, truth, copy the values?)
+        moved = []          # (layer, p, current, its host views, copy the values?)
         for layer, ps in self.params.items():
+            masters, views = self.buffers.masters[layer], self.buffers.views[layer]
             for p in ps:
                 current = p.current()
-                truth = self.buffers.masters[layer][p.suffix]
-                if current is None or current.shape != truth.shape or \
-                        current.dtype != truth.dtype:
+                if not p.fits(current, masters):
                     raise ShapeChanged(p.name)
-                if current is p.param and current.data_ptr() in (
-                        truth.data_ptr(), self.buffers.slot_tensor(layer, p.suffix).data_ptr()):
+                if current is p.param and p.ptrs() in (p.ptrs_in(masters), p.ptrs_in(views)):
                     continue
                 handed = self._handover.pop(p.name, None)
-                copy = current is not p.param or handed != (current.data_ptr(),
-                                                              current._version)
-                moved.append((layer, p, current, truth, copy))
+                copy = current is not p.param or handed != (p.ptrs(current),
+                                                              p.versions(current))
+                moved.append((layer, p, current, masters, copy))
         # Read every new value before writing any host block: a parameter moved from one
         # layer to another still views the host block it came from.
         sources = {}
         if any(copy for *_, copy in moved):     # rare: only then look at the host blocks
             blocks = {t.untyped_storage().data_ptr()
                       for masters in self.buffers.masters.values() for t in masters.values()}
-            sources = {id(cur): (cur.detach().clone()
-                                 if cur.untyped_storage().data_ptr() in blocks else cur.detach())
-                       for _, _, cur, _, copy in moved if copy}
+            sources = {id(cur): {key: (t.detach().clone()
+                                       if t.untyped_storage().data_ptr() in blocks
+                                       else t.detach())
+                                 for key, t in p.parts(cur).items()}
+                       for _, p, cur, _, copy in moved if copy}
             self.synchronize()              # a copy in flight may be reading a host block
-        for layer, p, current, truth, copy in moved:
+        for layer, p, current, masters, copy in moved:
             if copy:
                 with torch.no_grad():
-                    truth.copy_(sources[id(current)])
+                    for key, value in sources[id(current)].items():
+                        masters[key].copy_(value)
                 stale.add(layer)
             if current is not p.param:
                 registry.replace_param(self, layer, p.param, current)
                 p.param = current
-            current.data = truth
+            p.point_at(masters)
         if moved:
             self.rewrap()
         stale |= {layer for layer in self.layers

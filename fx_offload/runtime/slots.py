@@ -44,7 +44,7 @@ class SlotBuffers:
         self.align = align_for(self.device)
         self.pinned = False
         self._blocks: dict[int, HostBlock] = {}
-        layouts = {layer: layout_of({p.suffix: p.param for p in ps}, self.align)
+        layouts = {layer: layout_of(block_tensors(ps), self.align)
                    for layer, ps in self.params.items()}
         slot_of = self.schedule.slot_of
         sizes = [max(layouts[layer][1] for layer in self.params if slot_of[layer] == s)
@@ -67,8 +67,8 @@ class SlotBuffers:
     def _make_masters(self, layer: int, ps, fill) -> dict[str, torch.Tensor]:
         if self.device.type == "cpu" and fill is None:
             # the original storage becomes the master: nothing is copied
-            return {p.suffix: p.param.detach() for p in ps}
-        block = HostBlock({p.suffix: p.param for p in ps},
+            return {key: t.detach() for key, t in block_tensors(ps).items()}
+        block = HostBlock(block_tensors(ps),
                           fill=None if fill is None else lambda views: fill(layer, views),
                           pin=self.device.type != "cpu", align=self.align)
         self.pinned = block.pinned
@@ -80,10 +80,6 @@ class SlotBuffers:
         own storage: the CPU)."""
         block = self._blocks.get(layer)
         return None if block is None else block.buffer
-
-    def slot_tensor(self, layer: int, suffix: str) -> torch.Tensor:
-        """The slot tensor a parameter of ``layer`` reads."""
-        return self.views[layer][suffix]
 
     def copy_in(self, layer: int, chunk=None, non_blocking: bool = False) -> None:
         """Copy ``layer``'s masters into its slot (on the current stream): the bytes of one
@@ -98,11 +94,18 @@ class SlotBuffers:
         with torch.no_grad():
             for p in self.params[layer]:
                 if wanted is None or p.suffix in wanted:
-                    self.views[layer][p.suffix].copy_(self.masters[layer][p.suffix],
-                                                      non_blocking=non_blocking)
+                    for key in p.parts():
+                        self.views[layer][key].copy_(self.masters[layer][key],
+                                                     non_blocking=non_blocking)
 
     def release(self) -> None:
         """Unlock the host blocks; the slots and masters must not be used afterwards."""
         for block in self._blocks.values():
             block.release()
         self._blocks, self.flat, self.views, self.masters = {}, [], {}, {}
+
+
+def block_tensors(ps) -> dict[str, torch.Tensor]:
+    """A layer's offloaded parameters (``OffloadedParam``, in host-block order) as the plain
+    tensors its host block and slot region hold, keyed as each parameter's parts."""
+    return {key: t for p in ps for key, t in p.parts().items()}

@@ -111,8 +111,7 @@ class OffloadState(Ownership):
         if self.materialized:
             return
         take = functools.partial(_hold_masters, self.params, placed)
-        handover = {p.name: (p.param.data_ptr(), p.param._version)
-                    for ps in self.params.values() for p in ps}
+        handover = {p.name: (p.ptrs(), p.versions()) for ps in self.params.values() for p in ps}
         layout.arrange(self.choice)     # a model placed before any graph: arranged now
         buffers = SlotBuffers(self.choice, take if hand_over else None, fill)
         if self.device.type == "cuda":
@@ -123,7 +122,7 @@ class OffloadState(Ownership):
         self.buffers = buffers
         self._handover = {p.name: handover[p.name] for layer, ps in self.params.items()
                           for p in ps if not hand_over and
-                          handover[p.name][0] != buffers.masters[layer][p.suffix].data_ptr()}
+                          handover[p.name][0] != p.ptrs_in(buffers.masters[layer])}
         if hand_over:
             self.rewrap()
         for layer in self.schedule.first_fill():
@@ -148,9 +147,10 @@ class OffloadState(Ownership):
                 for layer, ps in self.params.items():
                     for p in ps:
                         current = p.current()
-                        if current is not None and current.data_ptr() == \
-                                self.masters[layer][p.suffix].data_ptr():
-                            current.data = current.data.to(self.device)     # CPU: itself
+                        if p.fits(current, self.masters[layer]) and \
+                                p.ptrs(current) == p.ptrs_in(self.masters[layer]):
+                            for t in p.parts(current).values():     # the CPU: itself
+                                t.data = t.data.to(self.device)
             self.rewrap()
             self.swapped_in = False
             self.detach()
@@ -256,12 +256,12 @@ def _hold_masters(params, placed, layer: int, masters) -> None:
     """Point ``layer``'s parameters at their host block's views; tell ``placed``."""
     with torch.no_grad():
         for p in params[layer]:
-            if p.param.device.type == "meta":     # cannot take .data of another device
+            if p.param.device.type == "meta" and not p.inner:   # no .data of another device
                 real = type(p.param)(masters[p.suffix], requires_grad=p.param.requires_grad)
                 p.owner._parameters[p.attr] = real
                 p.param = real
             else:
-                p.param.data = masters[p.suffix]
+                p.point_at(masters)
     if placed is not None:
         placed(layer, masters)
 

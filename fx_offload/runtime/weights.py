@@ -14,7 +14,7 @@ from typing import Iterator, Mapping
 import torch
 from torch import nn
 
-from .. import registry
+from .. import registry, subclass
 from ..errors import OffloadError
 
 
@@ -42,7 +42,7 @@ def named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     model = registry.model_of(model)
     state = registry.state_for_model(model)
     masters = {} if state is None else {
-        p.name: state.masters[layer][p.suffix] for layer, ps in state.params.items() for p in ps}
+        p.name: state.truth_of(layer, p) for layer, ps in state.params.items() for p in ps}
     for name, param in model.named_parameters():
         yield name, masters.get(name, param)
 
@@ -80,7 +80,7 @@ def _staged(name, value, targets, model, where: str) -> tuple[torch.Tensor, torc
     if not isinstance(value, torch.Tensor):
         raise OffloadError(f"{name}: {type(value).__name__} is not a tensor; nothing was "
                            "written", where=where)
-    problem = (
+    problem = subclass.mismatch(target, value) or (
         "is on the meta device (it holds no data): load its values first" if value.is_meta
         else f"is a {value.layout} tensor: give a dense one (.to_dense())"
         if value.layout != torch.strided
@@ -94,6 +94,8 @@ def _staged(name, value, targets, model, where: str) -> tuple[torch.Tensor, torc
         else None)
     if problem is not None:
         raise OffloadError(f"{name} {problem}; nothing was written", where=where)
+    if subclass.is_subclass(target):       # the same kind of tensor: copied as it is
+        return target, value.detach()
     try:
         return target, value.detach().to(dtype=target.dtype)
     except Exception as error:      # out of memory, a tensor subclass that cannot convert

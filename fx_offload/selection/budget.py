@@ -32,7 +32,7 @@ import time
 import torch
 from torch import nn
 
-from .. import dtensor
+from .. import dtensor, subclass
 from ..errors import META_REFUSED, BudgetError, OffloadError
 from ..options import OffloadOptions
 from ..schedule import Schedule
@@ -251,13 +251,15 @@ def weights_bytes(model: nn.Module, device: torch.device) -> int:
             key = ("meta", id(t))
         elif t.device != device:
             continue
+        elif subclass.is_subclass(t):   # a quantized weight: the bytes of its inner tensors
+            key = ("subclass", id(t))
         else:
             t = dtensor.local(t)        # this rank's shard of a DTensor
             key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
         if key in seen:
             continue
         seen.add(key)
-        total += t.numel() * t.element_size()
+        total += subclass.nbytes(t)
     return total
 
 

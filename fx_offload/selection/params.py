@@ -9,7 +9,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from .. import dtensor
+from .. import dtensor, subclass
 from ..errors import OffloadError
 from ..schedule import Schedule
 from .stack import LayerStack
@@ -37,10 +37,67 @@ class OffloadedParam:
     param: nn.Parameter
     owner: nn.Module     # the module whose attribute it is
     attr: str            # its attribute name there ("weight")
+    inner: tuple[str, ...] = ()     # a tensor subclass's inner tensors (fx_offload.subclass)
 
     @property
     def nbytes(self) -> int:
-        return self.param.numel() * self.param.element_size()
+        return sum(t.numel() * t.element_size() for t in self.parts().values())
+
+    def parts(self, value: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Key in the host block and the slot -> plain tensor holding bytes of ``value`` (the
+        parameter by default): itself, or a tensor subclass's inner tensors."""
+        return subclass.parts(self.param if value is None else value, self.suffix, self.inner)
+
+    def point_at(self, views: dict[str, torch.Tensor], value: torch.Tensor | None = None):
+        """Make the parameter (or ``value``) hold ``views`` (keyed as :meth:`parts`): its
+        ``.data``, or its inner tensors' ``.data``; the object itself stays."""
+        for key, t in self.parts(value).items():
+            t.data = views[key]
+
+    def value_in(self, views: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The parameter's value as ``views`` (a host block's, a slot's) hold it."""
+        if not self.inner:
+            return views[self.suffix]
+        return subclass.rebuild(self.param, {n: views[f"{self.suffix}{subclass.PART}{n}"]
+                                             for n in self.inner})
+
+    # Called for every parameter at every call: a plain parameter takes the short way.
+    def ptrs(self, value: torch.Tensor | None = None) -> tuple[int, ...]:
+        """Where the bytes of ``value`` (the parameter by default) are."""
+        value = self.param if value is None else value
+        if not self.inner:
+            return (value.data_ptr(),)
+        return tuple(t.data_ptr() for t in self.parts(value).values())
+
+    def ptrs_in(self, views: dict[str, torch.Tensor]) -> tuple[int, ...]:
+        """Where ``views`` (a host block's, a slot's) hold this parameter's bytes."""
+        if not self.inner:
+            return (views[self.suffix].data_ptr(),)
+        return tuple(views[key].data_ptr() for key in self.parts())
+
+    def versions(self, value: torch.Tensor | None = None) -> tuple[int, ...]:
+        """Autograd's version counters of ``value`` (the parameter by default): an in-place
+        write moves one.  A tensor subclass's own counter moves when it is written through
+        its API (``copy_``, ``load_state_dict``), which writes its inner tensors below
+        autograd (their counters stay); theirs move when they are written directly."""
+        value = self.param if value is None else value
+        if not self.inner:
+            return (value._version,)
+        return (value._version,) + tuple(t._version for t in self.parts(value).values())
+
+    def fits(self, value: torch.Tensor | None, views: dict[str, torch.Tensor]) -> bool:
+        """``value`` can take the place ``views`` (a host block's) have for the parameter:
+        the same shape and dtype, and for a tensor subclass the same kind with inner tensors
+        alike.  (Not the parameter object itself: ``.to(dtype)`` changes it in place.)"""
+        if value is None:
+            return False
+        if not self.inner:
+            view = views[self.suffix]
+            return value.shape == view.shape and value.dtype == view.dtype
+        if type(value) is not type(self.param):
+            return False
+        return all(t.shape == views[k].shape and t.dtype == views[k].dtype
+                   for k, t in self.parts(value).items())
 
     def current(self) -> nn.Parameter | None:
         """The parameter the owner holds now (``load_state_dict(assign=True)`` or an
@@ -81,13 +138,18 @@ def select_params(root: nn.Module, stack: LayerStack, layers: Iterable[int],
             where, _, attr = suffix.rpartition(".")
             owner = layer.get_submodule(where) if where else layer
             # a DTensor parameter (tensor parallelism): this rank's shard is what moves
-            picked.append(OffloadedParam(f"{path}.{suffix}", suffix, dtensor.local(p), owner,
-                                         attr))
+            local = dtensor.local(p)
+            if local is not p and subclass.is_subclass(local):
+                raise OffloadError(
+                    f"parameter {path}.{suffix} is a DTensor around a tensor subclass "
+                    f"({type(local).__qualname__}): offloading it is not supported; keep "
+                    "it resident with offload_params naming the other parameters")
+            picked.append(OffloadedParam(f"{path}.{suffix}", suffix, local, owner, attr,
+                                         subclass.inner_names(local, f"{path}.{suffix}")))
         if picked:
             chosen[index] = picked
         else:
             log.debug("fx_offload: layer %s has no parameter to offload; skipped", path)
-    _refuse_tensor_subclasses(chosen)
     if patterns is not None and not any_match:
         sample = [n for n, _ in stack.modules[0].named_parameters()][:NAMES_SHOWN]
         raise OffloadError(
@@ -95,18 +157,3 @@ def select_params(root: nn.Module, stack: LayerStack, layers: Iterable[int],
             f"layers; parameter names inside a layer look like {sample}")
     return chosen
 
-
-def _refuse_tensor_subclasses(chosen: dict[int, list[OffloadedParam]]) -> None:
-    """A parameter that is a tensor subclass (a torchao quantized weight, say) keeps its
-    bytes in inner tensors that the host blocks and slots do not hold yet: refused by name,
-    before anything moves, rather than failing inside the subclass's own code."""
-    found = [(p.name, type(p.param.data)) for ps in chosen.values() for p in ps
-             if type(p.param.data) is not torch.Tensor]
-    if not found:
-        return
-    kinds = sorted({f"{cls.__module__}.{cls.__qualname__}" for _, cls in found})
-    raise OffloadError(
-        f"{len(found)} parameter(s) of the chosen layers are tensor subclasses ({kinds}), "
-        f"e.g. {[name for name, _ in found][:NAMES_SHOWN]}: offloading their packed data is "
-        "not supported yet. Keep them resident with offload_params naming the other "
-        "parameters (or layers= a stack without them), or offload the model unquantized")

@@ -3,7 +3,9 @@ with Llama-3-8B layer shapes (random weights, bf16), timed side by side in one p
 
 * resident, its ``forward`` compiled with Inductor (``dynamic=True``);
 * fx_offload through :func:`fx_offload.compile_forward` (every second layer offloaded,
-  ``prefetch_step`` slots), Inductor inside;
+  ``prefetch_step`` slots), Inductor inside; with ``--quantize int8,float8,...`` also the same
+  model with its layers' weights quantized by torchao first (their packed bytes move; "x
+  bf16" compares decode with the bf16 row);
 * accelerate's ``cpu_offload`` on the same layers (eager), where accelerate is installed.
 
 Each ``generate`` is greedy with a fixed number of new tokens and is followed by a
@@ -36,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--circular-prefetch", default="auto",
                         help="comma-separated circular_prefetch values (auto, end, entry): one "
                              "fx_offload row each")
+    parser.add_argument("--quantize", default="none",
+                        help="comma-separated weight formats of the fx_offload rows: none (bf16) "
+                             "or torchao's int8, float8, int4 weight-only (quantize_ before "
+                             "offloading: the packed bytes are what moves)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--methods", default="resident,fx_offload,accelerate",
                         help="comma-separated among resident, fx_offload, accelerate")
@@ -75,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         model.generation_config.pad_token_id = 0
         return model
 
-    rows, tokens, moved = {}, {}, 0
+    rows, tokens, moved = {}, {}, {}
     methods = [m for m in args.methods.split(",") if m]
     if "resident" in methods:
         model = build()
@@ -83,17 +89,27 @@ def run(args: argparse.Namespace) -> int:
         rows["resident (Inductor)"], tokens["resident"] = _measure(model, prompt, args)
         del model
     circulars = [c for c in args.circular_prefetch.split(",") if c]
-    for circular in circulars if "fx_offload" in methods else []:
+    formats = [q for q in args.quantize.split(",") if q]
+    variants = [(c, q) for c in circulars for q in formats] if "fx_offload" in methods else []
+    for circular, quantize in variants:
         torch._dynamo.reset()       # each model compiles afresh (one class: shared caches)
         model = build()
+        if quantize != "none":
+            _quantize(model, quantize)
         compile_forward(model, dynamic=True, group_size=2, num_in_group=1,
                         prefetch_step=args.prefetch_step, circular_prefetch=circular)
         name = f"fx_offload, {len(offloaded)} layers, {args.prefetch_step} slots (Inductor)"
         if circulars != ["auto"]:
             name += f", circular at {circular}"
+        if formats != ["none"]:
+            name += f", {quantize if quantize != 'none' else 'bf16'}"
         rows[name], tokens[name] = _measure(model, prompt, args)
+        if quantize != "none":
+            tokens.pop(name)            # other weights: other tokens than the bf16 resident's
         rep = report(model)
-        moved = Schedule(rep.layers, rep.num_slots).moved_bytes(rep.layer_bytes)
+        moved[name] = Schedule(rep.layers, rep.num_slots).moved_bytes(rep.layer_bytes)
+        if quantize == "none":
+            moved.setdefault("bf16", moved[name])
         choice = registry.state_for_model(model).circular
         print(f"{rep}\n  circular prefetch at the {choice.now} after the run ({choice.moves} "
               "changes of place)", flush=True)
@@ -112,16 +128,36 @@ def run(args: argparse.Namespace) -> int:
             del model
     torch.cuda.empty_cache()
 
-    bound = moved / bandwidth * 1e3 if moved else float("nan")
-    print(f"\ncopy bound of a decode step: {moved / 2**30:.2f} GiB copied per forward = "
-          f"{bound:.1f} ms")
-    print(f"{'method':62s} {'prefill ms':>10s} {'decode ms/token':>16s} {'x bound':>8s} "
-          f"{'tokens as resident':>19s}")
+    print(f"\ncopy bound of a decode step: bytes copied per forward at {bandwidth / 1e9:.1f} "
+          "GB/s; " + ", ".join(f"{k}: {m / 2**30:.2f} GiB = {m / bandwidth * 1e3:.1f} ms"
+                              for k, m in moved.items() if k == "bf16" or k not in rows))
+    bf16 = next((decode for name, (_, decode) in rows.items()
+                 if name in moved and moved[name] == moved.get("bf16")), None)
+    print(f"{'method':66s} {'prefill ms':>10s} {'decode ms/token':>16s} {'x bound':>8s} "
+          f"{'x bf16':>7s} {'tokens as resident':>19s}")
     for name, (prefill, decode) in rows.items():
-        same = "-" if "resident" not in tokens or name.startswith("resident") else (
-            "yes" if torch.equal(tokens[name], tokens["resident"]) else "NO")
-        print(f"{name:62s} {prefill:10.1f} {decode:16.2f} {decode / bound:8.3f} {same:>19s}")
+        same = "-" if "resident" not in tokens or name not in tokens or \
+            name.startswith("resident") else (
+                "yes" if torch.equal(tokens[name], tokens["resident"]) else "NO")
+        nbytes = moved.get(name, None if name.startswith("resident") else moved.get("bf16"))
+        ratio = decode / (nbytes / bandwidth * 1e3) if nbytes else float("nan")
+        to_bf16 = decode / bf16 if bf16 and name in moved else float("nan")
+        print(f"{name:66s} {prefill:10.1f} {decode:16.2f} {ratio:8.3f} {to_bf16:7.3f} "
+              f"{same:>19s}")
     return 0
+
+
+TORCHAO_CONFIGS = {"int8": "Int8WeightOnlyConfig", "float8": "Float8WeightOnlyConfig",
+                   "int4": "Int4WeightOnlyConfig"}
+
+
+def _quantize(model, fmt: str) -> None:
+    """torchao's weight-only quantization of the decoder layers' linear weights."""
+    import torchao.quantization as quantization
+    if fmt not in TORCHAO_CONFIGS:
+        raise SystemExit(f"--quantize {fmt}: choose among none, {', '.join(TORCHAO_CONFIGS)}")
+    config = getattr(quantization, TORCHAO_CONFIGS[fmt])()
+    quantization.quantize_(model.model.layers, config)
 
 
 def _measure(model, prompt, args, repeats: int | None = None):
