@@ -51,6 +51,9 @@ class OffloadedParam:
     def point_at(self, views: dict[str, torch.Tensor], value: torch.Tensor | None = None):
         """Make the parameter (or ``value``) hold ``views`` (keyed as :meth:`parts`): its
         ``.data``, or its inner tensors' ``.data``; the object itself stays."""
+        if not self.inner:              # every call, every parameter: the short way
+            (self.param if value is None else value).data = views[self.suffix]
+            return
         for key, t in self.parts(value).items():
             t.data = views[key]
 
