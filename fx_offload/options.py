@@ -18,6 +18,7 @@ from .text import format_bytes
 INNER_BACKENDS = ("inductor", "aot_eager", "eager")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CIRCULAR_PREFETCH = ("auto", "end", "entry")
+COMPRESS = ("none", "lossless")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +34,7 @@ class OffloadOptions:
     mode: str = "default"
     copy_chunks: int = 8        # a layer's copy is split into at most this many chunks
     circular_prefetch: str = "auto"     # where each slot's first layer is copied back in
+    compress: str = "none"      # "lossless": bf16 weights cross the link compressed
     # the planner (used instead of group_size/num_in_group/prefetch_step)
     memory_budget: int | None = None
     plan_tokens: tuple[int, ...] | None = None
@@ -72,7 +74,7 @@ class OffloadOptions:
         part of it, so one model may be compiled by several inner backends."""
         return (self.group_size, self.num_in_group, self.prefetch_step,
                 self.offload_params, self.layers, self.copy_chunks,
-                self.circular_prefetch) + tuple(
+                self.circular_prefetch, self.compress) + tuple(
                     getattr(self, name) for name in PLANNER_KEYS)
 
     def describe(self, placement_only: bool = False) -> str:
@@ -92,6 +94,8 @@ class OffloadOptions:
             parts.append(f"copy_chunks={self.copy_chunks}")
         if self.circular_prefetch != OffloadOptions.circular_prefetch:
             parts.append(f"circular_prefetch={self.circular_prefetch!r}")
+        if self.compress != OffloadOptions.compress:
+            parts.append(f"compress={self.compress!r}")
         if placement_only:
             return ", ".join(parts)
         parts.append(f"inner_backend={self.inner_backend!r}")
@@ -105,7 +109,7 @@ PLANNER_KEYS = ("memory_budget", "plan_tokens", "flop_rate", "memory_bandwidth",
                 "h2d_bandwidth", "launch_overhead")
 HAND_PICKED_KEYS = ("group_size", "num_in_group", "prefetch_step")
 PLACEMENT_KEYS = HAND_PICKED_KEYS + ("offload_params", "layers", "copy_chunks",
-                                     "circular_prefetch") + PLANNER_KEYS
+                                     "circular_prefetch", "compress") + PLANNER_KEYS
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -229,6 +233,13 @@ def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None 
     copy_chunks = _check_int("copy_chunks", options.get("copy_chunks", 8), 1)
     circular = _check_choice("circular_prefetch", options.get("circular_prefetch", "auto"),
                              CIRCULAR_PREFETCH)
+    compress = options.get("compress", "none")
+    compress = "none" if compress is None else compress
+    if compress not in COMPRESS:
+        raise OffloadError(
+            f"option 'compress' must be one of {list(COMPRESS)} ('lossless': bfloat16 "
+            "weights cross the link compressed and are decoded on the device, bitwise the "
+            f"same), got {compress!r}")
     inner_backend = _check_choice("inner_backend", options.get("inner_backend", "inductor"),
                                   INNER_BACKENDS)
     mode_name = _check_choice("mode", options.get("mode") or "default", MODES)
@@ -254,6 +265,7 @@ def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None 
         mode=mode_name,
         copy_chunks=copy_chunks,
         circular_prefetch=circular,
+        compress=compress,
         **planner,
     )
 

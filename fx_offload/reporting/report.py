@@ -30,6 +30,11 @@ class Report:
     circular: str = "end"              # where each slot's first layer is copied back in for
     #                                    the next call: "end", "entry" or "either" (per call)
     circular_text: str = ""            # the same in words, with the per-call choice now
+    # compress="lossless": per layer, the bytes one copy moves across the link (compressed
+    # chunks' records, the rest raw), and the host memory its compressed copy takes
+    call_bytes: dict[int, int] = dataclasses.field(default_factory=dict)
+    compressed_host_bytes: int = 0
+    copied_bytes_last_call: int = 0    # bytes the copies of the most recent call moved
 
     @property
     def saved_bytes(self) -> int:
@@ -39,13 +44,23 @@ class Report:
     slots = property(lambda self: self.num_slots, doc="The same as ``num_slots``.")
     target_of = property(lambda self: self.refill_of, doc="The same as ``refill_of``.")
 
+    @property
+    def compressed(self) -> bool:
+        return bool(self.call_bytes)
+
     def __str__(self) -> str:
         rows = [("layer", "slot", "prefetches next", "params", "bytes")]
+        if self.compressed:
+            rows[0] += ("copied", "ratio")
         for layer in self.layers:
             refill = self.refill_of[layer]
             rows.append((str(layer), str(self.slot_of[layer]),
                          "-" if refill is None else f"layer {refill}",
                          str(len(self.params[layer])), format_bytes(self.layer_bytes[layer])))
+            if self.compressed:
+                moved = self.call_bytes[layer]
+                rows[-1] += (format_bytes(moved),
+                             f"{moved / max(self.layer_bytes[layer], 1):.3f}")
         lines = [f"fx_offload report for {self.model}: {len(self.layers)} of {self.num_layers} "
                  f"layers of {self.stack or '<root>'!r} offloaded ({self.options})"]
         lines += render_table(rows, indent="  ", rule=True)
@@ -56,6 +71,14 @@ class Report:
         lines.append(f"  offloaded to {host}: {format_bytes(self.offloaded_bytes)}; "
                      f"{self.num_slots} slot buffer(s): {format_bytes(self.buffer_bytes)} on "
                      f"{self.device}; device memory saved: {format_bytes(self.saved_bytes)}")
+        if self.compressed:
+            raw, moved = sum(self.layer_bytes.values()), sum(self.call_bytes.values())
+            lines.append(f"  compressed (lossless): each layer's copy moves "
+                         f"{format_bytes(moved)} of {format_bytes(raw)} ({moved / raw:.3f}); "
+                         f"the compressed copies take {format_bytes(self.compressed_host_bytes)}"
+                         " of host memory besides the weights")
+        if self.copied_bytes_last_call:
+            lines.append(f"  the last call copied {format_bytes(self.copied_bytes_last_call)}")
         if self.planner is not None:
             lines.append(str(self.planner))
         return "\n".join(lines)
@@ -76,7 +99,9 @@ def report(model: nn.Module) -> Report:
             slot_of=dict(choice.schedule.slot_of), refill_of=dict(choice.schedule.refill_of),
             layer_bytes=choice.layer_bytes, pinned=state.pinned,
             options=choice.options.describe(), planner=choice.planner,
-            circular=choice.schedule.circular, circular_text=state.circular.describe())
+            circular=choice.schedule.circular, circular_text=state.circular.describe(),
+            call_bytes=state.call_bytes(), compressed_host_bytes=state.compressed_host_bytes,
+            copied_bytes_last_call=state.copied_last_call)
     kept = registry.nothing_offloaded(model)
     if kept is not None:
         return Report(model=kept.model_name, stack=kept.stack.path,

@@ -21,11 +21,15 @@ a block that holds the same.
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
+from .compressed import CompressedBlock
 from .host_memory import HostBlock, align_for, layout_of, views_into
+
+log = logging.getLogger("fx_offload")
 
 
 class SlotBuffers:
@@ -54,18 +58,69 @@ class SlotBuffers:
         self.views = {layer: views_into(self.flat[slot_of[layer]], layouts[layer][0])
                       for layer in self.params}
         self.masters: dict[int, dict[str, torch.Tensor]] = {}
+        self.compressed: dict[int, CompressedBlock] = {}
+        self.layout, self.model_name = choice.layout, choice.model_name
+        self.compress = choice.compress == "lossless" and self.packed
         for layer, ps in self.params.items():
             self.masters[layer] = self._make_masters(layer, ps, fill)
+            if self.compress:
+                self._compress(layer, ps)
             if hand_over is not None:
                 hand_over(layer, self.masters[layer])
+        if self.compress and not any(c.meta for c in self.compressed.values()):
+            kinds = sorted({str(t.dtype).replace("torch.", "") for ps in self.params.values()
+                            for p in ps for t in p.parts().values()})
+            log.warning("fx_offload: compress='lossless' compresses bfloat16 weights only; the "
+                        "offloaded weights of %s are %s: copied as they are", self.model_name,
+                        ", ".join(kinds))
+        # one staging buffer per stream that copies records: the copy stream's, the
+        # compute stream's (synchronous loads); a record and its decode are stream-ordered
+        most = max((c.staging_nbytes for c in self.compressed.values()), default=0)
+        self.staging = [torch.empty(most, dtype=torch.uint8, device=self.device)
+                        for _ in range(2)] if most and self.device.type == "cuda" else None
+        self.captured = False       # a CUDA graph captured a copy: record sizes are fixed
 
     @property
     def nbytes(self) -> int:
-        """Device memory of the slots."""
-        return sum(flat.numel() for flat in self.flat)
+        """Device memory of the slots (and of the staging buffers of compressed copies)."""
+        staged = 0 if self.staging is None else sum(s.numel() for s in self.staging)
+        return sum(flat.numel() for flat in self.flat) + staged
+
+    def _compress(self, layer: int, ps) -> None:
+        """Encode ``layer``'s chunks of bf16 weights (``compress="lossless"``)."""
+        dtypes = {p.suffix: {t.dtype for t in p.parts().values()} for p in ps}
+
+        def compressible(chunk) -> bool:
+            return all(dtypes[s] == {torch.bfloat16} for s in chunk.suffixes)
+        self.compressed[layer] = CompressedBlock(
+            f"layer {layer} of {self.model_name}", self._blocks[layer].buffer,
+            self.layout[layer], compressible, self.device,
+            pin=self.device.type != "cpu", align=self.align)
+
+    def call_nbytes(self, layer: int) -> int:
+        """Bytes one copy of ``layer`` moves across the link."""
+        chunks = self.layout[layer]
+        packed = self.compressed.get(layer)
+        if packed is not None:
+            return packed.call_nbytes(chunks)
+        return sum(c.end - c.start for c in chunks)
+
+    def chunk_nbytes(self, layer: int, chunk) -> int:
+        """Bytes the copy of ``layer``'s ``chunk`` moves across the link."""
+        packed = self.compressed.get(layer)
+        if packed is not None and packed.holds(chunk):
+            return packed.meta[chunk.index].nbytes
+        return chunk.end - chunk.start
+
+    def recompress(self, layer: int) -> None:
+        """``layer``'s host block changed: its compressed copy follows (no copy in flight)."""
+        packed = self.compressed.get(layer)
+        if packed is not None:
+            packed.recompress(self._blocks[layer].buffer, self.layout[layer], self.device,
+                              self.captured)
 
     def _make_masters(self, layer: int, ps, fill) -> dict[str, torch.Tensor]:
-        if self.device.type == "cpu" and fill is None:
+        if self.device.type == "cpu" and fill is None and not self.compress:
             # the original storage becomes the master: nothing is copied
             return {key: t.detach() for key, t in block_tensors(ps).items()}
         block = HostBlock(block_tensors(ps),
@@ -81,10 +136,23 @@ class SlotBuffers:
         block = self._blocks.get(layer)
         return None if block is None else block.buffer
 
-    def copy_in(self, layer: int, chunk=None, non_blocking: bool = False) -> None:
+    def copy_in(self, layer: int, chunk=None, non_blocking: bool = False,
+                on_copy_stream: bool = False) -> None:
         """Copy ``layer``'s masters into its slot (on the current stream): the bytes of one
-        :class:`~fx_offload.layout.Chunk`, or all of them."""
+        :class:`~fx_offload.layout.Chunk`, or all of them.  ``on_copy_stream``: the current
+        stream is the copy stream (a compressed chunk is staged in its own buffer)."""
         block = self._blocks.get(layer)
+        packed = self.compressed.get(layer)
+        if packed is not None:
+            flat = self.flat[self.schedule.slot_of[layer]]
+            staging = None if self.staging is None else self.staging[0 if on_copy_stream else 1]
+            for c in (self.layout[layer] if chunk is None else (chunk,)):
+                if packed.holds(c):
+                    packed.copy_in(c, flat[c.start:c.end], staging, non_blocking)
+                else:
+                    flat[c.start:c.end].copy_(block.buffer[c.start:c.end],
+                                              non_blocking=non_blocking)
+            return
         if self.packed and block is not None:       # one copy per chunk
             start, end = (0, block.nbytes) if chunk is None else (chunk.start, chunk.end)
             flat = self.flat[self.schedule.slot_of[layer]]
@@ -102,6 +170,9 @@ class SlotBuffers:
         """Unlock the host blocks; the slots and masters must not be used afterwards."""
         for block in self._blocks.values():
             block.release()
+        for packed in self.compressed.values():
+            packed.release()
+        self.compressed = {}
         self._blocks, self.flat, self.views, self.masters = {}, [], {}, {}
 
 

@@ -72,6 +72,7 @@ class OffloadState(Ownership):
         self.restored = False
         self.hooks: list = []
         self.stats = {"prefetches": 0, "sync_loads": 0}
+        self.copied_last_call = 0       # bytes copied since the latest call began
         # the refills the call hook begins, worked out once rather than on every call
         self._hook_refills = self.schedule.entry_refills() if choice.hook_starts_entry else []
         self.circular = CircularStart(self.schedule.circular, self.model_name)
@@ -89,6 +90,17 @@ class OffloadState(Ownership):
     @property
     def pinned(self) -> bool:
         return self.buffers is not None and self.buffers.pinned
+
+    def call_bytes(self) -> dict[int, int]:
+        """Layer -> bytes one copy of it moves, where compression changes it (else {})."""
+        if self.buffers is None or not self.buffers.compressed:
+            return {}
+        return {layer: self.buffers.call_nbytes(layer) for layer in self.layers}
+
+    @property
+    def compressed_host_bytes(self) -> int:
+        return 0 if self.buffers is None else sum(
+            c.host_nbytes for c in self.buffers.compressed.values())
 
     @property
     def masters(self) -> dict[int, dict[str, torch.Tensor]]:
@@ -125,6 +137,7 @@ class OffloadState(Ownership):
                           handover[p.name][0] != p.ptrs_in(buffers.masters[layer])}
         if hand_over:
             self.rewrap()
+        self._compressed_at = {layer: self._versions(layer) for layer in buffers.compressed}
         for layer in self.schedule.first_fill():
             self._load_now(layer)
         self.stats = {"prefetches": 0, "sync_loads": 0}
@@ -138,7 +151,7 @@ class OffloadState(Ownership):
         self.synchronize()
         with self.holding_slots():
             try:
-                self._take_up_changes()
+                self._take_up_changes(restoring=True)
             except ShapeChanged:
                 pass        # the parameters hold the user's new values: they stay
             if self.swapped_in:
@@ -201,6 +214,7 @@ class OffloadState(Ownership):
                 continue    # not overwritten since (a capture copies: its replays cannot know)
             if c.index == 0:
                 self.stats["prefetches"] += 1       # refills begun, whole or in chunks
+            self.copied_last_call += self.buffers.chunk_nbytes(refill, c)
             self._copied[refill] = self._versions(refill)
             if self.copy_stream is None:
                 self.buffers.copy_in(refill, c)
@@ -209,8 +223,10 @@ class OffloadState(Ownership):
             fork, done = self._events[(refill, c.index)]    # made once, recorded again
             fork.record(torch.cuda.current_stream(self.device))
             self.copy_stream.wait_event(fork)
+            if capturing:
+                self.buffers.captured = True
             with torch.cuda.stream(self.copy_stream):
-                self.buffers.copy_in(refill, c, non_blocking=True)
+                self.buffers.copy_in(refill, c, non_blocking=True, on_copy_stream=True)
                 done.record(self.copy_stream)
             self.contents.fill(refill, c, Pending(done, capturing))
             if at_end:
@@ -247,6 +263,7 @@ class OffloadState(Ownership):
         for c in chunks:
             self.buffers.copy_in(layer, c, non_blocking=self.copy_stream is not None)
             self.contents.fill(layer, c, None)
+            self.copied_last_call += self.buffers.chunk_nbytes(layer, c)
         self._copied[layer] = self._versions(layer)
         self.stats["sync_loads"] += 1
         log.debug("fx_offload: loaded layer %d (chunk %s) synchronously", layer, chunk)

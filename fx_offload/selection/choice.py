@@ -32,6 +32,8 @@ class Choice:
     # layer -> its copy chunks, arranged once at the first graph (fx_offload.layout.arrange),
     # which also puts each layer's params in the order of its host block
     layout: dict = dataclasses.field(default_factory=dict)
+    # "lossless": each chunk of bf16 weights crosses the link compressed (runtime.lossless)
+    compress: str = "none"
 
     @property
     def layers(self) -> list[int]:

@@ -56,7 +56,7 @@ def choose(model: nn.Module, options: OffloadOptions, graph=None, layer_frame: b
     _check_subclasses_on(device, params)
     schedule = Schedule(params, num_slots, options.circular_start)
     choice = Choice(type(model).__name__, options, stack, params, schedule, device, planner,
-                    hook_starts_entry=options.hook_starts_entry)
+                    hook_starts_entry=options.hook_starts_entry, compress=options.compress)
     if planner is None:
         _warn_if_little_saved(choice)
     return choice

@@ -1,4 +1,4 @@
-"""Command line: ``python -m fx_offload demo|inspect|bench|bigger|flux|generate|trace``."""
+"""Command line: ``python -m fx_offload demo|inspect|bench|bigger|flux|generate|trace|codec``."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,8 @@ import sys
 import torch
 
 from ..errors import OffloadError
-from . import bench, bigger, demo, flux_bench, generate_bench, inspect_cli, trace_bench
+from . import (bench, bigger, codec_bench, demo, flux_bench, generate_bench, inspect_cli,
+               trace_bench)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,10 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     trace_bench.add_arguments(sub.add_parser(
         "trace", help="a profiler trace of synchronized offloaded calls, whole-layer against "
                       "chunked copies: stream busy times and a figure (a GPU)"))
+    codec_bench.add_arguments(sub.add_parser(
+        "codec", help="the lossless codec (compress='lossless') on one layer of 8B shape: "
+                      "ratio, GPU decode GB/s against DFloat11's, a layer's copy (a GPU)"))
     args = parser.parse_args(argv)
     commands = {"trace": trace_bench.run, "bigger": bigger.run, "bench": bench.run, "demo": demo.run,
                 "inspect": inspect_cli.run, "flux": flux_bench.run,
-                "generate": generate_bench.run}
+                "generate": generate_bench.run, "codec": codec_bench.run}
     try:
         _check_device(args)
         return commands[args.command](args)

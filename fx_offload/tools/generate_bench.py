@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated weight formats of the fx_offload rows: none (bf16) "
                              "or torchao's int8, float8, int4 weight-only (quantize_ before "
                              "offloading: the packed bytes are what moves)")
+    parser.add_argument("--compress", default="none",
+                        help="comma-separated compress values of the fx_offload rows: none, "
+                             "lossless (bf16 weights cross the link compressed)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--methods", default="resident,fx_offload,accelerate",
                         help="comma-separated among resident, fx_offload, accelerate")
@@ -90,26 +93,33 @@ def run(args: argparse.Namespace) -> int:
         del model
     circulars = [c for c in args.circular_prefetch.split(",") if c]
     formats = [q for q in args.quantize.split(",") if q]
-    variants = [(c, q) for c in circulars for q in formats] if "fx_offload" in methods else []
-    for circular, quantize in variants:
+    compressions = [c for c in args.compress.split(",") if c]
+    variants = [(c, q, z) for c in circulars for q in formats for z in compressions] \
+        if "fx_offload" in methods else []
+    for circular, quantize, compress in variants:
         torch._dynamo.reset()       # each model compiles afresh (one class: shared caches)
         model = build()
         if quantize != "none":
             _quantize(model, quantize)
         compile_forward(model, dynamic=True, group_size=2, num_in_group=1,
-                        prefetch_step=args.prefetch_step, circular_prefetch=circular)
+                        prefetch_step=args.prefetch_step, circular_prefetch=circular,
+                        compress=compress)
         name = f"fx_offload, {len(offloaded)} layers, {args.prefetch_step} slots (Inductor)"
         if circulars != ["auto"]:
             name += f", circular at {circular}"
         if formats != ["none"]:
             name += f", {quantize if quantize != 'none' else 'bf16'}"
+        if compressions != ["none"]:
+            name += f", compress={compress}"
         rows[name], tokens[name] = _measure(model, prompt, args)
         if quantize != "none":
             tokens.pop(name)            # other weights: other tokens than the bf16 resident's
         rep = report(model)
-        moved[name] = Schedule(rep.layers, rep.num_slots).moved_bytes(rep.layer_bytes)
+        moved[name] = Schedule(rep.layers, rep.num_slots).moved_bytes(
+            rep.call_bytes or rep.layer_bytes)
         if quantize == "none":
-            moved.setdefault("bf16", moved[name])
+            moved.setdefault("bf16", Schedule(rep.layers, rep.num_slots).moved_bytes(
+                rep.layer_bytes))
         choice = registry.state_for_model(model).circular
         print(f"{rep}\n  circular prefetch at the {choice.now} after the run ({choice.moves} "
               "changes of place)", flush=True)

@@ -1,0 +1,121 @@
+"""One offloaded layer's compressed host copy (``compress="lossless"``): the records of its
+chunks (:mod:`.lossless`) in one page-locked block, and the copy of a chunk through a
+staging buffer on the device::
+
+    host block (the truth)  [ chunk 0 | chunk 1 | chunk 2 ]      raw bytes, as without
+                               encode     encode    raw (not all bf16, or not worth it)
+    compressed block        [ record 0 | record 1 ]               page-locked
+                               | H2D (its bytes only)
+    staging (device)        [ record ]  --decode-->  slot[chunk.start:chunk.end]
+
+The copy and its decode run on one stream, in order, so one staging buffer per stream
+suffices (the copy stream's for prefetches, the compute stream's for synchronous loads).
+Each record's size is fixed when it is first made: a weight update is encoded into the same
+sizes (room was kept for escapes), so the addresses and sizes a captured CUDA graph recorded
+stay right.  The raw host block stays the truth, so ``state_dict``, ``restore`` and every
+other reader of the weights never decode anything.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..errors import OffloadError
+from . import lossless
+from .host_memory import HostBlock
+
+log = logging.getLogger("fx_offload")
+
+
+class CompressedBlock:
+    """The records of one layer's chunks; a chunk without one is copied raw."""
+
+    def __init__(self, name: str, raw: torch.Tensor, chunks, compressible, device,
+                 pin: bool, align: int):
+        """``raw``: the layer's host block (flat uint8); ``compressible(chunk)``: the chunk
+        holds bf16 words only.  Encoded on ``device`` where it is a GPU."""
+        self.name = name
+        work = device if device.type == "cuda" else None
+        records, self.meta = {}, {}
+        for c in chunks:
+            made = lossless.encode(raw[c.start:c.end], work) if compressible(c) else None
+            if made is not None:
+                records[str(c.index)], self.meta[c.index] = made
+        self.block = HostBlock(records, pin=pin, align=align) if records else None
+        self.raw_nbytes = sum(c.end - c.start for c in chunks)
+        self.broken: str | None = None      # why its records cannot be used (recompress)
+
+    @property
+    def host_nbytes(self) -> int:
+        """Host memory the records take."""
+        return 0 if self.block is None else self.block.nbytes
+
+    def call_nbytes(self, chunks) -> int:
+        """Bytes one copy of ``chunks`` moves across the link."""
+        return sum(self.meta[c.index].nbytes if c.index in self.meta else c.end - c.start
+                   for c in chunks)
+
+    @property
+    def staging_nbytes(self) -> int:
+        return max((r.nbytes for r in self.meta.values()), default=0)
+
+    def holds(self, chunk) -> bool:
+        return chunk.index in self.meta
+
+    def copy_in(self, chunk, dest: torch.Tensor, staging: torch.Tensor | None,
+                non_blocking: bool) -> None:
+        """Fill ``dest`` (the chunk's bytes in its slot) from its record, on the current
+        stream: through ``staging`` on a GPU, straight from the host record on the CPU
+        (there each record's checksum is checked before it is read)."""
+        if self.broken:
+            raise OffloadError(self.broken, where="fx_offload")
+        rec = self.meta[chunk.index]
+        record = self.block.views[str(chunk.index)]
+        if staging is None:
+            lossless.check(record, rec, f"{self.name} chunk {chunk.index}")
+            lossless.decode(record, rec, dest)
+            return
+        staged = staging[:rec.nbytes]
+        staged.copy_(record, non_blocking=non_blocking)
+        lossless.decode(staged, rec, dest)
+
+    def check(self) -> None:
+        """Raise where a record no longer matches its checksum."""
+        for index, rec in self.meta.items():
+            lossless.check(self.block.views[str(index)], rec, f"{self.name} chunk {index}")
+
+    def recompress(self, raw: torch.Tensor, chunks, device, captured: bool) -> None:
+        """The host block's chunks changed (an update): encode them again into the same
+        records.  No copy may be reading the records (the caller synchronizes).  A chunk
+        whose new weights need more room than its record kept is copied raw from now on,
+        unless a CUDA graph has captured its decode (``captured``): its replays would decode
+        the old record's sizes, so the model refuses to run until it is compiled again."""
+        work = device if device.type == "cuda" else None
+        for c in chunks:
+            rec = self.meta.get(c.index)
+            if rec is None:
+                continue                    # copied raw: reads the host block itself
+            made = lossless.encode(raw[c.start:c.end], work, room=rec.escapes)
+            if made is None and not captured:
+                del self.meta[c.index]
+                log.info("fx_offload: the new weights of %s chunk %d need more escapes than "
+                         "its compressed copy kept room for: copied uncompressed from now on",
+                         self.name, c.index)
+                continue
+            if made is None:
+                self.broken = (
+                    f"the new weights of {self.name} (chunk {c.index}) do not fit the "
+                    "compressed copy a CUDA graph captured (they span more exponents than it "
+                    "kept room for). The weights themselves were taken (state_dict shows "
+                    "them); to run with them, fx_offload.restore(model) and compile again, or "
+                    "use compress='none'")
+                raise OffloadError(self.broken, where="fx_offload")
+            record, self.meta[c.index] = made
+            self.block.views[str(c.index)].copy_(record)
+        self.broken = None
+        log.debug("fx_offload: %s compressed again", self.name)
+
+    def release(self) -> None:
+        if self.block is not None:
+            self.block.release()

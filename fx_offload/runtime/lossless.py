@@ -1,0 +1,237 @@
+"""Lossless compression of bfloat16 weights for the host-to-device copy (``compress="lossless"``).
+
+A bf16 word is a sign bit, an 8-bit exponent and a 7-bit mantissa.  In trained weights and in
+normally initialised ones alike the exponent carries about 2.6 bits of information (most
+values lie within a few octaves of the layer's scale), the sign and mantissa close to their
+8.  One chunk of a layer's host block (:mod:`fx_offload.layout`) is stored as one record::
+
+    record of a chunk of n bf16 words (each section at a multiple of 16 bytes)
+    [ table | sign+mantissa          | codes              | escapes: where   | exponent ]
+      16 B    n bytes, (s << 7) | m    n/2 bytes, 4 bits    E int32 indices    E bytes
+                                       each: table index
+
+    word i = sign << 15 | table[code_i] << 7 | mantissa      (code 15: the escape's exponent)
+
+The table holds the chunk's 15 most frequent exponents; the rare others (values many octaves
+below the layer's scale, padding, inf/NaN) are escapes, listed apart.  That is 12 bits a word
+plus the escapes: 0.75 of the bytes, and a decode that is one independent step per word, as
+fast as the GPU's memory (a Triton kernel reading the record from a staging buffer on the
+device, writing the slot), so copy and decode keep up with the link.  The codes are of fixed
+width on purpose: an entropy coder (Huffman, ANS) reaches about 0.67 but its decode needs
+per-block offsets and a sequential bit reader, several times slower on the GPU and not
+capturable in every library that offers one (see docs/design.md for what was compared).
+
+Records are checked three times: the encoder decodes each record it made and compares it
+with the raw bytes (a wrong record never leaves it), each record carries a checksum that
+:func:`check` verifies (at restore, on the CPU decode path), and a record whose sizes do not
+match its header is refused before any decode.  A chunk that is not all bf16, or that would
+not shrink below ``WORTH`` of its size, is stored raw and copied as it is.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from ..errors import OffloadError
+
+log = logging.getLogger("fx_offload")
+
+ESCAPE = 15                 # the code of a word whose exponent is in the escape list
+TABLE = 16                  # bytes of the table (15 exponents and the escape's place)
+ALIGN = 16                  # each section starts at a multiple of this
+WORTH = 0.9                 # a record must be at most this fraction of the raw bytes
+BLOCK = 4096                # words per Triton program
+ROOM = 1024                 # words per escape entry a record keeps room for, at least
+
+
+def _up(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """Where each section of one chunk's record lies, and its checksum."""
+
+    words: int              # bf16 words of the chunk (its raw bytes / 2)
+    escapes: int            # escape entries: room for at least the escaped words (room_for)
+    checksum: int           # of the record's bytes (:func:`_checksum`)
+
+    @property
+    def sm(self) -> int:
+        return TABLE
+
+    @property
+    def codes(self) -> int:
+        return self.sm + _up(self.words)
+
+    @property
+    def where(self) -> int:
+        return self.codes + _up((self.words + 1) // 2)
+
+    @property
+    def exponents(self) -> int:
+        return self.where + _up(4 * self.escapes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.exponents + _up(self.escapes)
+
+    @property
+    def raw_nbytes(self) -> int:
+        return 2 * self.words
+
+
+def _checksum(record: torch.Tensor) -> int:
+    """A sum of the record's 8-byte words, each weighted by its position mod 2**16 + 1
+    (so a swap of two words shows too), wrapping at 2**63; computed where the record is."""
+    n = record.numel() // 8 * 8
+    words = record[:n].view(torch.int64)
+    weights = torch.arange(words.numel(), device=words.device, dtype=torch.int64) % 65536 + 1
+    total = int((words * weights).sum())
+    tail = record[n:].to(torch.int64).sum()
+    return total ^ (int(tail) << 48)
+
+
+def room_for(escapes: int, words: int) -> int:
+    """Escape entries a chunk's record keeps room for: twice what its first weights needed,
+    and at least one per ``ROOM`` words, so that new weights of the same kind (an update)
+    fit the same record, whose sizes a captured CUDA graph has fixed."""
+    return max(2 * escapes, -(-words // ROOM))
+
+
+def encode(raw: torch.Tensor, work_device: torch.device | None = None,
+           room: int | None = None) -> tuple[torch.Tensor, Record] | None:
+    """The record of the bf16 words in ``raw`` (flat uint8 bytes, an even count, on the
+    host), as a CPU uint8 tensor and its :class:`Record`; None where it would not be worth
+    it (it is at least ``WORTH`` of the raw size) or, given ``room`` (the escape entries of
+    the record it replaces), where it needs more.  ``work_device``: where to compute it (a
+    GPU is much faster); the record is decoded there once and compared with ``raw``.
+    Unused escape entries repeat word 0's exponent at word 0, which changes nothing."""
+    if raw.numel() % 2:
+        raise ValueError("a bf16 chunk has an even number of bytes")
+    device = work_device or raw.device
+    src = raw.to(device, non_blocking=False)
+    low, high = src.view(-1, 2).unbind(1)       # little-endian: the word's low byte first
+    exp = ((high & 0x7F) << 1) | (low >> 7)
+    counts = torch.bincount(exp.int(), minlength=256)
+    order = torch.argsort(counts, descending=True, stable=True)[:ESCAPE]
+    kept = order[:min(int((counts > 0).sum()), ESCAPE)]
+    table = torch.zeros(TABLE, dtype=torch.uint8, device=device)
+    table[:ESCAPE] = order.to(torch.uint8)
+    lut = torch.full((256,), ESCAPE, dtype=torch.uint8, device=device)
+    lut[kept] = torch.arange(kept.numel(), device=device, dtype=torch.uint8)
+    codes = lut[exp.int()]
+    where = torch.nonzero(codes == ESCAPE).flatten()
+    n, needed = exp.numel(), where.numel()
+    escapes = room_for(needed, n) if room is None else room
+    rec = Record(n, escapes, 0)
+    if needed > escapes or rec.nbytes > WORTH * rec.raw_nbytes:
+        return None
+    if escapes > needed:                    # the spare entries: word 0 as it is
+        where = torch.cat([where, where.new_zeros(escapes - needed)])
+    out = torch.zeros(rec.nbytes, dtype=torch.uint8, device=device)
+    out[:TABLE] = table
+    out[rec.sm:rec.sm + n] = (high & 0x80) | (low & 0x7F)
+    if n % 2:
+        codes = torch.cat([codes, codes.new_zeros(1)])
+    out[rec.codes:rec.codes + (n + 1) // 2] = codes[0::2] | (codes[1::2] << 4)
+    out[rec.where:rec.where + 4 * escapes] = where.to(torch.int32).view(torch.uint8)
+    out[rec.exponents:rec.exponents + escapes] = exp[where]
+    rec = Record(n, escapes, _checksum(out))
+    back = torch.empty_like(src)
+    decode(out, rec, back)
+    if not torch.equal(back, src):          # never a wrong record: say so, copy raw
+        log.error("fx_offload: a compressed record did not decode to its bytes; that chunk "
+                  "is copied uncompressed (please report this)")
+        return None
+    return out.cpu(), rec
+
+
+def check(record: torch.Tensor, rec: Record, what: str) -> None:
+    """Raise where ``record`` is not the record ``rec`` describes (corrupt host memory)."""
+    if record.numel() < rec.nbytes or _checksum(record[:rec.nbytes]) != rec.checksum:
+        raise OffloadError(
+            f"the compressed host copy of {what} is corrupt (its checksum or size does not "
+            "match what was written): its weights cannot be trusted. fx_offload.restore(model) "
+            "brings back the uncompressed weights, which are kept apart and are intact; compile "
+            "again to compress them anew", where="fx_offload")
+
+
+def decode(record: torch.Tensor, rec: Record, out: torch.Tensor) -> None:
+    """Write the chunk's raw bytes into ``out`` (uint8, ``rec.raw_nbytes``) from ``record``
+    (uint8, on ``out``'s device), on the current stream; no host synchronisation on a GPU."""
+    if out.numel() != rec.raw_nbytes or record.numel() < rec.nbytes:
+        raise OffloadError(
+            f"a compressed record of {rec.raw_nbytes} bytes was asked to fill {out.numel()} "
+            f"bytes from {record.numel()}: the record does not match its chunk", where="fx_offload")
+    if out.is_cuda and _triton() is not None:
+        _decode_triton(record, rec, out)
+        return
+    _decode_torch(record, rec, out)
+
+
+def _decode_torch(record: torch.Tensor, rec: Record, out: torch.Tensor) -> None:
+    n = rec.words
+    sm = record[rec.sm:rec.sm + n]
+    packed = record[rec.codes:rec.codes + (n + 1) // 2]
+    codes = torch.stack((packed & 15, packed >> 4), dim=1).flatten()[:n]
+    exp = record[:TABLE][codes.int()]
+    if rec.escapes:
+        where = record[rec.where:rec.where + 4 * rec.escapes].view(torch.int32)
+        exp[where] = record[rec.exponents:rec.exponents + rec.escapes]
+    low, high = out.view(-1, 2).unbind(1)
+    low.copy_(((exp & 1) << 7) | (sm & 0x7F))
+    high.copy_((sm & 0x80) | (exp >> 1))
+
+
+# ---- the GPU decoder ------------------------------------------------------------------
+_KERNELS = None
+
+
+def _triton():
+    """The two Triton kernels, compiled on first use; None without Triton."""
+    global _KERNELS
+    if _KERNELS is not None:
+        return _KERNELS or None
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:             # a CPU build: decode with torch ops
+        _KERNELS = ()
+        return None
+
+    @triton.jit
+    def words(src, out, n, sm_at, codes_at, BLOCK: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        live = i < n
+        sm = tl.load(src + sm_at + i, mask=live, other=0).to(tl.int32)
+        pair = tl.load(src + codes_at + i // 2, mask=live, other=0).to(tl.int32)
+        code = (pair >> ((i & 1) * 4).to(tl.int32)) & 15
+        exp = tl.load(src + code, mask=live, other=0).to(tl.int32)
+        w = ((sm & 0x80) << 8) | (exp << 7) | (sm & 0x7F)
+        tl.store(out + i, w.to(tl.int16), mask=live)
+
+    @triton.jit
+    def escapes(src, positions, out, e, exp_at, BLOCK: tl.constexpr):
+        j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        live = j < e
+        where = tl.load(positions + j, mask=live, other=0)
+        exp = tl.load(src + exp_at + j, mask=live, other=0).to(tl.int32)
+        w = tl.load(out + where, mask=live, other=0).to(tl.int32)
+        w = (w & 0x807F) | (exp << 7)
+        tl.store(out + where, w.to(tl.int16), mask=live)
+
+    _KERNELS = (words, escapes)
+    return _KERNELS
+
+
+def _decode_triton(record: torch.Tensor, rec: Record, out: torch.Tensor) -> None:
+    words, escapes = _KERNELS
+    dest = out.view(torch.int16)
+    words[(-(-rec.words // BLOCK),)](record, dest, rec.words, rec.sm, rec.codes, BLOCK=BLOCK)
+    if rec.escapes:
+        positions = record[rec.where:rec.where + 4 * rec.escapes].view(torch.int32)
+        escapes[(-(-rec.escapes // 1024),)](record, positions, dest, rec.escapes,
+                                           rec.exponents, BLOCK=1024)

@@ -1,0 +1,233 @@
+"""compress="lossless": bf16 weights cross the link as records of 12 bits a word plus escapes
+(fx_offload.runtime.lossless) and are decoded into the slot; outputs stay bitwise those of the
+model without offloading, and everything a user does to the weights keeps its guarantees."""
+import copy
+import logging
+
+import pytest
+import torch
+
+import fx_offload
+from fx_offload import registry
+from fx_offload.errors import OffloadError
+from fx_offload.runtime import lossless
+from fx_offload.tools import models
+
+OPTIONS = {"inner_backend": "aot_eager", "compress": "lossless", "copy_chunks": 3}
+
+
+def _words(n, seed=0, scale=0.02):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, generator=gen) * scale).bfloat16()
+
+
+def _round_trip(words):
+    raw = words.view(torch.uint8)
+    made = lossless.encode(raw)
+    if made is None:
+        return None
+    record, rec = made
+    out = torch.full_like(raw, 0xAB)
+    lossless.decode(record, rec, out)
+    assert torch.equal(out, raw)
+    return rec
+
+
+def test_codec_round_trips_normal_weights_at_three_quarters():
+    rec = _round_trip(_words(1 << 16))
+    assert 0.74 < rec.nbytes / rec.raw_nbytes < 0.76
+
+
+@pytest.mark.parametrize("case", ["specials", "odd", "one", "uniform_scale", "every_exponent"])
+def test_codec_is_exact_on_any_words(case):
+    words = _words(4097 if case == "odd" else 3000, seed=3)
+    if case == "specials":      # inf, nan, -0, subnormals, the largest finite
+        words[::5] = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0, 1e-40,
+                                   -3e38, 0.0]).bfloat16().repeat(1000)[:words[::5].numel()]
+    elif case == "one":
+        words = words[:1]
+    elif case == "uniform_scale":
+        words = words * torch.logspace(-30, 30, words.numel()).bfloat16()
+    elif case == "every_exponent":     # all 65536 bit patterns: not worth compressing
+        words = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(
+            torch.bfloat16)
+        assert _round_trip(words) is None
+        return
+    rec = _round_trip(words)
+    if rec is not None:
+        assert rec.nbytes <= lossless.WORTH * rec.raw_nbytes
+
+
+def test_codec_refuses_a_record_that_does_not_match():
+    raw = _words(4096).view(torch.uint8)
+    record, rec = lossless.encode(raw)
+    lossless.check(record, rec, "x")
+    record[lossless.TABLE + 7] ^= 1
+    with pytest.raises(OffloadError, match="corrupt"):
+        lossless.check(record, rec, "x")
+    with pytest.raises(OffloadError, match="does not match its chunk"):
+        lossless.decode(record, rec, torch.empty(10, dtype=torch.uint8))
+
+
+def test_update_needing_more_escapes_than_room_is_refused_by_encode():
+    raw = _words(8192).view(torch.uint8)
+    _, rec = lossless.encode(raw)
+    wide = _words(8192) * torch.logspace(-30, 30, 8192).bfloat16()
+    assert lossless.encode(wide.view(torch.uint8), room=rec.escapes) is None
+
+
+def _bf16_decoder(num_layers=6, seed=0):
+    model, inputs = models.build("decoder", num_layers=num_layers, seed=seed)
+    return model.to(torch.bfloat16), inputs
+
+
+def test_lossless_outputs_bitwise_and_fewer_bytes_copied():
+    model, inputs = _bf16_decoder()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(compiled(*inputs), reference(*inputs))
+    rep = fx_offload.report(model)
+    assert rep.compressed and set(rep.call_bytes) == set(rep.layers)
+    for layer in rep.layers:
+        assert 0.7 < rep.call_bytes[layer] / rep.layer_bytes[layer] < 0.8
+    # a call copies each offloaded layer once, compressed
+    assert rep.copied_bytes_last_call == sum(rep.call_bytes.values())
+    assert "compressed (lossless)" in str(rep) and "ratio" in str(rep)
+    assert registry.state_for_model(model).stats["sync_loads"] == 0
+
+
+def test_lossless_with_inductor_equals_the_uncompressed_run():
+    """Inductor's kernels for the offloaded graph (bf16 on the CPU differs from a resident
+    Inductor run in rounding): the compressed run gives the uncompressed run's bits."""
+    model, inputs = _bf16_decoder(num_layers=4)
+    plain = copy.deepcopy(model)
+    outputs = []
+    for m, compress in ((plain, "none"), (model, "lossless")):
+        torch._dynamo.reset()
+        compiled = torch.compile(m, backend="prefetch_offload",
+                                 options={**OPTIONS, "inner_backend": "inductor",
+                                          "compress": compress})
+        with torch.no_grad():
+            outputs.append(compiled(*inputs))
+    assert torch.equal(*outputs)
+    assert fx_offload.report(model).compressed and not fx_offload.report(plain).compressed
+
+
+def test_updates_are_compressed_again():
+    """update_weights, load_state_dict, an in-place write and new storage all reach the
+    compressed copy: the next call computes with the new weights."""
+    model, inputs = _bf16_decoder()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+    first = reference.state_dict()
+
+    def scaled(layer, factor):
+        return {k: v * factor for k, v in first.items() if k.startswith(f"layers.{layer}.")}
+    steps = [
+        (lambda m: fx_offload.update_weights(m, scaled(1, 1.5)),
+         lambda m: m.load_state_dict(scaled(1, 1.5), strict=False)),
+        (lambda m: m.load_state_dict(scaled(3, -0.5), strict=False),) * 2,
+        (lambda m: next(m.layers[5].parameters()).mul_(2),) * 2,
+        (lambda m: setattr(next(m.layers[1].parameters()), "data",
+                           next(m.layers[1].parameters()).detach().clone() + 0.25),) * 2,
+    ]
+    with torch.no_grad():
+        compiled(*inputs)
+        for on_model, on_reference in steps:
+            on_model(model)
+            on_reference(reference)
+            assert torch.equal(compiled(*inputs), reference(*inputs))
+    fx_offload.restore(model)
+    for (name, a), b in zip(model.state_dict().items(), reference.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_an_update_that_does_not_fit_is_copied_raw_and_stays_right(caplog):
+    model, inputs = _bf16_decoder()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+    with torch.no_grad():
+        compiled(*inputs)
+        for m in (model, reference):
+            w = next(m.layers[3].parameters())
+            w.copy_(w * torch.logspace(-30, 30, w.numel()).reshape(w.shape).bfloat16())
+        with caplog.at_level(logging.INFO, logger="fx_offload"):
+            assert torch.equal(compiled(*inputs), reference(*inputs))
+    assert "copied uncompressed from now on" in caplog.text
+    rep = fx_offload.report(model)
+    assert rep.call_bytes[3] > rep.call_bytes[1]
+
+
+def test_a_corrupt_record_is_reported_not_decoded():
+    model, inputs = _bf16_decoder()
+    compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+    with torch.no_grad():
+        compiled(*inputs)
+        state = registry.state_for_model(model)
+        block = state.buffers.compressed[1].block
+        block.buffer[100] ^= 0x10            # host memory flipped under the records
+        with pytest.raises(OffloadError, match="compressed host copy of layer 1 .* is corrupt"):
+            compiled(*inputs)
+    fx_offload.restore(model)               # the weights themselves are intact
+    want = _bf16_decoder()[0].state_dict()
+    assert all(torch.equal(a, want[k]) for k, a in model.state_dict().items())
+
+
+def test_what_users_do_keeps_the_true_weights():
+    model, inputs = _bf16_decoder()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+    with torch.no_grad():
+        compiled(*inputs)
+    want = reference.state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+    sub = model.layers[1].state_dict()
+    assert all(torch.equal(v, want[f"layers.1.{k}"]) for k, v in sub.items())
+    assert all(torch.equal(v, want[k]) for k, v in fx_offload.named_weights(model))
+    twin = copy.deepcopy(model)
+    assert all(torch.equal(v, want[k]) for k, v in twin.state_dict().items())
+
+
+def test_a_model_with_nothing_to_compress_says_so(caplog):
+    model, inputs = models.build("decoder")          # float32: nothing to compress
+    reference = copy.deepcopy(model)
+    with caplog.at_level(logging.INFO, logger="fx_offload"):
+        compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+        with torch.no_grad():
+            assert torch.equal(compiled(*inputs), reference(*inputs))
+    assert "compress='lossless' compresses bfloat16 weights only" in caplog.text
+    rep = fx_offload.report(model)
+    assert all(rep.call_bytes[layer] == rep.layer_bytes[layer] or
+               rep.call_bytes[layer] >= 0.99 * rep.layer_bytes[layer] for layer in rep.layers)
+
+
+@pytest.mark.parametrize("value", ["zstd", 1, True, "LOSSLESS"])
+def test_bad_compress_value_is_refused(value):
+    model, inputs = _bf16_decoder()
+    compiled = torch.compile(model, backend="prefetch_offload", options={"compress": value})
+    with pytest.raises(Exception, match="option 'compress' must be one of"):
+        with torch.no_grad():
+            compiled(*inputs)
+
+
+@pytest.mark.cuda
+def test_lossless_on_the_gpu_captured_and_eager():
+    """Triton decode on the copy stream, synchronous loads on the compute stream, and a
+    reduce-overhead capture: outputs bitwise the reference's."""
+    for mode in ("default", "reduce-overhead"):
+        torch._dynamo.reset()
+        model, (x,) = _bf16_decoder()
+        model, x = model.cuda(), x.cuda()
+        reference = torch.compile(copy.deepcopy(model), backend="inductor", mode=mode)
+        compiled = torch.compile(model, backend="prefetch_offload", mode=mode,
+                                 options={"compress": "lossless", "prefetch_step": 2})
+        with torch.no_grad():
+            for i in range(4):
+                xi = x.roll(i, 0)
+                assert torch.equal(compiled(xi).clone(), reference(xi).clone()), (mode, i)
+            assert registry.state_for_model(model).buffers.staging is not None
+        rep = fx_offload.report(model)
+        assert all(0.7 < rep.call_bytes[i] / rep.layer_bytes[i] < 0.8 for i in rep.layers)
+        fx_offload.restore(model)
