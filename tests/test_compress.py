@@ -215,14 +215,17 @@ def test_bad_compress_value_is_refused(value):
 @pytest.mark.cuda
 def test_lossless_on_the_gpu_captured_and_eager():
     """Triton decode on the copy stream, synchronous loads on the compute stream, and a
-    reduce-overhead capture: outputs bitwise the reference's."""
+    reduce-overhead capture: outputs bitwise the uncompressed offloaded run's."""
     for mode in ("default", "reduce-overhead"):
         torch._dynamo.reset()
         model, (x,) = _bf16_decoder()
         model, x = model.cuda(), x.cuda()
-        reference = torch.compile(copy.deepcopy(model), backend="inductor", mode=mode)
-        compiled = torch.compile(model, backend="prefetch_offload", mode=mode,
-                                 options={"compress": "lossless", "prefetch_step": 2})
+        plain = copy.deepcopy(model)
+        reference = torch.compile(plain, backend="prefetch_offload",
+                                  options={"mode": mode, "prefetch_step": 2})
+        compiled = torch.compile(model, backend="prefetch_offload",
+                                 options={"compress": "lossless", "prefetch_step": 2,
+                                          "mode": mode})
         with torch.no_grad():
             for i in range(4):
                 xi = x.roll(i, 0)
@@ -231,3 +234,4 @@ def test_lossless_on_the_gpu_captured_and_eager():
         rep = fx_offload.report(model)
         assert all(0.7 < rep.call_bytes[i] / rep.layer_bytes[i] < 0.8 for i in rep.layers)
         fx_offload.restore(model)
+        fx_offload.restore(plain)

@@ -8,8 +8,16 @@ staging buffer on the device::
                                | H2D (its bytes only)
     staging (device)        [ record ]  --decode-->  slot[chunk.start:chunk.end]
 
-The copy and its decode run on one stream, in order, so one staging buffer per stream
-suffices (the copy stream's for prefetches, the compute stream's for synchronous loads).
+A prefetch (:class:`StagedCopies`) copies the record into one of two staging buffers on the
+copy stream and decodes it on a decode stream of its own, so the link never waits for a
+decode or for the slot to be free: only the decode waits for the slot's last reader::
+
+    compute   ... layer reads slot | fork ....................... wait(done) | next reads
+    copy      H2D rec k -> staging[k] | staged[k]   H2D rec k+1 -> staging[k+1] ...
+    decode              wait(staged[k], fork) decode -> slot | free[k], done
+
+A synchronous load copies and decodes on the compute stream through a staging buffer of
+its own.
 Each record's size is fixed when it is first made: a weight update is encoded into the same
 sizes (room was kept for escapes), so the addresses and sizes a captured CUDA graph recorded
 stay right.  The raw host block stays the truth, so ``state_dict``, ``restore`` and every
@@ -80,6 +88,9 @@ class CompressedBlock:
         staged.copy_(record, non_blocking=non_blocking)
         lossless.decode(staged, rec, dest)
 
+    def record_of(self, chunk) -> torch.Tensor:
+        return self.block.views[str(chunk.index)]
+
     def check(self) -> None:
         """Raise where a record no longer matches its checksum."""
         for index, rec in self.meta.items():
@@ -119,3 +130,58 @@ class CompressedBlock:
     def release(self) -> None:
         if self.block is not None:
             self.block.release()
+
+
+class StagedCopies:
+    """Prefetches of compressed chunks: the record to a staging buffer on the copy stream,
+    its decode into the slot on a decode stream (both streams and all events made once)."""
+
+    COUNT = 2                   # staging buffers the copy stream fills in turn
+
+    def __init__(self, device, nbytes: int):
+        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device)
+                        for _ in range(self.COUNT)]
+        self.decode_stream = torch.cuda.Stream(device)
+        self.staged = [torch.cuda.Event() for _ in range(self.COUNT)]
+        self.free = [torch.cuda.Event() for _ in range(self.COUNT)]
+        # where each buffer's ``free`` was last recorded: None (never), in a capture (True)
+        self._free_in_capture: list[bool | None] = [None] * self.COUNT
+        self._next = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.buffers)
+
+    def copy(self, packed: CompressedBlock, chunk, dest: torch.Tensor, copy_stream, fork,
+             done, capturing: bool) -> None:
+        """Begin the copy of ``chunk``'s record and its decode into ``dest`` once ``fork``
+        (recorded on the compute stream after the last read of those bytes) is reached;
+        ``done`` is recorded after the decode."""
+        if packed.broken:
+            raise OffloadError(packed.broken, where="fx_offload")
+        k = self._next
+        self._next = (k + 1) % self.COUNT
+        rec = packed.meta[chunk.index]
+        staged = self.buffers[k][:rec.nbytes]
+        # The buffer's last decode must be over before it is overwritten.  An event recorded
+        # before a capture began cannot be waited on inside it (and the synchronization that
+        # begins every capture finished that decode).
+        recorded = self._free_in_capture[k]
+        if recorded is not None and (recorded or not capturing):
+            copy_stream.wait_event(self.free[k])
+        if capturing:       # the copy stream joins the capture through an event made in it
+            copy_stream.wait_event(fork)
+        with torch.cuda.stream(copy_stream):
+            staged.copy_(packed.record_of(chunk), non_blocking=True)
+            self.staged[k].record(copy_stream)
+        decode = self.decode_stream
+        decode.wait_event(self.staged[k])
+        decode.wait_event(fork)
+        with torch.cuda.stream(decode):
+            lossless.decode(staged, rec, dest)
+            self.free[k].record(decode)
+            done.record(decode)
+        self._free_in_capture[k] = capturing
+
+    def synchronize(self) -> None:
+        self.decode_stream.synchronize()

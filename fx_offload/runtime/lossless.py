@@ -6,17 +6,18 @@ values lie within a few octaves of the layer's scale), the sign and mantissa clo
 8.  One chunk of a layer's host block (:mod:`fx_offload.layout`) is stored as one record::
 
     record of a chunk of n bf16 words (each section at a multiple of 16 bytes)
-    [ table | sign+mantissa          | codes              | escapes: where   | exponent ]
-      16 B    n bytes, (s << 7) | m    n/2 bytes, 4 bits    E int32 indices    E bytes
-                                       each: table index
+    [ base | sign+mantissa          | codes               | escapes: where   | exponent ]
+      16 B   n bytes, (s << 7) | m    n/2 bytes, 4 bits     E int32 indices    E bytes
+                                      each (2 words a byte)
 
-    word i = sign << 15 | table[code_i] << 7 | mantissa      (code 15: the escape's exponent)
+    word i = sign << 15 | (base + code_i) << 7 | mantissa     (code 15: the escape's exponent)
 
-The table holds the chunk's 15 most frequent exponents; the rare others (values many octaves
-below the layer's scale, padding, inf/NaN) are escapes, listed apart.  That is 12 bits a word
-plus the escapes: 0.75 of the bytes, and a decode that is one independent step per word, as
-fast as the GPU's memory (a Triton kernel reading the record from a staging buffer on the
-device, writing the slot), so copy and decode keep up with the link.  The codes are of fixed
+``base`` starts the window of 15 consecutive exponents that holds the most of the chunk's
+words; the rare others (values many octaves below the layer's scale, padding, inf/NaN) are
+escapes, listed apart.  That is 12 bits a word plus the escapes: 0.75 of the bytes, and a
+decode that is a few integer operations per pair of words with no lookup (a Triton kernel
+reading the record from a staging buffer on the device and writing the slot, 16 bits in and
+32 out per pair), so copy and decode keep up with the link.  The codes are of fixed
 width on purpose: an entropy coder (Huffman, ANS) reaches about 0.67 but its decode needs
 per-block offsets and a sequential bit reader, several times slower on the GPU and not
 capturable in every library that offers one (see docs/design.md for what was compared).
@@ -39,10 +40,10 @@ from ..errors import OffloadError
 log = logging.getLogger("fx_offload")
 
 ESCAPE = 15                 # the code of a word whose exponent is in the escape list
-TABLE = 16                  # bytes of the table (15 exponents and the escape's place)
+TABLE = 16                  # bytes of the header: the window's base exponent, then zeros
 ALIGN = 16                  # each section starts at a multiple of this
 WORTH = 0.9                 # a record must be at most this fraction of the raw bytes
-BLOCK = 4096                # words per Triton program
+BLOCK = 2048                # pairs of words per Triton program
 ROOM = 1024                 # words per escape entry a record keeps room for, at least
 
 
@@ -115,14 +116,14 @@ def encode(raw: torch.Tensor, work_device: torch.device | None = None,
     src = raw.to(device, non_blocking=False)
     low, high = src.view(-1, 2).unbind(1)       # little-endian: the word's low byte first
     exp = ((high & 0x7F) << 1) | (low >> 7)
-    counts = torch.bincount(exp.int(), minlength=256)
-    order = torch.argsort(counts, descending=True, stable=True)[:ESCAPE]
-    kept = order[:min(int((counts > 0).sum()), ESCAPE)]
+    counts = torch.bincount(exp.int(), minlength=256 + ESCAPE)
+    windows = counts.cumsum(0)[ESCAPE - 1:] - torch.cat([counts.new_zeros(1),
+                                                         counts.cumsum(0)[:-ESCAPE]])
+    base = int(torch.argmax(windows[:256]))         # 15 exponents base .. base + 14
+    codes = (exp.int() - base).clamp_(min=-1).masked_fill_(exp.int() < base, ESCAPE)
+    codes = codes.clamp_(max=ESCAPE).to(torch.uint8)
     table = torch.zeros(TABLE, dtype=torch.uint8, device=device)
-    table[:ESCAPE] = order.to(torch.uint8)
-    lut = torch.full((256,), ESCAPE, dtype=torch.uint8, device=device)
-    lut[kept] = torch.arange(kept.numel(), device=device, dtype=torch.uint8)
-    codes = lut[exp.int()]
+    table[0] = base
     where = torch.nonzero(codes == ESCAPE).flatten()
     n, needed = exp.numel(), where.numel()
     escapes = room_for(needed, n) if room is None else room
@@ -177,7 +178,7 @@ def _decode_torch(record: torch.Tensor, rec: Record, out: torch.Tensor) -> None:
     sm = record[rec.sm:rec.sm + n]
     packed = record[rec.codes:rec.codes + (n + 1) // 2]
     codes = torch.stack((packed & 15, packed >> 4), dim=1).flatten()[:n]
-    exp = record[:TABLE][codes.int()]
+    exp = codes + record[0]                 # uint8: wraps like the kernel's low 8 bits
     if rec.escapes:
         where = record[rec.where:rec.where + 4 * rec.escapes].view(torch.int32)
         exp[where] = record[rec.exponents:rec.exponents + rec.escapes]
@@ -203,15 +204,18 @@ def _triton():
         return None
 
     @triton.jit
-    def words(src, out, n, sm_at, codes_at, BLOCK: tl.constexpr):
-        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        live = i < n
-        sm = tl.load(src + sm_at + i, mask=live, other=0).to(tl.int32)
-        pair = tl.load(src + codes_at + i // 2, mask=live, other=0).to(tl.int32)
-        code = (pair >> ((i & 1) * 4).to(tl.int32)) & 15
-        exp = tl.load(src + code, mask=live, other=0).to(tl.int32)
-        w = ((sm & 0x80) << 8) | (exp << 7) | (sm & 0x7F)
-        tl.store(out + i, w.to(tl.int16), mask=live)
+    def words(src, sm_pairs, code_pairs, out_pairs, pairs, BLOCK: tl.constexpr):
+        # two words a step: 16 bits of sign+mantissa and one byte of codes in, 32 bits out
+        j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        live = j < pairs
+        base = tl.load(src).to(tl.int32)
+        sm = tl.load(sm_pairs + j, mask=live, other=0).to(tl.int32)
+        code = tl.load(code_pairs + j, mask=live, other=0).to(tl.int32)
+        s0, s1 = sm & 0xFF, (sm >> 8) & 0xFF
+        e0, e1 = (base + (code & 15)) & 0xFF, (base + (code >> 4)) & 0xFF
+        w0 = ((s0 & 0x80) << 8) | (e0 << 7) | (s0 & 0x7F)
+        w1 = ((s1 & 0x80) << 8) | (e1 << 7) | (s1 & 0x7F)
+        tl.store(out_pairs + j, w0 | (w1 << 16), mask=live)
 
     @triton.jit
     def escapes(src, positions, out, e, exp_at, BLOCK: tl.constexpr):
@@ -229,9 +233,14 @@ def _triton():
 
 def _decode_triton(record: torch.Tensor, rec: Record, out: torch.Tensor) -> None:
     words, escapes = _KERNELS
-    dest = out.view(torch.int16)
-    words[(-(-rec.words // BLOCK),)](record, dest, rec.words, rec.sm, rec.codes, BLOCK=BLOCK)
+    if rec.words % 2:                       # chunks are 512-byte multiples: never here
+        _decode_torch(record, rec, out)
+        return
+    pairs = rec.words // 2
+    words[(-(-pairs // BLOCK),)](record, record[rec.sm:rec.sm + 2 * pairs].view(torch.int16),
+                                 record[rec.codes:rec.codes + pairs], out.view(torch.int32),
+                                 pairs, BLOCK=BLOCK)
     if rec.escapes:
         positions = record[rec.where:rec.where + 4 * rec.escapes].view(torch.int32)
-        escapes[(-(-rec.escapes // 1024),)](record, positions, dest, rec.escapes,
-                                           rec.exponents, BLOCK=1024)
+        escapes[(-(-rec.escapes // 1024),)](record, positions, out.view(torch.int16),
+                                           rec.escapes, rec.exponents, BLOCK=1024)

@@ -26,7 +26,7 @@ import os
 
 import torch
 
-from .compressed import CompressedBlock
+from .compressed import CompressedBlock, StagedCopies
 from .host_memory import HostBlock, align_for, layout_of, views_into
 
 log = logging.getLogger("fx_offload")
@@ -73,17 +73,19 @@ class SlotBuffers:
             log.warning("fx_offload: compress='lossless' compresses bfloat16 weights only; the "
                         "offloaded weights of %s are %s: copied as they are", self.model_name,
                         ", ".join(kinds))
-        # one staging buffer per stream that copies records: the copy stream's, the
-        # compute stream's (synchronous loads); a record and its decode are stream-ordered
+        # on a GPU: staging buffers for the prefetches (copy and decode streams) and one for
+        # synchronous loads (copy and decode on the compute stream, in order)
         most = max((c.staging_nbytes for c in self.compressed.values()), default=0)
-        self.staging = [torch.empty(most, dtype=torch.uint8, device=self.device)
-                        for _ in range(2)] if most and self.device.type == "cuda" else None
+        on_gpu = most and self.device.type == "cuda"
+        self.staging = torch.empty(most, dtype=torch.uint8, device=self.device) \
+            if on_gpu else None
+        self.staged = StagedCopies(self.device, most) if on_gpu else None
         self.captured = False       # a CUDA graph captured a copy: record sizes are fixed
 
     @property
     def nbytes(self) -> int:
         """Device memory of the slots (and of the staging buffers of compressed copies)."""
-        staged = 0 if self.staging is None else sum(s.numel() for s in self.staging)
+        staged = 0 if self.staging is None else self.staging.numel() + self.staged.nbytes
         return sum(flat.numel() for flat in self.flat) + staged
 
     def _compress(self, layer: int, ps) -> None:
@@ -136,16 +138,32 @@ class SlotBuffers:
         block = self._blocks.get(layer)
         return None if block is None else block.buffer
 
-    def copy_in(self, layer: int, chunk=None, non_blocking: bool = False,
-                on_copy_stream: bool = False) -> None:
+    def staged_copy(self, layer: int, chunk) -> bool:
+        """The prefetch of ``layer``'s ``chunk`` goes through :meth:`prefetch_staged`."""
+        packed = self.compressed.get(layer)
+        return self.staged is not None and packed is not None and packed.holds(chunk)
+
+    def prefetch_staged(self, layer: int, chunk, copy_stream, fork, done,
+                        capturing: bool) -> None:
+        """Begin ``layer``'s compressed ``chunk``: record copy, then decode (StagedCopies)."""
+        flat = self.flat[self.schedule.slot_of[layer]]
+        self.staged.copy(self.compressed[layer], chunk, flat[chunk.start:chunk.end],
+                         copy_stream, fork, done, capturing)
+
+    def synchronize(self) -> None:
+        """Wait for decodes in flight (the copy stream's copies: the caller)."""
+        if self.staged is not None:
+            self.staged.synchronize()
+
+    def copy_in(self, layer: int, chunk=None, non_blocking: bool = False) -> None:
         """Copy ``layer``'s masters into its slot (on the current stream): the bytes of one
-        :class:`~fx_offload.layout.Chunk`, or all of them.  ``on_copy_stream``: the current
-        stream is the copy stream (a compressed chunk is staged in its own buffer)."""
+        :class:`~fx_offload.layout.Chunk`, or all of them.  A compressed chunk is copied and
+        decoded on this stream, through the synchronous loads' staging buffer on a GPU."""
         block = self._blocks.get(layer)
         packed = self.compressed.get(layer)
         if packed is not None:
             flat = self.flat[self.schedule.slot_of[layer]]
-            staging = None if self.staging is None else self.staging[0 if on_copy_stream else 1]
+            staging = self.staging
             for c in (self.layout[layer] if chunk is None else (chunk,)):
                 if packed.holds(c):
                     packed.copy_in(c, flat[c.start:c.end], staging, non_blocking)

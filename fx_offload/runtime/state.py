@@ -184,6 +184,8 @@ class OffloadState(Ownership):
         """Wait for copies in flight (they read the masters about to be changed)."""
         if self.copy_stream is not None:
             self.copy_stream.synchronize()
+            if self.buffers is not None:
+                self.buffers.synchronize()
 
     # ---- the operations the graph calls ------------------------------------------------
     def wait(self, layer: int, chunk: int = -1) -> None:
@@ -222,12 +224,16 @@ class OffloadState(Ownership):
                 continue
             fork, done = self._events[(refill, c.index)]    # made once, recorded again
             fork.record(torch.cuda.current_stream(self.device))
-            self.copy_stream.wait_event(fork)
             if capturing:
                 self.buffers.captured = True
-            with torch.cuda.stream(self.copy_stream):
-                self.buffers.copy_in(refill, c, non_blocking=True, on_copy_stream=True)
-                done.record(self.copy_stream)
+            if self.buffers.staged_copy(refill, c):     # compressed: copy, then decode
+                self.buffers.prefetch_staged(refill, c, self.copy_stream, fork, done,
+                                             capturing)
+            else:
+                self.copy_stream.wait_event(fork)
+                with torch.cuda.stream(self.copy_stream):
+                    self.buffers.copy_in(refill, c, non_blocking=True)
+                    done.record(self.copy_stream)
             self.contents.fill(refill, c, Pending(done, capturing))
             if at_end:
                 self.circular.began_at_end(done)

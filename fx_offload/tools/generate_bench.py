@@ -144,11 +144,13 @@ def run(args: argparse.Namespace) -> int:
     bf16 = next((decode for name, (_, decode) in rows.items()
                  if name in moved and moved[name] == moved.get("bf16")), None)
     print(f"{'method':66s} {'prefill ms':>10s} {'decode ms/token':>16s} {'x bound':>8s} "
-          f"{'x bf16':>7s} {'tokens as resident':>19s}")
+          f"{'x bf16':>7s} {'same tokens':>19s}")
+    # tokens compared with the resident model's, or else with the first bf16 row's
+    first = "resident" if "resident" in tokens else next(iter(tokens), None)
     for name, (prefill, decode) in rows.items():
-        same = "-" if "resident" not in tokens or name not in tokens or \
+        same = "-" if first is None or name not in tokens or name == first or \
             name.startswith("resident") else (
-                "yes" if torch.equal(tokens[name], tokens["resident"]) else "NO")
+                "yes" if torch.equal(tokens[name], tokens[first]) else "NO")
         nbytes = moved.get(name, None if name.startswith("resident") else moved.get("bf16"))
         ratio = decode / (nbytes / bandwidth * 1e3) if nbytes else float("nan")
         to_bf16 = decode / bf16 if bf16 and name in moved else float("nan")
