@@ -231,6 +231,8 @@ class OffloadState(Ownership):
                                              capturing)
             else:
                 self.copy_stream.wait_event(fork)
+                if self.buffers.staged is not None:     # after decodes into the same bytes
+                    self.copy_stream.wait_stream(self.buffers.staged.decode_stream)
                 with torch.cuda.stream(self.copy_stream):
                     self.buffers.copy_in(refill, c, non_blocking=True)
                     done.record(self.copy_stream)
