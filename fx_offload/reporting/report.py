@@ -100,8 +100,9 @@ def report(model: nn.Module) -> Report:
             layer_bytes=choice.layer_bytes, pinned=state.pinned,
             options=choice.options.describe(), planner=choice.planner,
             circular=choice.schedule.circular, circular_text=state.circular.describe(),
-            call_bytes=state.call_bytes(), compressed_host_bytes=state.compressed_host_bytes,
-            copied_bytes_last_call=state.copied_last_call)
+            call_bytes=state.buffers.call_bytes() if state.buffers else {},
+            compressed_host_bytes=state.buffers.compressed_host_bytes if state.buffers else 0,
+            copied_bytes_last_call=state.buffers.copied if state.buffers else 0)
     kept = registry.nothing_offloaded(model)
     if kept is not None:
         return Report(model=kept.model_name, stack=kept.stack.path,

@@ -40,7 +40,6 @@ class Ownership:
         self._handover: dict[str, tuple] = {}    # name -> (data_ptr, version) of the tensor
         #   a parameter held when the truth was copied from it; taken over without a copy
         self._dtensor_params: list | None = None  # (owner, attr) of DTensor parameters
-        self._compressed_at: dict[int, tuple] = {}  # layer -> versions its records encode
 
     # ---- calls -------------------------------------------------------------------------
     def enter(self, root: bool) -> None:
@@ -62,8 +61,7 @@ class Ownership:
             self._holder = me
         try:
             if root:    # first: the copy stream works while the rest runs; a layer whose
-                self.copied_last_call = 0   # weights changed is reloaded when taken up
-                self.begin_entry_refills()
+                self.begin_entry_refills()  # weights changed is reloaded when taken up
             self._take_up_changes()
             self._point_at(truth=False)
             registry.begin_call(self)
@@ -162,8 +160,7 @@ class Ownership:
         """What the user did to the offloaded parameters since the last call: new storage
         (``load_state_dict(assign=True)``, ``.data =``, ``.to(device)``) is copied into the
         host block; an in-place write (``copy_``, ``load_state_dict``, an init function)
-        makes a slot holding that layer stale, and its compressed copy (if any) is made
-        again (not when ``restoring``: the weights go back as the host blocks hold them)."""
+        makes a slot holding that layer stale and (unless ``restoring``) is encoded again."""
         self._check_stack()
         stale = set()
         moved = []          # (layer, p, current, its host views, copy the values?)
@@ -205,28 +202,14 @@ class Ownership:
             self.rewrap()
         stale |= {layer for layer in self.layers
                   if layer in self._copied and self._versions(layer) != self._copied[layer]}
-        if self.buffers.compressed and not restoring:
-            stale |= self._recompress_changed({layer for layer, *_, copy in moved if copy})
+        if not restoring:   # an entry refill may have just decoded an old record: stale
+            stale |= self.buffers.recompress_changed(self._versions, moved, self.synchronize)
         for layer in stale:
             log.debug("fx_offload: layer %d changed since it was copied; reloading", layer)
             if self.contents.holds(layer):
                 self._load_now(layer)
             else:
                 self._copied.pop(layer, None)
-
-    def _recompress_changed(self, copied: set[int]) -> set[int]:
-        """Encode again the compressed copies of layers whose weights changed since they
-        were encoded (``copied``: new values copied into their host blocks); returns them,
-        for a slot holding one (an entry refill may have just decoded the old record) is
-        stale."""
-        changed = {layer for layer in self.buffers.compressed
-                   if layer in copied or self._versions(layer) != self._compressed_at[layer]}
-        if changed:
-            self.synchronize()      # a copy in flight may be reading a record
-        for layer in sorted(changed):
-            self.buffers.recompress(layer)
-            self._compressed_at[layer] = self._versions(layer)
-        return changed
 
     def holding_slots(self):
         """Hold the slots as a call does (for restore), unless this thread is in a call."""

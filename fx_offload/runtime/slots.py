@@ -81,6 +81,8 @@ class SlotBuffers:
             if on_gpu else None
         self.staged = StagedCopies(self.device, most) if on_gpu else None
         self.captured = False       # a CUDA graph captured a copy: record sizes are fixed
+        self.encoded_at: dict[int, tuple] = {}  # layer -> its parameters' versions encoded
+        self.copied = 0             # bytes copied across the link since the latest call began
 
     @property
     def nbytes(self) -> int:
@@ -114,6 +116,30 @@ class SlotBuffers:
             return packed.meta[chunk.index].nbytes
         return chunk.end - chunk.start
 
+    def call_bytes(self) -> dict[int, int]:
+        """Layer -> bytes one copy of it moves, where compression changes it (else {})."""
+        return {layer: self.call_nbytes(layer) for layer in self.params} \
+            if self.compressed else {}
+
+    @property
+    def compressed_host_bytes(self) -> int:
+        return sum(c.host_nbytes for c in self.compressed.values())
+
+    def recompress_changed(self, versions, moved, synchronize) -> set[int]:
+        """Encode again the compressed copies of layers whose weights changed since they
+        were encoded (``versions(layer)`` moved, or new values were copied into their host
+        blocks: ``moved``, entries ``(layer, ..., copied)``), after ``synchronize`` (a copy
+        may be reading a record); returns them."""
+        copied = {entry[0] for entry in moved if entry[-1]}
+        changed = {layer for layer in self.compressed
+                   if layer in copied or versions(layer) != self.encoded_at[layer]}
+        if changed:
+            synchronize()
+        for layer in sorted(changed):
+            self.recompress(layer)
+            self.encoded_at[layer] = versions(layer)
+        return changed
+
     def recompress(self, layer: int) -> None:
         """``layer``'s host block changed: its compressed copy follows (no copy in flight)."""
         packed = self.compressed.get(layer)
@@ -138,17 +164,25 @@ class SlotBuffers:
         block = self._blocks.get(layer)
         return None if block is None else block.buffer
 
-    def staged_copy(self, layer: int, chunk) -> bool:
-        """The prefetch of ``layer``'s ``chunk`` goes through :meth:`prefetch_staged`."""
+    def begin_copy(self, layer: int, chunk, copy_stream, fork, done, capturing: bool) -> None:
+        """Begin the copy of ``layer``'s ``chunk`` on ``copy_stream`` once ``fork`` (recorded
+        on the compute stream after the last read of the bytes it overwrites) is reached;
+        ``done`` is recorded when the chunk is in its slot.  A compressed chunk: its record,
+        then its decode on the decode stream (:class:`.compressed.StagedCopies`)."""
+        self.captured = self.captured or capturing
         packed = self.compressed.get(layer)
-        return self.staged is not None and packed is not None and packed.holds(chunk)
-
-    def prefetch_staged(self, layer: int, chunk, copy_stream, fork, done,
-                        capturing: bool) -> None:
-        """Begin ``layer``'s compressed ``chunk``: record copy, then decode (StagedCopies)."""
-        flat = self.flat[self.schedule.slot_of[layer]]
-        self.staged.copy(self.compressed[layer], chunk, flat[chunk.start:chunk.end],
-                         copy_stream, fork, done, capturing)
+        if self.staged is not None and packed is not None and packed.holds(chunk):
+            flat = self.flat[self.schedule.slot_of[layer]]
+            self.staged.copy(packed, chunk, flat[chunk.start:chunk.end], copy_stream, fork,
+                             done, capturing)
+            self.copied += packed.meta[chunk.index].nbytes
+            return
+        copy_stream.wait_event(fork)
+        if self.staged is not None:     # after decodes in flight into the same bytes
+            copy_stream.wait_stream(self.staged.decode_stream)
+        with torch.cuda.stream(copy_stream):
+            self.copy_in(layer, chunk, non_blocking=True)
+            done.record(copy_stream)
 
     def synchronize(self) -> None:
         """Wait for decodes in flight (the copy stream's copies: the caller)."""
@@ -165,6 +199,7 @@ class SlotBuffers:
             flat = self.flat[self.schedule.slot_of[layer]]
             staging = self.staging
             for c in (self.layout[layer] if chunk is None else (chunk,)):
+                self.copied += self.chunk_nbytes(layer, c)
                 if packed.holds(c):
                     packed.copy_in(c, flat[c.start:c.end], staging, non_blocking)
                 else:
@@ -173,6 +208,7 @@ class SlotBuffers:
             return
         if self.packed and block is not None:       # one copy per chunk
             start, end = (0, block.nbytes) if chunk is None else (chunk.start, chunk.end)
+            self.copied += end - start
             flat = self.flat[self.schedule.slot_of[layer]]
             flat[start:end].copy_(block.buffer[start:end], non_blocking=non_blocking)
             return

@@ -72,7 +72,6 @@ class OffloadState(Ownership):
         self.restored = False
         self.hooks: list = []
         self.stats = {"prefetches": 0, "sync_loads": 0}
-        self.copied_last_call = 0       # bytes copied since the latest call began
         # the refills the call hook begins, worked out once rather than on every call
         self._hook_refills = self.schedule.entry_refills() if choice.hook_starts_entry else []
         self.circular = CircularStart(self.schedule.circular, self.model_name)
@@ -90,17 +89,6 @@ class OffloadState(Ownership):
     @property
     def pinned(self) -> bool:
         return self.buffers is not None and self.buffers.pinned
-
-    def call_bytes(self) -> dict[int, int]:
-        """Layer -> bytes one copy of it moves, where compression changes it (else {})."""
-        if self.buffers is None or not self.buffers.compressed:
-            return {}
-        return {layer: self.buffers.call_nbytes(layer) for layer in self.layers}
-
-    @property
-    def compressed_host_bytes(self) -> int:
-        return 0 if self.buffers is None else sum(
-            c.host_nbytes for c in self.buffers.compressed.values())
 
     @property
     def masters(self) -> dict[int, dict[str, torch.Tensor]]:
@@ -137,7 +125,7 @@ class OffloadState(Ownership):
                           handover[p.name][0] != p.ptrs_in(buffers.masters[layer])}
         if hand_over:
             self.rewrap()
-        self._compressed_at = {layer: self._versions(layer) for layer in buffers.compressed}
+        buffers.encoded_at = {layer: self._versions(layer) for layer in buffers.compressed}
         for layer in self.schedule.first_fill():
             self._load_now(layer)
         self.stats = {"prefetches": 0, "sync_loads": 0}
@@ -184,8 +172,7 @@ class OffloadState(Ownership):
         """Wait for copies in flight (they read the masters about to be changed)."""
         if self.copy_stream is not None:
             self.copy_stream.synchronize()
-            if self.buffers is not None:
-                self.buffers.synchronize()
+            self.buffers.synchronize()      # decodes (set with the copy stream)
 
     # ---- the operations the graph calls ------------------------------------------------
     def wait(self, layer: int, chunk: int = -1) -> None:
@@ -216,7 +203,6 @@ class OffloadState(Ownership):
                 continue    # not overwritten since (a capture copies: its replays cannot know)
             if c.index == 0:
                 self.stats["prefetches"] += 1       # refills begun, whole or in chunks
-            self.copied_last_call += self.buffers.chunk_nbytes(refill, c)
             self._copied[refill] = self._versions(refill)
             if self.copy_stream is None:
                 self.buffers.copy_in(refill, c)
@@ -224,18 +210,7 @@ class OffloadState(Ownership):
                 continue
             fork, done = self._events[(refill, c.index)]    # made once, recorded again
             fork.record(torch.cuda.current_stream(self.device))
-            if capturing:
-                self.buffers.captured = True
-            if self.buffers.staged_copy(refill, c):     # compressed: copy, then decode
-                self.buffers.prefetch_staged(refill, c, self.copy_stream, fork, done,
-                                             capturing)
-            else:
-                self.copy_stream.wait_event(fork)
-                if self.buffers.staged is not None:     # after decodes into the same bytes
-                    self.copy_stream.wait_stream(self.buffers.staged.decode_stream)
-                with torch.cuda.stream(self.copy_stream):
-                    self.buffers.copy_in(refill, c, non_blocking=True)
-                    done.record(self.copy_stream)
+            self.buffers.begin_copy(refill, c, self.copy_stream, fork, done, capturing)
             self.contents.fill(refill, c, Pending(done, capturing))
             if at_end:
                 self.circular.began_at_end(done)
@@ -245,6 +220,7 @@ class OffloadState(Ownership):
         (``"either"``), and begin the entry refills now, so the copy stream works while
         Dynamo's guards run; the graph's own start finds them begun.  Not where the graph
         alone must (a capture: its replays run only what it recorded)."""
+        self.buffers.copied = 0     # a new call: report's copied_bytes_last_call
         if _capturing():
             return
         self.circular.call_begins()
@@ -271,7 +247,6 @@ class OffloadState(Ownership):
         for c in chunks:
             self.buffers.copy_in(layer, c, non_blocking=self.copy_stream is not None)
             self.contents.fill(layer, c, None)
-            self.copied_last_call += self.buffers.chunk_nbytes(layer, c)
         self._copied[layer] = self._versions(layer)
         self.stats["sync_loads"] += 1
         log.debug("fx_offload: loaded layer %d (chunk %s) synchronously", layer, chunk)
