@@ -26,6 +26,7 @@ other reader of the weights never decode anything.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -137,6 +138,8 @@ class StagedCopies:
     its decode into the slot on a decode stream (both streams and all events made once)."""
 
     COUNT = 2                   # staging buffers the copy stream fills in turn
+    # 1: the record's copy also waits for the slot's last reader, as a raw copy does
+    AFTER_FORK = os.environ.get("FX_OFFLOAD_STAGE_AFTER_FORK", "0") == "1"
 
     def __init__(self, device, nbytes: int):
         self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -169,7 +172,7 @@ class StagedCopies:
         recorded = self._free_in_capture[k]
         if recorded is not None and (recorded or not capturing):
             copy_stream.wait_event(self.free[k])
-        if capturing:       # the copy stream joins the capture through an event made in it
+        if capturing or self.AFTER_FORK:    # (a capture: joined through an event made in it)
             copy_stream.wait_event(fork)
         with torch.cuda.stream(copy_stream):
             staged.copy_(packed.record_of(chunk), non_blocking=True)

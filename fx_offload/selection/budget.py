@@ -37,6 +37,7 @@ from ..errors import META_REFUSED, BudgetError, OffloadError
 from ..options import OffloadOptions
 from ..schedule import Schedule
 from ..text import format_bytes, render_table
+from . import compression
 from .costs import GraphCosts, graph_costs
 from .device_rates import RATE_NAMES, DeviceRates, rates_for
 from .params import layer_bytes, select_params
@@ -127,8 +128,12 @@ class CostModel:
     """Predicted times of the model and of any plan, from graph costs and device rates."""
 
     def __init__(self, costs: GraphCosts, rates: DeviceRates, num_layers: int,
-                 overlapped: bool, chunks: int = 1, circular: str = "end"):
+                 overlapped: bool, chunks: int = 1, circular: str = "end",
+                 copy_fraction: float = 1.0, decode_rate: float | None = None):
+        """``copy_fraction``, ``decode_rate``: under ``compress="lossless"``, the bytes a copy
+        moves per offloaded byte, and the decode's bytes per second (selection.compression)."""
         self.costs, self.rates = costs, rates
+        self.copy_fraction, self.decode_rate = copy_fraction, decode_rate
         self.num_layers, self.overlapped, self.chunks = num_layers, overlapped, chunks
         # where the circular prefetch starts (fx_offload.schedule); chosen per call, it is at
         # the end for the calls the simulation models (back to back, fx_offload.runtime.circular)
@@ -157,9 +162,15 @@ class CostModel:
     def predict(self, layers: list[int], num_slots: int, layer_bytes: dict[int, int],
                 tokens: float) -> float:
         pre, layer_s, post = self.segments(tokens)
-        copy_s = {layer: b / self.rates.h2d_bandwidth for layer, b in layer_bytes.items()}
+        copy_s = {layer: self.copy_seconds(b) for layer, b in layer_bytes.items()}
         return simulate(pre, layer_s, post, Schedule(layers, num_slots, self.circular), copy_s,
                         self.overlapped, chunks=self.chunks)
+
+    def copy_seconds(self, nbytes: int) -> float:
+        """A layer of ``nbytes`` offloaded bytes: the link's time for what it moves, or the
+        decode's, whichever is longer (they overlap, one chunk apart)."""
+        link = nbytes * self.copy_fraction / self.rates.h2d_bandwidth
+        return link if self.decode_rate is None else max(link, nbytes / self.decode_rate)
 
     def break_even(self, layers: list[int], num_slots: int, layer_bytes: dict[int, int],
                    ) -> int | None:
@@ -220,6 +231,10 @@ class PlannerResult:
                 f"{toks} token(s) in {self.seconds * 1e3:.0f} ms",
                 f"  device rates: {cm.rates.describe()}",
                 f"  cost model: {cm.costs.describe()}"]
+        if cm.decode_rate is not None:
+            head.append(f"  compress='lossless': a copy moves {cm.copy_fraction:.3f} of its "
+                        f"bytes (\"copied per call\" below is before compression), decoded at "
+                        f"{cm.decode_rate / 1e9:.0f} GB/s")
         rows = [("", "plan", "weights on device", "copied per call",
                  *[f"ms at {t}" for t in toks], "resident ms" if len(toks) == 1 else
                  "x resident", "hidden from")]
@@ -331,9 +346,12 @@ def plan(model: nn.Module, stack: LayerStack, options: OffloadOptions, costs: Gr
                f" (parameters matching {list(options.offload_params)})")
             + f"; raise memory_budget to at least {format_bytes(minimum, as_option=True)}")
     fitting = [c for c in all_plans if c.weights_bytes <= budget]
+    fraction = compression.copy_fraction(stack, options.compress)
     cost_model = CostModel(costs, rates, len(stack.modules), overlapped=device.type == "cuda",
                            chunks=min(options.copy_chunks, CHUNKS_PREDICTED),
-                           circular=options.circular_start)
+                           circular=options.circular_start, copy_fraction=fraction,
+                           decode_rate=compression.decode_rate(device)
+                           if options.compress == "lossless" else None)
     tokens = options.plan_tokens or (costs.traced_tokens,)
     best = rank(fitting, total <= budget, cost_model, tokens)[:runner_ups + 1]
     result = PlannerResult(budget, total, minimum, tuple(tokens), best[0], best[1:],
