@@ -73,6 +73,23 @@ def views_into(buffer: torch.Tensor, layout: tuple) -> dict[str, torch.Tensor]:
     return views
 
 
+def _zero_gaps(buffer: torch.Tensor, layout: tuple, total: int) -> None:
+    """Zero the alignment padding between tensors: never read, but copied with them, and
+    compressed with them (``compress="lossless"``: random bytes there would be escapes)."""
+    ends = [offset + dtype.itemsize * _numel(shape) for _, offset, shape, _, dtype in layout]
+    starts = [offset for _, offset, *_ in layout[1:]] + [total]
+    for end, start in zip(ends, starts):
+        if start > end:
+            buffer[end:start].zero_()
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 class HostBlock:
     """Contiguous host memory for the masters of one layer."""
 
@@ -82,6 +99,7 @@ class HostBlock:
         writes the values, the values.  ``pin=False``: plain host memory (a CPU run)."""
         self.layout, total = layout_of(tensors, align)
         buffer = torch.empty(max(total, 1), dtype=torch.uint8)
+        _zero_gaps(buffer, self.layout, total)
         self.registered = self.pinned = False
         if pin:
             buffer, self.registered, self.pinned = _page_lock(buffer)
