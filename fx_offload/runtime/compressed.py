@@ -166,14 +166,20 @@ class StagedCopies:
         self._next = (k + 1) % self.COUNT
         rec = packed.meta[chunk.index]
         staged = self.buffers[k][:rec.nbytes]
-        # The buffer's last decode must be over before it is overwritten.  An event recorded
-        # before a capture began cannot be waited on inside it (and the synchronization that
-        # begins every capture finished that decode).
-        recorded = self._free_in_capture[k]
-        if recorded is not None and (recorded or not capturing):
-            copy_stream.wait_event(self.free[k])
-        if capturing or self.AFTER_FORK:    # (a capture: joined through an event made in it)
+        # The buffer's last decode must be over before it is overwritten.  Inside a capture
+        # only what this capture recorded may be waited on: the copy stream joins through
+        # the fork, then follows the decode stream if it is in this capture too (the
+        # synchronization that begins every capture finished the decodes before it).  After
+        # a capture, a replay may still be decoding from the buffer: the fork, recorded on
+        # the stream the replay runs on, comes after it.
+        last = self._free_in_capture[k]
+        if capturing or last or self.AFTER_FORK:
             copy_stream.wait_event(fork)
+        if capturing:
+            if self.capturing():
+                copy_stream.wait_stream(self.decode_stream)
+        elif last is False:
+            copy_stream.wait_event(self.free[k])
         with torch.cuda.stream(copy_stream):
             staged.copy_(packed.record_of(chunk), non_blocking=True)
             self.staged[k].record(copy_stream)
@@ -185,6 +191,11 @@ class StagedCopies:
             self.free[k].record(decode)
             done.record(decode)
         self._free_in_capture[k] = capturing
+
+    def capturing(self) -> bool:
+        """The decode stream takes part in the capture under way."""
+        with torch.cuda.stream(self.decode_stream):
+            return torch.cuda.is_current_stream_capturing()
 
     def synchronize(self) -> None:
         self.decode_stream.synchronize()

@@ -178,7 +178,9 @@ class SlotBuffers:
             self.copied += packed.meta[chunk.index].nbytes
             return
         copy_stream.wait_event(fork)
-        if self.staged is not None:     # after decodes in flight into the same bytes
+        # after decodes in flight into the same bytes (in a capture: only if the decode
+        # stream is in it; an event from outside a capture cannot be waited on inside it)
+        if self.staged is not None and (not capturing or self.staged.capturing()):
             copy_stream.wait_stream(self.staged.decode_stream)
         with torch.cuda.stream(copy_stream):
             self.copy_in(layer, chunk, non_blocking=True)
