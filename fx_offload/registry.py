@@ -183,11 +183,13 @@ def state_for_model(model: nn.Module):
 
 def state_with_layer(module: nn.Module):
     """The live offload state whose layer stack holds ``module`` as one of its layers
-    (offloaded or not), or None: a graph of that layer's own frame (after a graph break)
-    belongs to that state's model."""
+    (offloaded or not) or inside one (a layer's norm, its MLP), or None: a graph of that
+    module's own frame (after a graph break in or around it) belongs to that state's model.
+    Read at compile time only."""
     for ref in list(_HANDLES.values()):
         state = ref()
-        if state is not None and any(module is layer for layer in state.stack.modules):
+        if state is not None and any(module is inner for layer in state.stack.modules
+                                     for inner in layer.modules()):
             return state
     return None
 

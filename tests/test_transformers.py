@@ -128,3 +128,30 @@ def test_greedy_generate_with_a_static_cache():
         assert torch.equal(model.generate(ids, **kwargs), reference.generate(ids, **kwargs))
     state = fx_offload.registry.state_for_model(model)
     assert state.stats["prefetches"] > 0 and state.stats["sync_loads"] == 0
+
+
+@pytest.mark.parametrize("compress", ["none", "lossless"])
+def test_a_users_exception_inside_a_layers_submodule_surfaces_as_itself(compress):
+    """A Hugging Face Llama compiled through compile_forward whose offloaded layer's MLP
+    raises the user's own error: Dynamo breaks the graph there and compiles the layer's norm
+    on its own; that graph belongs to the model (a module inside one of its layers), the call
+    raises the user's error, and once the MLP is put back the model computes as before."""
+    model, _ = build("llama")
+    model = model.to(torch.bfloat16).eval()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    fx_offload.compile_forward(model, group_size=2, num_in_group=1, compress=compress,
+                               inner_backend="aot_eager")
+    mlp = model.model.layers[3].mlp
+
+    def refuse(*args, **kwargs):
+        raise ValueError("the user's own error")
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+        mlp.forward = refuse
+        with pytest.raises(ValueError) as raised:
+            model(ids)
+        assert type(raised.value) is ValueError and str(raised.value) == "the user's own error"
+        del mlp.forward
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+    assert fx_offload.report(model).layers == [1, 3]
