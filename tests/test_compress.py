@@ -62,7 +62,7 @@ def test_codec_refuses_a_record_that_does_not_match():
     raw = _words(4096).view(torch.uint8)
     record, rec = lossless.encode(raw)
     lossless.check(record, rec, "x")
-    record[lossless.TABLE + 7] ^= 1
+    record[lossless.HEADER + 7] ^= 1
     with pytest.raises(OffloadError, match="corrupt"):
         lossless.check(record, rec, "x")
     with pytest.raises(OffloadError, match="does not match its chunk"):
@@ -199,8 +199,8 @@ def test_a_model_with_nothing_to_compress_says_so(caplog):
             assert torch.equal(compiled(*inputs), reference(*inputs))
     assert "compress='lossless' compresses bfloat16 weights only" in caplog.text
     rep = fx_offload.report(model)
-    assert all(rep.call_bytes[layer] == rep.layer_bytes[layer] or
-               rep.call_bytes[layer] >= 0.99 * rep.layer_bytes[layer] for layer in rep.layers)
+    # nothing encoded: each copy moves the whole layer (with its alignment padding)
+    assert all(rep.call_bytes[layer] >= rep.layer_bytes[layer] for layer in rep.layers)
 
 
 @pytest.mark.parametrize("value", ["zstd", 1, True, "LOSSLESS"])

@@ -34,7 +34,9 @@ class Report:
     # chunks' records, the rest raw), and the host memory its compressed copy takes
     call_bytes: dict[int, int] = dataclasses.field(default_factory=dict)
     compressed_host_bytes: int = 0
-    copied_bytes_last_call: int = 0    # bytes the copies of the most recent call moved
+    # bytes the copies begun since the most recent call began moved (counted in Python: a
+    # CUDA graph's replay copies what its capture did, uncounted)
+    copied_bytes_last_call: int = 0
 
     @property
     def saved_bytes(self) -> int:

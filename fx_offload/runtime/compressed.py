@@ -26,7 +26,6 @@ other reader of the weights never decode anything.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -52,7 +51,6 @@ class CompressedBlock:
             if made is not None:
                 records[str(c.index)], self.meta[c.index] = made
         self.block = HostBlock(records, pin=pin, align=align) if records else None
-        self.raw_nbytes = sum(c.end - c.start for c in chunks)
         self.broken: str | None = None      # why its records cannot be used (recompress)
 
     @property
@@ -60,10 +58,10 @@ class CompressedBlock:
         """Host memory the records take."""
         return 0 if self.block is None else self.block.nbytes
 
-    def call_nbytes(self, chunks) -> int:
-        """Bytes one copy of ``chunks`` moves across the link."""
-        return sum(self.meta[c.index].nbytes if c.index in self.meta else c.end - c.start
-                   for c in chunks)
+    def chunk_nbytes(self, chunk) -> int:
+        """Bytes the copy of ``chunk`` moves across the link: its record's, or its own."""
+        rec = self.meta.get(chunk.index)
+        return chunk.end - chunk.start if rec is None else rec.nbytes
 
     @property
     def staging_nbytes(self) -> int:
@@ -79,8 +77,7 @@ class CompressedBlock:
         (there each record's checksum is checked before it is read)."""
         if self.broken:
             raise OffloadError(self.broken, where="fx_offload")
-        rec = self.meta[chunk.index]
-        record = self.block.views[str(chunk.index)]
+        rec, record = self.meta[chunk.index], self.record_of(chunk)
         if staging is None:
             lossless.check(record, rec, f"{self.name} chunk {chunk.index}")
             lossless.decode(record, rec, dest)
@@ -91,11 +88,6 @@ class CompressedBlock:
 
     def record_of(self, chunk) -> torch.Tensor:
         return self.block.views[str(chunk.index)]
-
-    def check(self) -> None:
-        """Raise where a record no longer matches its checksum."""
-        for index, rec in self.meta.items():
-            lossless.check(self.block.views[str(index)], rec, f"{self.name} chunk {index}")
 
     def recompress(self, raw: torch.Tensor, chunks, device, captured: bool) -> None:
         """The host block's chunks changed (an update): encode them again into the same
@@ -124,7 +116,7 @@ class CompressedBlock:
                     "use compress='none'")
                 raise OffloadError(self.broken, where="fx_offload")
             record, self.meta[c.index] = made
-            self.block.views[str(c.index)].copy_(record)
+            self.record_of(c).copy_(record)
         self.broken = None
         log.debug("fx_offload: %s compressed again", self.name)
 
@@ -138,8 +130,6 @@ class StagedCopies:
     its decode into the slot on a decode stream (both streams and all events made once)."""
 
     COUNT = 2                   # staging buffers the copy stream fills in turn
-    # 1: the record's copy also waits for the slot's last reader, as a raw copy does
-    AFTER_FORK = os.environ.get("FX_OFFLOAD_STAGE_AFTER_FORK", "0") == "1"
 
     def __init__(self, device, nbytes: int):
         self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -173,7 +163,7 @@ class StagedCopies:
         # a capture, a replay may still be decoding from the buffer: the fork, recorded on
         # the stream the replay runs on, comes after it.
         last = self._free_in_capture[k]
-        if capturing or last or self.AFTER_FORK:
+        if capturing or last:
             copy_stream.wait_event(fork)
         if capturing:
             if self.capturing():

@@ -10,6 +10,7 @@ memory with one warning (copies are then slower, still correct).
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -76,18 +77,11 @@ def views_into(buffer: torch.Tensor, layout: tuple) -> dict[str, torch.Tensor]:
 def _zero_gaps(buffer: torch.Tensor, layout: tuple, total: int) -> None:
     """Zero the alignment padding between tensors: never read, but copied with them, and
     compressed with them (``compress="lossless"``: random bytes there would be escapes)."""
-    ends = [offset + dtype.itemsize * _numel(shape) for _, offset, shape, _, dtype in layout]
+    ends = [offset + dtype.itemsize * math.prod(shape) for _, offset, shape, _, dtype in layout]
     starts = [offset for _, offset, *_ in layout[1:]] + [total]
     for end, start in zip(ends, starts):
         if start > end:
             buffer[end:start].zero_()
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 class HostBlock:

@@ -24,7 +24,7 @@ capturable in every library that offers one (see docs/design.md for what was com
 
 Records are checked three times: the encoder decodes each record it made and compares it
 with the raw bytes (a wrong record never leaves it), each record carries a checksum that
-:func:`check` verifies (at restore, on the CPU decode path), and a record whose sizes do not
+:func:`check` verifies before every decode on the CPU, and a record whose sizes do not
 match its header is refused before any decode.  A chunk that is not all bf16, or that would
 not shrink below ``WORTH`` of its size, is stored raw and copied as it is.
 """
@@ -40,7 +40,7 @@ from ..errors import OffloadError
 log = logging.getLogger("fx_offload")
 
 ESCAPE = 15                 # the code of a word whose exponent is in the escape list
-TABLE = 16                  # bytes of the header: the window's base exponent, then zeros
+HEADER = 16                 # bytes before the sections: the window's base exponent, zeros
 ALIGN = 16                  # each section starts at a multiple of this
 WORTH = 0.9                 # a record must be at most this fraction of the raw bytes
 BLOCK = 2048                # pairs of words per Triton program
@@ -61,7 +61,7 @@ class Record:
 
     @property
     def sm(self) -> int:
-        return TABLE
+        return HEADER
 
     @property
     def codes(self) -> int:
@@ -122,8 +122,6 @@ def encode(raw: torch.Tensor, work_device: torch.device | None = None,
     base = int(torch.argmax(windows[:256]))         # 15 exponents base .. base + 14
     codes = (exp.int() - base).clamp_(min=-1).masked_fill_(exp.int() < base, ESCAPE)
     codes = codes.clamp_(max=ESCAPE).to(torch.uint8)
-    table = torch.zeros(TABLE, dtype=torch.uint8, device=device)
-    table[0] = base
     where = torch.nonzero(codes == ESCAPE).flatten()
     n, needed = exp.numel(), where.numel()
     escapes = room_for(needed, n) if room is None else room
@@ -133,7 +131,7 @@ def encode(raw: torch.Tensor, work_device: torch.device | None = None,
     if escapes > needed:                    # the spare entries: word 0 as it is
         where = torch.cat([where, where.new_zeros(escapes - needed)])
     out = torch.zeros(rec.nbytes, dtype=torch.uint8, device=device)
-    out[:TABLE] = table
+    out[0] = base
     out[rec.sm:rec.sm + n] = (high & 0x80) | (low & 0x7F)
     if n % 2:
         codes = torch.cat([codes, codes.new_zeros(1)])

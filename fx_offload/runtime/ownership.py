@@ -202,7 +202,7 @@ class Ownership:
             self.rewrap()
         stale |= {layer for layer in self.layers
                   if layer in self._copied and self._versions(layer) != self._copied[layer]}
-        if not restoring:   # an entry refill may have just decoded an old record: stale
+        if not restoring:   # compressed copies follow; a slot holding one is stale
             stale |= self.buffers.recompress_changed(self._versions, moved, self.synchronize)
         for layer in stale:
             log.debug("fx_offload: layer %d changed since it was copied; reloading", layer)

@@ -101,25 +101,15 @@ class SlotBuffers:
             self.layout[layer], compressible, self.device,
             pin=self.device.type != "cpu", align=self.align)
 
-    def call_nbytes(self, layer: int) -> int:
-        """Bytes one copy of ``layer`` moves across the link."""
-        chunks = self.layout[layer]
-        packed = self.compressed.get(layer)
-        if packed is not None:
-            return packed.call_nbytes(chunks)
-        return sum(c.end - c.start for c in chunks)
-
     def chunk_nbytes(self, layer: int, chunk) -> int:
         """Bytes the copy of ``layer``'s ``chunk`` moves across the link."""
         packed = self.compressed.get(layer)
-        if packed is not None and packed.holds(chunk):
-            return packed.meta[chunk.index].nbytes
-        return chunk.end - chunk.start
+        return chunk.end - chunk.start if packed is None else packed.chunk_nbytes(chunk)
 
     def call_bytes(self) -> dict[int, int]:
         """Layer -> bytes one copy of it moves, where compression changes it (else {})."""
-        return {layer: self.call_nbytes(layer) for layer in self.params} \
-            if self.compressed else {}
+        return {layer: sum(self.chunk_nbytes(layer, c) for c in self.layout[layer])
+                for layer in self.params} if self.compressed else {}
 
     @property
     def compressed_host_bytes(self) -> int:
@@ -130,6 +120,8 @@ class SlotBuffers:
         were encoded (``versions(layer)`` moved, or new values were copied into their host
         blocks: ``moved``, entries ``(layer, ..., copied)``), after ``synchronize`` (a copy
         may be reading a record); returns them."""
+        if not self.compressed:             # every call: nothing to do without compression
+            return set()
         copied = {entry[0] for entry in moved if entry[-1]}
         changed = {layer for layer in self.compressed
                    if layer in copied or versions(layer) != self.encoded_at[layer]}
@@ -175,7 +167,7 @@ class SlotBuffers:
             flat = self.flat[self.schedule.slot_of[layer]]
             self.staged.copy(packed, chunk, flat[chunk.start:chunk.end], copy_stream, fork,
                              done, capturing)
-            self.copied += packed.meta[chunk.index].nbytes
+            self.copied += packed.chunk_nbytes(chunk)
             return
         copy_stream.wait_event(fork)
         # after decodes in flight into the same bytes (in a capture: only if the decode
