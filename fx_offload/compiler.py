@@ -111,7 +111,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
             len(plan.layers), plan.refills(),
             ", join" if plan.has_starts and plan.join_acts else "",
             len(state.layers), len(state.stack.modules), state.stack.path,
-            format_bytes(state.offloaded_bytes), state.num_slots,
+            format_bytes(state.choice.offloaded_bytes), state.num_slots,
             format_bytes(state.buffer_bytes), state.device, _describe(state, options, given))
     return compiled
 

@@ -79,7 +79,8 @@ def arrange(choice, graph=None, like=None) -> dict[int, list[Chunk]]:
         names = frozenset(p.suffix for p in ps)
         groups = learned.get(names) or _groups_without_graph(ps)
         _put_in_order(ps, groups)
-        choice.layout[layer] = _split(ps, groups, align, choice.options.copy_chunks)
+        choice.layout[layer] = _split(ps, groups, align, choice.options.copy_chunks,
+                                      alone=frozenset(choice.experts.get(layer, ())))
     if graph is not None:
         _FROM_GRAPHS[key] = chunk_names(choice.layout)
     log.debug("fx_offload: copy chunks per layer %s",
@@ -135,10 +136,11 @@ def _groups_without_graph(ps) -> list[list[str]]:
 
 
 def _split(ps, groups: list[list[str]], align: int, max_chunks: int,
-           exact: bool = False) -> list[Chunk]:
+           exact: bool = False, alone: frozenset = frozenset()) -> list[Chunk]:
     """Consecutive groups joined into chunks of at least ``1/max_chunks`` of the layer; a
     last chunk smaller than half that joins the one before.  ``exact``: one chunk per
-    group."""
+    group.  A group holding a parameter named in ``alone`` (an expert tensor, whose chunk
+    may move only the experts a call picked) is a chunk of its own."""
     entries, total = layout_of(block_tensors(ps), align)
     part_offset = {key: off for key, off, *_ in entries}
     ends = [off for _, off, *_ in entries[1:]] + [total]
@@ -148,14 +150,17 @@ def _split(ps, groups: list[list[str]], align: int, max_chunks: int,
     span = {p.suffix: sum(part_span[k] for k in p.parts()) for p in ps}
     target = total / max(max_chunks, 1)
     bounds: list[list[str]] = []
-    size = 0
+    size, isolated = 0, False
     for group in groups:
-        if not bounds or size >= target or exact:
+        apart = any(s in alone for s in group)
+        if not bounds or size >= target or exact or apart or isolated:
             bounds.append([])
             size = 0
         bounds[-1] += group
         size += sum(span[s] for s in group)
-    if len(bounds) > 1 and size < target / 2 and not exact:
+        isolated = apart
+    joinable = not any(s in alone for b in bounds[-2:] for s in b)
+    if len(bounds) > 1 and size < target / 2 and not exact and joinable:
         tail = bounds.pop()
         bounds[-1] += tail
     chunks = []

@@ -11,6 +11,10 @@ its start.  Parameters are never declared mutated: that would make them mutated 
 
     wait_prefetch(acts, h, layer, chunk)   acts: values the reads of the chunk's weights are
                                            computed from; chunk -1: every chunk of the layer
+    wait_routed(acts, ids, h, layer, chunk)
+                                           the wait of a chunk of expert tensors whose reads
+                                           take only the rows ``ids`` (the router's top-k)
+                                           picked: only those rows need to be in the slot
     start_prefetch(acts, reads, h, layer, target, chunk)
                                            acts/reads: the last read of what target's chunk
                                            overwrites (or the layer's outputs); target: the
@@ -43,6 +47,19 @@ def _(activations, handle, layer, chunk=-1):
     return None
 
 
+@torch.library.custom_op("fx_offload::wait_routed", mutates_args=("activations",))
+def wait_routed(activations: list[torch.Tensor], ids: torch.Tensor, handle: int, layer: int,
+                chunk: int) -> None:
+    """Before ``layer`` reads the rows of its expert tensors in ``chunk`` that ``ids`` (its
+    router's top-k) picked: make sure the slot holds those rows."""
+    registry.state_for_op(handle).wait_routed(layer, chunk, ids)
+
+
+@wait_routed.register_fake
+def _(activations, ids, handle, layer, chunk):
+    return None
+
+
 @torch.library.custom_op("fx_offload::start_prefetch", mutates_args=("activations",))
 def start_prefetch(activations: list[torch.Tensor], reads: list[torch.Tensor], handle: int,
                    layer: int, target: int, chunk: int = -1) -> None:
@@ -69,11 +86,13 @@ def _(activations, reads, handle):
 
 
 WAIT = torch.ops.fx_offload.wait_prefetch.default
+WAIT_ROUTED = torch.ops.fx_offload.wait_routed.default
 START = torch.ops.fx_offload.start_prefetch.default
 JOIN = torch.ops.fx_offload.join_prefetch.default
-dtensor.register_op_handlers((WAIT, START, JOIN))    # tensor-parallel activations
-NAMES = {WAIT: "wait_prefetch", START: "start_prefetch", JOIN: "join_prefetch"}
-_KIND = {WAIT: "wait", START: "start", JOIN: "join"}
+dtensor.register_op_handlers((WAIT, WAIT_ROUTED, START, JOIN))    # tensor-parallel activations
+NAMES = {WAIT: "wait_prefetch", WAIT_ROUTED: "wait_routed", START: "start_prefetch",
+         JOIN: "join_prefetch"}
+_KIND = {WAIT: "wait", WAIT_ROUTED: "wait", START: "start", JOIN: "join"}
 _OP_TYPES = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
 _OF_TARGET = {**{op: op for op in _KIND}, **{op.overloadpacket: op for op in _KIND}}
 
@@ -90,6 +109,7 @@ class OpCall:
     chunk: int = -1                     # wait: the layer's chunk; start: the refill's
     acts: object = ()                   # nodes declared mutated (direct calls only)
     reads: object = ()                  # nodes only read
+    ids: object = None                  # wait_routed: the router's top-k ids
 
     @property
     def name(self) -> str:
@@ -111,7 +131,7 @@ class OpCall:
             return None
         return OpCall(op, _KIND[op], args.get("handle"), args.get("layer"),
                       args.get("target"), args.get("chunk", -1), args.get("activations", ()),
-                      args.get("reads", ()))
+                      args.get("reads", ()), args.get("ids"))
 
     @staticmethod
     def is_ours(node: fx.Node) -> bool:

@@ -19,6 +19,7 @@ INNER_BACKENDS = ("inductor", "aot_eager", "eager")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CIRCULAR_PREFETCH = ("auto", "end", "entry")
 COMPRESS = ("none", "lossless")
+EXPERTS = ("routed", "whole")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +36,7 @@ class OffloadOptions:
     copy_chunks: int = 8        # a layer's copy is split into at most this many chunks
     circular_prefetch: str = "auto"     # where each slot's first layer is copied back in
     compress: str = "none"      # "lossless": bf16 weights cross the link compressed
+    experts: str = "routed"     # an MoE layer's experts: only those its tokens picked move
     # the planner (used instead of group_size/num_in_group/prefetch_step)
     memory_budget: int | None = None
     plan_tokens: tuple[int, ...] | None = None
@@ -74,7 +76,7 @@ class OffloadOptions:
         part of it, so one model may be compiled by several inner backends."""
         return (self.group_size, self.num_in_group, self.prefetch_step,
                 self.offload_params, self.layers, self.copy_chunks,
-                self.circular_prefetch, self.compress) + tuple(
+                self.circular_prefetch, self.compress, self.experts) + tuple(
                     getattr(self, name) for name in PLANNER_KEYS)
 
     def describe(self, placement_only: bool = False) -> str:
@@ -96,6 +98,8 @@ class OffloadOptions:
             parts.append(f"circular_prefetch={self.circular_prefetch!r}")
         if self.compress != OffloadOptions.compress:
             parts.append(f"compress={self.compress!r}")
+        if self.experts != OffloadOptions.experts:
+            parts.append(f"experts={self.experts!r}")
         if placement_only:
             return ", ".join(parts)
         parts.append(f"inner_backend={self.inner_backend!r}")
@@ -109,7 +113,7 @@ PLANNER_KEYS = ("memory_budget", "plan_tokens", "flop_rate", "memory_bandwidth",
                 "h2d_bandwidth", "launch_overhead")
 HAND_PICKED_KEYS = ("group_size", "num_in_group", "prefetch_step")
 PLACEMENT_KEYS = HAND_PICKED_KEYS + ("offload_params", "layers", "copy_chunks",
-                                     "circular_prefetch", "compress") + PLANNER_KEYS
+                                     "circular_prefetch", "compress", "experts") + PLANNER_KEYS
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -240,6 +244,12 @@ def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None 
             f"option 'compress' must be one of {list(COMPRESS)} ('lossless': bfloat16 "
             "weights cross the link compressed and are decoded on the device, bitwise the "
             f"same), got {compress!r}")
+    experts = options.get("experts", "routed")
+    if experts not in EXPERTS:
+        raise OffloadError(
+            f"option 'experts' must be one of {list(EXPERTS)} ('routed': an MoE layer's "
+            "expert tensors move only the experts its tokens were routed to; 'whole': every "
+            f"expert, every call), got {experts!r}")
     inner_backend = _check_choice("inner_backend", options.get("inner_backend", "inductor"),
                                   INNER_BACKENDS)
     mode_name = _check_choice("mode", options.get("mode") or "default", MODES)
@@ -266,6 +276,7 @@ def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None 
         copy_chunks=copy_chunks,
         circular_prefetch=circular,
         compress=compress,
+        experts=experts,
         **planner,
     )
 

@@ -204,7 +204,7 @@ def activate(state: OffloadState, model: nn.Module, hand_over: bool, fill=None,
     state.materialize(hand_over, fill, None if progress is None else progress.layer)
     strip_hooks(model)
     spec = (state.choice.options, str(state.device), layout.chunk_names(state.choice.layout))
-    state.hooks = [model.register_forward_pre_hook(EnterCall(*spec)),
+    state.hooks = [model.register_forward_pre_hook(EnterCall(*spec), with_kwargs=True),
                    model.register_forward_hook(LeaveCall(), always_call=True)]
     state.hooks += hooks.install_layer_hooks(state)
 
@@ -242,23 +242,36 @@ class EnterCall:
         self.options, self.device, self.chunks = options, device, chunks
 
     @torch._dynamo.disable
-    def __call__(self, module, args):
+    def __call__(self, module, args, kwargs=None):
         state = registry.state_for_model(module)
+        tokens = call_tokens(args, kwargs or {})
         if state is None:
             log.info("fx_offload: %s carries offload hooks but no offload state (a copy, or "
                      "unpickled): offloading it again", type(module).__name__)
             state = _offload_again(module, self.options, self.device, self.chunks)
         hooks.refuse_grad(state, args)
         try:
-            state.enter(root=True)
+            state.enter(root=True, tokens=tokens)
         except ShapeChanged as changed:
             log.warning("fx_offload: %s of %s changed (dtype, shape, or place in the layer "
                         "stack); offloading the model again in its new form", changed,
                         type(module).__name__)
             state.detach()
             state = _offload_again(module, self.options, self.device, self.chunks)
-            state.enter(root=True)
+            state.enter(root=True, tokens=tokens)
         return None
+
+
+def call_tokens(args, kwargs) -> int | None:
+    """Tokens a call of the model carries, as far as its first tensor argument says: an
+    integer tensor (token ids) counts its elements, another its elements per last-dimension
+    row.  It only guides how a call's expert tensors are prefetched (runtime.routed)."""
+    for value in list(args) + list(kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim():
+            if value.is_floating_point():
+                return value.numel() // max(value.shape[-1], 1)
+            return value.numel()
+    return None
 
 
 class LeaveCall:

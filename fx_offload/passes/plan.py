@@ -39,6 +39,7 @@ from ..errors import PlanError
 from ..graph_inputs import GraphInputs, layers_of_nodes, storage_of, value_of
 from ..layout import chunk_of_suffix
 from ..selection.choice import Choice
+from .routing import route
 
 log = logging.getLogger("fx_offload")
 
@@ -78,6 +79,8 @@ class LayerPlan:
     waits: list[ChunkWait]              # in graph order
     starts: list[ChunkStart]            # in chunk order
     members: list[fx.Node]              # the layer's nodes, in graph order
+    routed: dict[int, fx.Node] = dataclasses.field(default_factory=dict)
+    #                                     chunk of expert tensors -> its router's ids (routing)
 
 
 @dataclasses.dataclass
@@ -130,11 +133,13 @@ def plan_graph(gm: fx.GraphModule, gi: GraphInputs, choice: Choice, handle: int)
     weight_storages.pop(None, None)
     param_nodes = set(gi.params)
 
+    names = {node: name for node, (name, _) in gi.params.items()}
     plans = []
     for layer in sorted(weights):
         plan = _plan_layer(layer, weights[layer], nodes_of[layer], order, choice,
                            param_nodes, input_storages, weight_storages)
         if plan is not None:
+            plan.routed = route(layer, weights[layer], names, plan.members, choice)
             plans.append(plan)
 
     _check_not_interleaved(plans, order, choice)

@@ -8,7 +8,9 @@ layer ``T`` (chunks 0 and 1, the same bytes) after it::
     a  = linear(x, w0_L)                       # w0_L: a placeholder whose data is in slot s
     start_prefetch([a], [], h, L, T, 0)        # after the last read of chunk 0: T's chunk 0
     wait_prefetch([a], h, L, 1)                # before the first read of L's chunk 1
-    out = linear(a, w1_L)
+    out = linear(a, w1_L)                      # (a chunk of expert tensors read only by
+                                               # rows the router picked: wait_routed([a],
+                                               # ids, h, L, 1), ids = topk(scores, k)[1])
     start_prefetch([out], [], h, L, T, 1)      # after the last read of chunk 1
     ...                                        # later layers, resident or in other slots
     join_prefetch([result], [], h)             # before the graph's output
@@ -118,9 +120,12 @@ def apply_plan(gm: fx.GraphModule, plan: GraphPlan) -> None:
                 else:
                     acts = acts + [entry_anchor]
             for chunk in wait.chunks:
+                ids = lp.routed.get(chunk)
                 with graph.inserting_before(wait.first_use):
                     _no_value(graph.call_function(
-                        ops.WAIT, (acts, plan.handle, lp.layer, chunk)))
+                        ops.WAIT, (acts, plan.handle, lp.layer, chunk)) if ids is None else
+                        graph.call_function(
+                            ops.WAIT_ROUTED, (acts, ids, plan.handle, lp.layer, chunk)))
         placed_after: dict[fx.Node, fx.Node] = {}     # keeps starts after one node in order
         for start in lp.starts:
             anchor = placed_after.get(start.after, start.after)

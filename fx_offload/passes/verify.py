@@ -13,6 +13,9 @@ that produced it, and simulates the slots byte range by byte range in program or
   that chunk (a start of it, or the entry state); it makes the chunk readable;
 * a read of a weight of ``L``'s chunk ``c`` is legal only while that chunk is readable:
   after its wait and before a start overwrites any of its bytes;
+* ``wait_routed(L, c, ids)`` (a chunk of expert tensors) is a wait that fills only the rows
+  ``ids`` picks: every read of the chunk's tensors must take rows by values computed from
+  ``ids`` (:mod:`.routing`), or it would read rows no copy filled;
 * ``start(L -> T, d)`` fills ``T``'s chunk ``d`` in ``slot(L)``; ``T`` must belong to that
   slot; every chunk whose bytes it overlaps is gone (no longer readable, nor waitable).
 * a graph that ends the model's forward must leave every slot holding every chunk of what
@@ -28,6 +31,7 @@ from torch import fx
 
 from ..errors import ScheduleError
 from ..ops import OpCall
+from .routing import unrouted_read
 from ..schedule import Schedule
 
 
@@ -80,6 +84,8 @@ def verify_graph(gm: fx.GraphModule, weight_chunk: dict[fx.Node, tuple[int, int]
                         f"{holder_of(slot, layer, c.index)}; no start_prefetch of layer "
                         f"{layer} chunk {c.index} precedes this wait")
                 held[slot][(layer, c.index)] = True
+            if call.ids is not None:
+                _check_routed(node, call, weight_chunk, gm)
         elif kind == "start":
             layer, refill = call.layer, call.refill
             slot = model.slot_of[layer]
@@ -116,3 +122,20 @@ def verify_graph(gm: fx.GraphModule, weight_chunk: dict[fx.Node, tuple[int, int]
                 f"{[model.exit_owner[s] for s in bad]}, which is what the next call begins "
                 "with: a circular prefetch is missing, or one runs where the schedule does "
                 "not put it")
+
+
+def _check_routed(node: fx.Node, call: OpCall, weight_chunk, gm: fx.GraphModule) -> None:
+    """Every read of the expert tensors a ``wait_routed`` waits for takes rows its ids pick."""
+    derived = {call.ids}
+    for n in gm.graph.nodes:
+        if any(a in derived for a in n.all_input_nodes):
+            derived.add(n)
+    for w, (layer, chunk) in weight_chunk.items():
+        if (layer, chunk) != (call.layer, call.chunk):
+            continue
+        bad = unrouted_read(w, derived)
+        if bad is not None:
+            raise ScheduleError(
+                f"{bad.format_node()}: reads every expert of {w.name} (layer {layer} chunk "
+                f"{chunk}), but {node.format_node()} fills only the experts its router "
+                "picked; the other rows hold whatever the slot held")

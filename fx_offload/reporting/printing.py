@@ -159,7 +159,8 @@ def format_graph(gm: fx.GraphModule, weight_layer: dict[fx.Node, tuple] | None =
 
 def _format_ours(call: OpCall, arg_str) -> str:
     if call.kind == "wait":
-        return (f">>> {call.name}(layer {call.layer}{_chunk(call)}) ties "
+        picked = "" if call.ids is None else f", experts {arg_str([call.ids])}"
+        return (f">>> {call.name}(layer {call.layer}{_chunk(call)}{picked}) ties "
                 f"{arg_str(call.acts)}")
     extra = f", reads {arg_str(call.reads)}" if call.reads else ""
     if call.kind == "start":

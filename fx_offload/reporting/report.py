@@ -37,6 +37,9 @@ class Report:
     # bytes the copies begun since the most recent call began moved (counted in Python: a
     # CUDA graph's replay copies what its capture did, uncounted)
     copied_bytes_last_call: int = 0
+    # MoE layers: layer -> how its expert tensors move ("routed (128 experts)": only the
+    # experts its tokens picked; "whole: <why>")
+    experts: dict[int, str] = dataclasses.field(default_factory=dict)
 
     @property
     def saved_bytes(self) -> int:
@@ -54,6 +57,8 @@ class Report:
         rows = [("layer", "slot", "prefetches next", "params", "bytes")]
         if self.compressed:
             rows[0] += ("copied", "ratio")
+        if self.experts:
+            rows[0] += ("experts",)
         for layer in self.layers:
             refill = self.refill_of[layer]
             rows.append((str(layer), str(self.slot_of[layer]),
@@ -63,6 +68,8 @@ class Report:
                 moved = self.call_bytes[layer]
                 rows[-1] += (format_bytes(moved),
                              f"{moved / max(self.layer_bytes[layer], 1):.3f}")
+            if self.experts:
+                rows[-1] += (self.experts.get(layer, "-"),)
         lines = [f"fx_offload report for {self.model}: {len(self.layers)} of {self.num_layers} "
                  f"layers of {self.stack or '<root>'!r} offloaded ({self.options})"]
         lines += render_table(rows, indent="  ", rule=True)
@@ -86,6 +93,33 @@ class Report:
         return "\n".join(lines)
 
 
+def _copied(state) -> int:
+    """Bytes the last call moved: counted in Python, plus expert rows counted on the device
+    (read here, which waits for the device)."""
+    if state.buffers is None:
+        return 0
+    gathered = getattr(state, "routed", None)
+    extra = 0 if gathered is None or gathered.gathered is None else int(gathered.gathered)
+    return state.buffers.copied + extra
+
+
+def experts_moved(choice, routed=None) -> dict[int, str]:
+    """Layer -> how its expert tensors move, in words (with ``routed``, the state's
+    :class:`~fx_offload.runtime.routed.RoutedExperts`: how many the latest call gathered)."""
+    found = {}
+    last = routed.gathered_last_call() if routed is not None and choice.experts else {}
+    for layer, tensors in choice.experts.items():
+        outcome = choice.routing.get(layer)
+        count = max(tensors.values())
+        if not outcome:
+            found[layer] = f"{count} experts; routed if a graph reads them by its router"
+            continue
+        why = [w for w in outcome.values() if w != "routed"]
+        gathered = f"; {last[layer]} gathered in the last call" if last.get(layer) else ""
+        found[layer] = f"routed ({count} experts{gathered})" if not why else f"whole: {why[0]}"
+    return found
+
+
 def report(model: nn.Module) -> Report:
     """What is offloaded of ``model`` (or of the module ``torch.compile`` wrapped)."""
     model = registry.model_of(model)
@@ -104,7 +138,8 @@ def report(model: nn.Module) -> Report:
             circular=choice.schedule.circular, circular_text=state.circular.describe(),
             call_bytes=state.buffers.call_bytes() if state.buffers else {},
             compressed_host_bytes=state.buffers.compressed_host_bytes if state.buffers else 0,
-            copied_bytes_last_call=state.buffers.copied if state.buffers else 0)
+            copied_bytes_last_call=_copied(state),
+            experts=experts_moved(choice, getattr(state, "routed", None)))
     kept = registry.nothing_offloaded(model)
     if kept is not None:
         return Report(model=kept.model_name, stack=kept.stack.path,

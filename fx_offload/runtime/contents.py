@@ -44,6 +44,24 @@ class SlotContents:
                 del held[(other, index)]
         held[(layer, chunk.index)] = pending
 
+    def held_for(self, layer: int, chunk, capturing: bool) -> bool:
+        """The slot holds (or is being filled with) ``layer``'s ``chunk``, by a copy a
+        CUDA-graph capture under way recorded where one is (its replays cannot know what
+        anything before it left in the slot)."""
+        key = (layer, chunk.index)
+        held = self.slot(layer)
+        if key not in held:
+            return False
+        return not capturing or (held[key] is not None and held[key].in_capture)
+
+    def forget(self, layer: int, chunk) -> None:
+        """The bytes of ``layer``'s ``chunk`` hold no whole chunk (some rows of it were
+        copied, or none)."""
+        held = self.slot(layer)
+        for other, index in list(held):
+            if self.layout[other][index].overlaps(chunk):
+                del held[(other, index)]
+
     def in_flight_over(self, layer: int, chunks) -> list[tuple[tuple[int, int], Pending]]:
         """Copies in flight into bytes of ``layer``'s slot that ``chunks`` cover."""
         return [(key, p) for key, p in self.slot(layer).items() if p is not None and

@@ -42,7 +42,7 @@ class Ownership:
         self._dtensor_params: list | None = None  # (owner, attr) of DTensor parameters
 
     # ---- calls -------------------------------------------------------------------------
-    def enter(self, root: bool) -> None:
+    def enter(self, root: bool, tokens: int | None = None) -> None:
         """A call of the model (``root``) or of one offloaded layer on its own begins: wait
         for another thread's call to end, take up what changed, point the parameters at
         their slots.  Raises :class:`ShapeChanged` where the slots no longer fit."""
@@ -61,7 +61,7 @@ class Ownership:
             self._holder = me
         try:
             if root:    # first: the copy stream works while the rest runs; a layer whose
-                self.begin_entry_refills()  # weights changed is reloaded when taken up
+                self.begin_entry_refills(tokens)    # weights changed: reloaded when taken up
             self._take_up_changes()
             self._point_at(truth=False)
             registry.begin_call(self)

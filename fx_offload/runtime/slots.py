@@ -210,6 +210,7 @@ class SlotBuffers:
         with torch.no_grad():
             for p in self.params[layer]:
                 if wanted is None or p.suffix in wanted:
+                    self.copied += p.nbytes
                     for key in p.parts():
                         self.views[layer][key].copy_(self.masters[layer][key],
                                                      non_blocking=non_blocking)

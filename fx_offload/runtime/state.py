@@ -45,12 +45,13 @@ from ..schedule import Schedule
 from .circular import CircularStart
 from .contents import Pending, SlotContents
 from .ownership import Ownership, ShapeChanged
+from .routed import RoutedExperts, RoutedWait
 from .slots import SlotBuffers
 
 log = logging.getLogger("fx_offload")
 
 
-class OffloadState(Ownership):
+class OffloadState(Ownership, RoutedWait):
     """The slots of one model compiled with the backend, driven by the ops.  Built from a
     :class:`~fx_offload.selection.Choice`; it reads no option."""
 
@@ -78,10 +79,6 @@ class OffloadState(Ownership):
         self._init_ownership()
 
     # ---- bookkeeping -------------------------------------------------------------------
-    @property
-    def offloaded_bytes(self) -> int:
-        return self.choice.offloaded_bytes
-
     @property
     def buffer_bytes(self) -> int:
         return 0 if self.buffers is None else self.buffers.nbytes
@@ -120,6 +117,7 @@ class OffloadState(Ownership):
             self._events = {(layer, c.index): (torch.cuda.Event(), torch.cuda.Event())
                             for layer in self.layers for c in self.choice.layout[layer]}
         self.buffers = buffers
+        self.routed = RoutedExperts(self.choice, buffers)
         self._handover = {p.name: handover[p.name] for layer, ps in self.params.items()
                           for p in ps if not hand_over and
                           handover[p.name][0] != p.ptrs_in(buffers.masters[layer])}
@@ -201,6 +199,8 @@ class OffloadState(Ownership):
         for c in self.contents.chunks(refill, chunk):
             if (refill, c.index) in held and not capturing:
                 continue    # not overwritten since (a capture copies: its replays cannot know)
+            if self.routed.skips(refill, c, self.contents):
+                continue    # a routed chunk: its wait_routed copies what the router picks
             if c.index == 0:
                 self.stats["prefetches"] += 1       # refills begun, whole or in chunks
             self._copied[refill] = self._versions(refill)
@@ -215,7 +215,7 @@ class OffloadState(Ownership):
             if at_end:
                 self.circular.began_at_end(done)
 
-    def begin_entry_refills(self) -> None:
+    def begin_entry_refills(self, tokens: int | None = None) -> None:
         """A call begins (its hook): choose where this call's circular prefetch starts
         (``"either"``), and begin the entry refills now, so the copy stream works while
         Dynamo's guards run; the graph's own start finds them begun.  Not where the graph
@@ -223,6 +223,7 @@ class OffloadState(Ownership):
         self.buffers.copied = 0     # a new call: report's copied_bytes_last_call
         if _capturing():
             return
+        self.routed.begin_call(tokens)      # many tokens: routed chunks prefetched whole
         self.circular.call_begins()
         for leaving, refill in self._hook_refills:
             self.start(leaving, refill)

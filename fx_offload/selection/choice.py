@@ -34,6 +34,12 @@ class Choice:
     layout: dict = dataclasses.field(default_factory=dict)
     # "lossless": each chunk of bf16 weights crosses the link compressed (runtime.lossless)
     compress: str = "none"
+    # layer -> {suffix: number of experts} of its expert tensors, under experts="routed"
+    # (selection.experts); the pass routes a chunk of them where a graph reads only the rows
+    # its router picked, and records here why it did not where it could not
+    experts: dict = dataclasses.field(default_factory=dict)
+    # filled by the pass: layer -> {chunk: "routed"} or {chunk: why it moves whole}
+    routing: dict = dataclasses.field(default_factory=dict)
 
     @property
     def layers(self) -> list[int]:

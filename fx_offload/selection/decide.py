@@ -18,6 +18,7 @@ from ..schedule import Schedule
 from ..text import format_bytes
 from . import budget
 from .choice import Choice, NothingOffloaded
+from .experts import expert_tensors
 from .params import select_params
 from .stack import LayerStack, find_layer_stack, first_runs, in_run_order
 
@@ -56,7 +57,8 @@ def choose(model: nn.Module, options: OffloadOptions, graph=None, layer_frame: b
     _check_subclasses_on(device, params)
     schedule = Schedule(params, num_slots, options.circular_start)
     choice = Choice(type(model).__name__, options, stack, params, schedule, device, planner,
-                    hook_starts_entry=options.hook_starts_entry, compress=options.compress)
+                    hook_starts_entry=options.hook_starts_entry, compress=options.compress,
+                    experts=expert_tensors(params) if options.experts == "routed" else {})
     if planner is None:
         _warn_if_little_saved(choice)
     return choice

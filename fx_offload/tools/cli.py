@@ -1,4 +1,4 @@
-"""Command line: ``python -m fx_offload demo|inspect|bench|bigger|flux|generate|trace|codec``."""
+"""Command line: ``python -m fx_offload demo|inspect|bench|bigger|flux|generate|moe|trace|codec``."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +8,7 @@ import torch
 
 from ..errors import OffloadError
 from . import (bench, bigger, codec_bench, demo, flux_bench, generate_bench, inspect_cli,
-               trace_bench)
+               moe_bench, trace_bench)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
         "generate", help="Hugging Face generate on a Llama of 8B layer shapes: prefill and "
                          "decode ms/token resident, with fx_offload and with accelerate "
                          "(a GPU)"))
+    moe_bench.add_arguments(sub.add_parser(
+        "moe", help="Hugging Face generate on a Qwen3-MoE of 30B-A3B layer shapes: every "
+                    "expert or only the routed ones crossing the link, resident and accelerate "
+                    "(a GPU)"))
     trace_bench.add_arguments(sub.add_parser(
         "trace", help="a profiler trace of synchronized offloaded calls, whole-layer against "
                       "chunked copies: stream busy times and a figure (a GPU)"))
@@ -41,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     commands = {"trace": trace_bench.run, "bigger": bigger.run, "bench": bench.run, "demo": demo.run,
                 "inspect": inspect_cli.run, "flux": flux_bench.run,
-                "generate": generate_bench.run, "codec": codec_bench.run}
+                "generate": generate_bench.run, "moe": moe_bench.run, "codec": codec_bench.run}
     try:
         _check_device(args)
         return commands[args.command](args)

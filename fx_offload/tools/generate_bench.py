@@ -72,24 +72,14 @@ def run(args: argparse.Namespace) -> int:
           f"torch {torch.__version__}; pinned H2D {bandwidth / 1e9:.1f} GB/s", flush=True)
 
     def build():
-        with torch.device("meta"):
-            model = LlamaForCausalLM(config)
-        model = model.to_empty(device="cuda").to(torch.bfloat16).eval()
-        gen = torch.Generator("cuda").manual_seed(0)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(torch.randn(p.shape, generator=gen, device="cuda").mul_(0.02))
-            model.model.rotary_emb.__init__(config, device="cuda")
-        model.generation_config.eos_token_id = None     # always the full length
-        model.generation_config.pad_token_id = 0
-        return model
+        return build_random(LlamaForCausalLM, config)
 
     rows, tokens, moved = {}, {}, {}
     methods = [m for m in args.methods.split(",") if m]
     if "resident" in methods:
         model = build()
         model.forward = torch.compile(model.forward, dynamic=True)
-        rows["resident (Inductor)"], tokens["resident"] = _measure(model, prompt, args)
+        rows["resident (Inductor)"], tokens["resident"] = measure(model, prompt, args)
         del model
     circulars = [c for c in args.circular_prefetch.split(",") if c]
     formats = [q for q in args.quantize.split(",") if q]
@@ -111,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
             name += f", {quantize if quantize != 'none' else 'bf16'}"
         if compressions != ["none"]:
             name += f", compress={compress}"
-        rows[name], tokens[name] = _measure(model, prompt, args)
+        rows[name], tokens[name] = measure(model, prompt, args)
         if quantize != "none":
             tokens.pop(name)            # other weights: other tokens than the bf16 resident's
         rep = report(model)
@@ -134,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
             for i in offloaded:
                 cpu_offload(model.model.layers[i], execution_device=torch.device("cuda"))
             name = f"accelerate cpu_offload, {len(offloaded)} layers (eager)"
-            rows[name], tokens[name] = _measure(model, prompt, args, repeats=1)
+            rows[name], tokens[name] = measure(model, prompt, args, repeats=1)
             del model
     torch.cuda.empty_cache()
 
@@ -172,15 +162,33 @@ def _quantize(model, fmt: str) -> None:
     quantization.quantize_(model.model.layers, config)
 
 
-def _measure(model, prompt, args, repeats: int | None = None):
-    """((prefill ms, decode ms per token), the generated tokens)."""
+def build_random(model_class, config):
+    """A Hugging Face causal LM of ``config`` on the GPU, bf16 weights drawn normal(0, 0.02)
+    (as trained weights are scaled), generating always the full length."""
+    with torch.device("meta"):
+        model = model_class(config)
+    model = model.to_empty(device="cuda").to(torch.bfloat16).eval()
+    gen = torch.Generator("cuda").manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, device="cuda").mul_(0.02))
+        model.model.rotary_emb.__init__(config, device="cuda")
+    model.generation_config.eos_token_id = None     # always the full length
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def measure(model, prompt, args, repeats: int | None = None, extra=None):
+    """((prefill ms, decode ms per token), the generated tokens); ``extra``: more keywords
+    for ``generate``."""
     repeats = repeats or args.repeats
 
     def generate(n):
         torch.cuda.synchronize()
         start = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            out = model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                 **(extra or {}))
         torch.cuda.synchronize()
         return (time.perf_counter() - start) * 1e3, out
 
@@ -190,5 +198,6 @@ def _measure(model, prompt, args, repeats: int | None = None):
     timed = [generate(args.new_tokens) for _ in range(repeats)]
     full = statistics.median(ms for ms, _ in timed)
     decode = (full - prefill) / (args.new_tokens - 1)
-    print(f"  prefill {prefill:.1f} ms, decode {decode:.2f} ms/token", flush=True)
+    print(f"  batch {prompt.shape[0]}: prefill {prefill:.1f} ms, decode {decode:.2f} ms/token",
+          flush=True)
     return (prefill, decode), timed[-1][1]

@@ -6,7 +6,9 @@ Each builder returns ``(model, example_inputs)`` with deterministic random weigh
 * ``decoder``: a Llama-like decoder (embedding, RMSNorm, rotary attention with grouped KV
   heads, gated MLP) whose layers take and return ``(hidden, residual)``;
 * ``moe``: layers whose MLP holds stacked expert weights with ``*_scale`` parameters that are
-  multiplied in before use, as dequantizing layers do.
+  multiplied in before use, as dequantizing layers do; every expert is computed, weighted
+  by gates that are zero for the experts not picked.  ``routed=True``: only the picked
+  experts' rows are read (indexed by the router's top-k), as Hugging Face's MoE layers do.
 """
 from __future__ import annotations
 
@@ -157,18 +159,36 @@ class Experts(nn.Module):
         return (out * gates[..., None]).sum(dim=1)
 
 
+class RoutedExperts(Experts):
+    """The same weights, of which each token reads only its picked experts' rows."""
+
+    def __init__(self, num_experts: int, hidden: int, inner: int):
+        super().__init__(num_experts, hidden, inner)
+        self.num_experts = num_experts
+
+    def forward(self, x, idx, weights):
+        w13 = self.w13_weight[idx] * self.w13_weight_scale[idx]         # [T, k, 2I, H]
+        gate, up = torch.einsum("th,tkih->tki", x, w13).chunk(2, dim=-1)
+        w2 = self.w2_weight[idx] * self.w2_weight_scale[idx]            # [T, k, H, I]
+        out = torch.einsum("tki,tkhi->tkh", F.silu(gate) * up, w2)
+        return (out * weights[..., None]).sum(dim=1)
+
+
 class MoE(nn.Module):
-    def __init__(self, hidden: int, inner: int, num_experts: int, top_k: int):
+    def __init__(self, hidden: int, inner: int, num_experts: int, top_k: int,
+                 routed: bool = False):
         super().__init__()
-        self.top_k = top_k
+        self.top_k, self.routed = top_k, routed
         self.gate = nn.Linear(hidden, num_experts, bias=False)
-        self.experts = Experts(num_experts, hidden, inner)
+        self.experts = (RoutedExperts if routed else Experts)(num_experts, hidden, inner)
 
     def forward(self, x):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         probs = F.softmax(self.gate(x), dim=-1)
         top, idx = probs.topk(self.top_k, dim=-1)
+        if self.routed:
+            return self.experts(x, idx, top / top.sum(-1, keepdim=True)).reshape(shape)
         gates = torch.zeros_like(probs).scatter(-1, idx, top / top.sum(-1, keepdim=True))
         return self.experts(x, gates).reshape(shape)
 
@@ -178,10 +198,11 @@ class MoELayer(nn.Module):
     one layer type either way, so the stack is still a list of same-type modules."""
 
     def __init__(self, hidden: int, inner: int, num_experts: int, top_k: int,
-                 dense: bool = False):
+                 dense: bool = False, routed: bool = False):
         super().__init__()
         self.norm = RMSNorm(hidden)
-        self.mlp = GatedMLP(hidden, inner) if dense else MoE(hidden, inner, num_experts, top_k)
+        self.mlp = GatedMLP(hidden, inner) if dense else \
+            MoE(hidden, inner, num_experts, top_k, routed)
 
     def forward(self, x):
         return x + self.mlp(self.norm(x))
@@ -189,11 +210,12 @@ class MoELayer(nn.Module):
 
 class MoEStack(nn.Module):
     def __init__(self, num_layers: int = 6, hidden: int = 32, inner: int = 32,
-                 num_experts: int = 8, top_k: int = 2, dense_every: int = 0):
+                 num_experts: int = 8, top_k: int = 2, dense_every: int = 0,
+                 routed: bool = False):
         super().__init__()
         self.layers = nn.ModuleList(
             MoELayer(hidden, inner, num_experts, top_k,
-                     dense=bool(dense_every) and i % dense_every == 0)
+                     dense=bool(dense_every) and i % dense_every == 0, routed=routed)
             for i in range(num_layers))
         self.norm = RMSNorm(hidden)
 

@@ -1,0 +1,162 @@
+"""Which chunks of expert tensors a graph reads only through its router's picks: those get
+a ``wait_routed`` instead of a ``wait_prefetch``, and only the picked experts cross the link.
+
+A chunk of an MoE layer made only of expert tensors (:mod:`fx_offload.selection.experts`) is
+routed when, in this graph:
+
+* the layer computes exactly one top-k over as many scores as the tensors have experts
+  (the router's); its indices (``ids``) are what ``wait_routed`` is given;
+* every read of the chunk's bytes takes rows by values computed from ``ids``::
+
+      ids = topk(scores[T, E], k)[1]
+      w[idx]                        # idx computed from ids   (eager loop, batched_mm)
+      index_select(w, 0, idx)
+      grouped_mm(x, w.mT, offs=o)   # o computed from ids: rows of experts no token
+                                    # picked are read by no group           (grouped_mm)
+
+  and nothing else reads the tensor's values (its shape may be read).
+
+Anything else (a dense product over every expert, weighted by zero gates) would read rows
+no copy filled, so the chunk then moves whole, and :func:`route` records why in
+``choice.routing`` (``report`` and ``explain`` show it).  The verifier re-checks the
+same rule on the rewritten graph (:func:`unrouted_read`).
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from ..graph_inputs import value_of
+from ..ops import OpCall
+
+_TOPK = {torch.topk, torch.ops.aten.topk.default}
+_INDEX = {operator.getitem, torch.index_select, torch.ops.aten.index.Tensor,
+          torch.ops.aten.index_select.default}
+_VIEWS = {"transpose", "mT", "permute", "t"}        # views a grouped mm reads its weight as
+_METADATA = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool, torch.dtype,
+             torch.device, torch.Size)
+
+
+def route(layer: int, weights: dict[fx.Node, int], names: dict[fx.Node, str],
+          members: list[fx.Node], choice) -> dict[int, fx.Node]:
+    """Chunk -> the ids node of its ``wait_routed``, for ``layer``'s chunks of expert tensors
+    this graph reads only through its router's picks; records in ``choice.routing[layer]``
+    each such chunk's outcome ("routed" or why not)."""
+    experts = choice.experts.get(layer)
+    if not experts:
+        return {}
+    prefix = choice.stack.layer_path(layer) + "."
+    outcome = choice.routing.setdefault(layer, {})
+    routed = {}
+    for chunk in choice.layout[layer]:
+        counts = {experts.get(s) for s in chunk.suffixes}
+        if None in counts or len(counts) != 1:
+            continue            # not made of expert tensors alone
+        ws = [w for w, c in weights.items() if c == chunk.index and w.users]
+        if not ws:
+            continue
+        ids, why = _router_ids(members, counts.pop())
+        if ids is not None:
+            derived = _computed_from(ids, members)
+            bad = next((r for w in ws for r in [unrouted_read(w, derived)] if r), None)
+            if bad is not None:
+                why = (f"{bad.name} ({_what(bad)}) reads every expert of "
+                       f"{names[bad_weight(bad, ws)].removeprefix(prefix)}")
+        outcome[chunk.index] = "routed" if why is None else why
+        if why is None:
+            routed[chunk.index] = ids
+    return routed
+
+
+def _what(node: fx.Node) -> str:
+    target = node.target
+    return target if isinstance(target, str) else getattr(target, "__name__", str(target))
+
+
+def bad_weight(node: fx.Node, ws) -> fx.Node:
+    """The weight among ``ws`` that ``node`` (a read found by :func:`unrouted_read`) reads."""
+    seen, frontier = set(), [node]
+    while frontier:
+        n = frontier.pop()
+        if n in ws:
+            return n
+        seen.add(n)
+        frontier += [a for a in n.all_input_nodes if a not in seen]
+    return ws[0]
+
+
+def _router_ids(members: list[fx.Node], count: int) -> tuple[fx.Node | None, str | None]:
+    """The indices of the layer's one top-k over ``count`` scores, or why there is none."""
+    found = []
+    for node in members:
+        is_topk = (node.op == "call_function" and node.target in _TOPK) or \
+            (node.op == "call_method" and node.target == "topk")
+        scores = value_of(node.args[0]) if is_topk and node.args else None
+        if isinstance(scores, torch.Tensor) and scores.dim() and scores.shape[-1] == count:
+            found += [u for u in node.users
+                      if u.op == "call_function" and u.target is operator.getitem
+                      and u.args[1] == 1]
+    if len(found) == 1:
+        return found[0], None
+    if not found:
+        return None, f"no top-k over the {count} experts' scores in this graph"
+    return None, f"{len(found)} top-k over the {count} experts' scores in this graph"
+
+
+def _computed_from(ids: fx.Node, members: list[fx.Node]) -> set[fx.Node]:
+    """``ids`` and the layer's nodes computed from it."""
+    derived = {ids}
+    for node in members:
+        if any(a in derived for a in node.all_input_nodes):
+            derived.add(node)
+    return derived
+
+
+def unrouted_read(w: fx.Node, derived: set[fx.Node]) -> fx.Node | None:
+    """The first node that reads the values of expert tensor ``w`` other than by rows picked
+    by values in ``derived`` (computed from the router's ids); None if there is none."""
+    for user in w.users:
+        if isinstance(value_of(user), _METADATA) or OpCall.is_ours(user):
+            continue            # a shape read from the weight reads no rows; our ops none
+        if _picks_rows(user, w, derived):
+            continue
+        if _is_view(user, w) and all(_grouped(u, user, derived) or OpCall.is_ours(u)
+                                     for u in user.users):
+            continue
+        if _grouped(user, w, derived):
+            continue
+        return user
+    return None
+
+
+def _picks_rows(user: fx.Node, w: fx.Node, derived) -> bool:
+    if user.op != "call_function" or user.target not in _INDEX or not user.args \
+            or user.args[0] is not w:
+        return False
+    index = user.args[2] if user.target in (torch.index_select,
+                                            torch.ops.aten.index_select.default) \
+        else user.args[1]
+    if user.target in (torch.index_select, torch.ops.aten.index_select.default) \
+            and user.args[1] not in (0, -value_of(w).dim()):
+        return False
+    first = index[0] if isinstance(index, (list, tuple)) and index else index
+    return isinstance(first, fx.Node) and first in derived
+
+
+def _is_view(user: fx.Node, w: fx.Node) -> bool:
+    name = user.target if user.op == "call_method" else getattr(user.target, "__name__", "")
+    return user.args[:1] == (w,) and name in _VIEWS
+
+
+def _grouped(user: fx.Node, w: fx.Node, derived) -> bool:
+    """``user`` is a grouped matmul taking ``w`` as its per-expert weight, with group offsets
+    computed from the router's ids (so an expert no token picked is in no group)."""
+    target = user.target
+    name = getattr(target, "__name__", "") or str(target)
+    if user.op != "call_function" or "grouped_mm" not in str(name):
+        return False
+    args = list(user.args) + list(user.kwargs.values())
+    offs = user.kwargs.get("offs", user.args[2] if len(user.args) > 2 else None)
+    return w in args and isinstance(offs, fx.Node) and offs in derived

@@ -1,0 +1,72 @@
+"""Copy the rows of an expert tensor that a routing picked, driven from the device.
+
+An offloaded expert tensor ``[E, ...]`` lives in page-locked host memory; after the router
+runs, the ids of the picked experts exist only on the device.  Reading them back to the host
+would be a synchronization (and impossible inside a CUDA graph), so the device drives the
+copy: a mask of the picked experts is built with two stream-ordered ops, then one Triton
+kernel, whose programs each own a block of one expert's row, reads the host rows of the
+picked experts through their device address (page-locked memory is mapped into the device's
+address space) and writes them into the slot::
+
+    mask[:] = 0 ; mask[ids] = 1                 # on the compute stream, after the router
+    gather_rows(host[E, row], slot[E, row], mask)    # program (e, b): if mask[e], copy
+                                                      # block b of row e across the link
+
+The rows of experts not picked are not touched (they hold whatever the slot held: the
+layer's reads of them are what the pass proves absent).  Only the union of the picked
+experts crosses the link, once each, however many tokens picked them.  The CPU path uses
+``index_copy_`` on the picked rows.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:         # the CPU build of torch ships without Triton: the CPU path
+    triton = None           # needs none; on a GPU, routed experts then move whole
+
+BLOCK = 4096                # words of 4 bytes per program: 16 KiB in flight per program
+
+
+if triton is not None:
+    @triton.jit
+    def _gather_rows(src, dst, mask, row_words, BLOCK: tl.constexpr):
+        expert = tl.program_id(0)
+        if tl.load(mask + expert) != 0:
+            offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+            base = expert.to(tl.int64) * row_words
+            keep = offs < row_words
+            tl.store(dst + base + offs, tl.load(src + base + offs, mask=keep), mask=keep)
+
+
+def words(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as int32 words where they divide evenly, else as bytes (one row per
+    expert)."""
+    flat = t.view(t.shape[0], -1).view(torch.uint8)
+    return flat.view(torch.int32) if flat.shape[1] % 4 == 0 else flat
+
+
+def mark(mask: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``mask`` (one entry per expert and one more) set to 1 where ``ids`` picks an expert,
+    0 elsewhere; ids out of range (an expert-parallel sentinel) land on the extra entry,
+    which no program reads."""
+    num = mask.shape[0] - 1
+    flat = ids.reshape(-1).to(torch.int64)
+    mask.zero_()
+    mask.index_fill_(0, torch.where((flat >= 0) & (flat < num), flat, num), 1)
+    return mask
+
+
+def gather_rows(host: torch.Tensor, slot: torch.Tensor, mask: torch.Tensor) -> None:
+    """Copy the rows ``e`` of ``host`` (page-locked, or plain memory on a CPU run) with
+    ``mask[e]`` set into the same rows of ``slot``, on the current stream."""
+    src, dst = words(host), words(slot)
+    if slot.device.type == "cpu":
+        picked = mask[:-1].nonzero().reshape(-1)
+        dst.index_copy_(0, picked, src.index_select(0, picked))
+        return
+    row = src.shape[1]
+    grid = (src.shape[0], triton.cdiv(row, BLOCK))
+    _gather_rows[grid](src, dst, mask, row, BLOCK=BLOCK)

@@ -1,0 +1,148 @@
+"""Routed expert chunks at run time: a chunk of an MoE layer's expert tensors that the pass
+proved is read only through its router's picks (:mod:`fx_offload.passes.routing`) moves only
+the picked experts, copied by the device after the router runs (:mod:`.gather`).
+
+Per call, the first routed wait sees how many tokens the call routes and decides for it:
+
+* few tokens (decode: the expected share of experts picked at most :data:`WHOLE_ABOVE`):
+  the prefetch of a routed chunk copies nothing, and its ``wait_routed`` copies the picked
+  experts on the compute stream (no host synchronization: a CUDA graph captures it);
+* many tokens (prefill: most experts picked): the chunk is prefetched whole, as any other,
+  hidden behind earlier layers, and ``wait_routed`` only waits for it.
+
+A chunk whose slot holds it whole (prefetched before the tokens were known) is only waited
+for.  After a gather the slot holds only the picked rows, so the chunk is recorded as not
+held: any other reader (a graph without the routed wait, eager use) loads it whole.  Inside
+a CUDA-graph capture a chunk held from before the capture is gathered again: a replay
+cannot know what the slot will hold then.  Outputs never depend on the prediction: only
+how many bytes move does.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from . import gather
+
+log = logging.getLogger("fx_offload")
+WHOLE_ABOVE = 0.5       # expected share of a layer's experts a call picks: above it, whole
+
+
+def expected_share(num_experts: int, ids: torch.Tensor) -> float:
+    """Expected share of ``num_experts`` experts picked by ``ids`` ``[tokens, k]`` if each
+    token picked its k at random."""
+    k = ids.shape[-1] if ids.dim() else 1
+    tokens = ids.numel() // max(k, 1)
+    return 1.0 - (1.0 - min(k / num_experts, 1.0)) ** tokens
+
+
+class RoutedExperts:
+    """The routed chunks of one model, the device-side copies of their picked rows, and the
+    per-call choice between gathering and whole-chunk prefetch."""
+
+    def __init__(self, choice, buffers):
+        self.routing, self.experts = choice.routing, choice.experts
+        self.buffers = buffers
+        self.share: float | None = None     # of the latest call's routed waits
+        self.picks: tuple[int, int] | None = None   # (experts, top-k) of the latest one
+        # made here, not in a call: memory a CUDA-graph capture allocates and keeps is
+        # refused by its pool; one mask per expert count (one entry more: out-of-range ids)
+        counts = {n for tensors in choice.experts.values() for n in tensors.values()}
+        self._masks = {n: torch.zeros(n + 1, dtype=torch.int32, device=choice.device)
+                       for n in counts}
+        # bytes gathered since the call began, counted on the device (a replayed CUDA graph
+        # counts too); read by report
+        self.gathered = torch.zeros((), dtype=torch.int64, device=choice.device) \
+            if choice.experts else None
+        # experts gathered per layer in the call (0: none, or the chunk was whole), for report
+        self._row_of = {layer: i for i, layer in enumerate(sorted(choice.experts))}
+        self.picked = torch.zeros(len(self._row_of), dtype=torch.int64, device=choice.device)
+        self.usable = choice.device.type == "cpu" or \
+            bool(buffers.pinned and gather.triton is not None)
+        if choice.experts and not self.usable:
+            why = "Triton is not installed" if buffers.pinned else \
+                "its host memory is not page-locked"
+            log.warning("fx_offload: %s: %s, so the device cannot read expert rows from the "
+                        "host: its expert tensors move whole", choice.model_name, why)
+
+    def routes(self, layer: int, chunk) -> bool:
+        """``layer``'s ``chunk`` is routed (some graph waits for it with ``wait_routed``)."""
+        return self.usable and self.routing.get(layer, {}).get(chunk.index) == "routed"
+
+    def skips(self, layer: int, chunk, contents) -> bool:
+        """The prefetch of ``layer``'s ``chunk`` copies nothing (True; ``contents`` records
+        its bytes as holding no whole chunk): it is routed and the latest call picked few of
+        its experts."""
+        skip = self.share is not None and self.share <= WHOLE_ABOVE \
+            and self.routes(layer, chunk)
+        if skip:
+            contents.forget(layer, chunk)
+        return skip
+
+    def observe(self, layer: int, chunk, ids: torch.Tensor) -> bool:
+        """At a routed wait: note how many experts this call picks (for the prefetches
+        that follow); True if, with nothing held, the picked rows are to be gathered rather
+        than the chunk loaded whole (many tokens)."""
+        count = self._count(layer, chunk)
+        self.share = expected_share(count, ids)
+        self.picks = (count, ids.shape[-1] if ids.dim() else 1)
+        return self.usable and self.share <= WHOLE_ABOVE
+
+    def gather(self, layer: int, chunk, ids: torch.Tensor) -> None:
+        """Copy the rows ``ids`` picks of ``layer``'s ``chunk`` into its slot, on the
+        current stream."""
+        count = self._count(layer, chunk)
+        mask = self._masks[count]
+        gather.mark(mask, ids.to(mask.device))
+        masters, views = self.buffers.masters[layer], self.buffers.views[layer]
+        row = 0
+        for suffix in chunk.suffixes:
+            gather.gather_rows(masters[suffix], views[suffix], mask)
+            row += views[suffix][0].numel() * views[suffix].element_size()
+        picked = mask[:count].sum()
+        self.picked[self._row_of[layer]] = picked
+        self.gathered.add_(picked * row)
+
+    def begin_call(self, tokens: int | None) -> None:
+        """A call of ``tokens`` tokens begins (outside a CUDA graph): count its gathered
+        bytes from zero, and predict from its size whether its routed chunks are to be
+        prefetched whole (a prompt after decode steps: the entry refills then copy them)."""
+        if self.gathered is None:
+            return
+        self.gathered.zero_()
+        self.picked.zero_()
+        if tokens and self.picks:
+            count, k = self.picks
+            self.share = 1.0 - (1.0 - min(k / count, 1.0)) ** tokens
+
+    def gathered_last_call(self) -> dict[int, int]:
+        """Layer -> experts its routed waits gathered in the latest call (reads the device)."""
+        counts = self.picked.tolist()
+        return {layer: counts[i] for layer, i in self._row_of.items()}
+
+    def _count(self, layer: int, chunk) -> int:
+        return self.experts[layer][chunk.suffixes[0]]
+
+
+class RoutedWait:
+    """:class:`~.state.OffloadState`'s wait for a routed chunk (a mixin)."""
+
+    def wait_routed(self, layer: int, chunk: int, ids: torch.Tensor) -> None:
+        """Before ``layer`` reads the rows ``ids`` picks of its expert tensors in ``chunk``:
+        the slot holds the chunk whole (waited for), or the picked rows (copied now)."""
+        c = self.contents.chunks(layer, chunk)[0]
+        gathers = self.routed.observe(layer, c, ids)
+        if self.restored or self.contents.held_for(layer, c, _capturing()):
+            return self.wait(layer, chunk)
+        if not gathers:
+            return self._load_now(layer, c)
+        for key, pending in self.contents.in_flight_over(layer, (c,)):
+            self._wait_for(pending)
+            self.contents.slot(layer)[key] = None
+        self.routed.gather(layer, c, ids)
+        self.contents.forget(layer, c)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -1,0 +1,159 @@
+"""``python -m fx_offload moe``: Hugging Face ``generate`` on a Qwen3-MoE built from a config
+with Qwen3-30B-A3B layer shapes (hidden 2048, 128 experts of 768, top-8; random bf16 weights),
+timed side by side in one process:
+
+* resident, its ``forward`` compiled with Inductor (``dynamic=True``);
+* fx_offload through :func:`fx_offload.compile_forward`, every layer offloaded,
+  ``experts="whole"`` (every expert crosses the link every call) and ``experts="routed"``
+  (the default: only the experts the call's tokens picked);
+* accelerate's ``cpu_offload`` on the same layers (eager), where accelerate is installed.
+
+Each ``generate`` is greedy with a fixed number of new tokens, at each batch size asked for,
+and is followed by a synchronize.  Prefill is the median time of
+``generate(max_new_tokens=1)``; decode ms/token is ``(median of generate(N) - prefill) /
+(N - 1)``.  The bound of a decode step is the bytes its last forward copied
+(every offloaded byte but the expert tensors', plus the rows of the experts it picked,
+counted on the device) over the pinned host-to-device bandwidth measured in
+the same process.  Tokens are compared with the resident model's.  Needs a GPU and
+``transformers``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from .. import backend, compile_forward, registry, report
+from .bench import h2d_bandwidth
+from .generate_bench import build_random, measure
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--layers", type=int, default=8, help="decoder layers")
+    parser.add_argument("--prompt", type=int, default=512, help="prompt tokens")
+    parser.add_argument("--new-tokens", type=int, default=17,
+                        help="tokens generated per timed generate")
+    parser.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
+    parser.add_argument("--prefetch-step", type=int, default=2)
+    parser.add_argument("--experts", default="whole,routed",
+                        help="comma-separated experts values of the fx_offload rows")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--methods", default="resident,fx_offload,accelerate",
+                        help="comma-separated among resident, fx_offload, accelerate")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="decode through transformers' own compile route instead: a static "
+                             "cache and CompileConfig (reduce-overhead: CUDA graphs), naming "
+                             "fx_offload.backend(...) for the fx_offload rows; prefill then runs "
+                             "eagerly")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    except ImportError:
+        print("error: the MoE benchmark needs transformers with Qwen3-MoE", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("error: the MoE benchmark needs a GPU", file=sys.stderr)
+        return 2
+    config = Qwen3MoeConfig(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                            num_experts=128, num_experts_per_tok=8, num_attention_heads=32,
+                            num_key_value_heads=4, head_dim=128, num_hidden_layers=args.layers,
+                            vocab_size=151936, max_position_embeddings=8192,
+                            torch_dtype=torch.bfloat16)
+    bandwidth = h2d_bandwidth(torch.device("cuda"), 1 << 30)
+    batches = [int(b) for b in args.batch.split(",") if b]
+    print(f"Qwen3-MoE, {args.layers} layers of Qwen3-30B-A3B shape (bf16, random weights, "
+          f"128 experts, top-8), prompt {args.prompt} tokens, {args.new_tokens} new, batch "
+          f"{batches}; {torch.cuda.get_device_name()}, torch {torch.__version__}; pinned H2D "
+          f"{bandwidth / 1e9:.1f} GB/s", flush=True)
+
+    def build():
+        return build_random(Qwen3MoeForCausalLM, config)
+
+    prompts = {b: torch.randint(0, config.vocab_size, (b, args.prompt), device="cuda",
+                                generator=torch.Generator("cuda").manual_seed(b))
+               for b in batches}
+    rows, tokens, moved = {}, {}, {}
+    methods = [m for m in args.methods.split(",") if m]
+    graphs = " + CUDA graphs" if args.cuda_graphs else ""
+    if "resident" in methods:
+        model = build()
+        extra = _graphs(None) if args.cuda_graphs else {}
+        if not args.cuda_graphs:
+            model.forward = torch.compile(model.forward, dynamic=True)
+        for b in batches:
+            rows[(f"resident (Inductor{graphs})", b)], tokens[("resident", b)] = \
+                measure(model, prompts[b], args, extra=extra)
+        del model
+    for experts in [e for e in args.experts.split(",") if e] if "fx_offload" in methods else []:
+        torch._dynamo.reset()
+        model = build()
+        options = dict(group_size=1, num_in_group=1, prefetch_step=args.prefetch_step,
+                       experts=experts)
+        extra = _graphs(backend(**options)) if args.cuda_graphs else {}
+        if not args.cuda_graphs:
+            compile_forward(model, dynamic=True, **options)
+        name = (f"fx_offload, {args.layers} layers, {args.prefetch_step} slots, "
+                f"experts={experts!r}{graphs}")
+        for b in batches:
+            rows[(name, b)], tokens[(name, b)] = measure(model, prompts[b], args, extra=extra)
+            moved[(name, b)] = _step_bytes(model)
+        print(report(model), flush=True)
+        del model
+    if "accelerate" in methods:
+        try:
+            from accelerate import cpu_offload
+        except ImportError:
+            print("  accelerate not installed: skipped")
+        else:
+            model = build()
+            for layer in model.model.layers:
+                cpu_offload(layer, execution_device=torch.device("cuda"))
+            name = f"accelerate cpu_offload, {args.layers} layers (eager)"
+            for b in batches:
+                rows[(name, b)], tokens[(name, b)] = measure(model, prompts[b], args, 1)
+            del model
+    torch.cuda.empty_cache()
+    _print_table(rows, tokens, moved, bandwidth)
+    return 0
+
+
+def _print_table(rows, tokens, moved, bandwidth) -> None:
+    print(f"\n{'method':62s} {'batch':>5s} {'prefill ms':>10s} {'decode ms/tok':>13s} "
+          f"{'GiB/step':>8s} {'x bound':>8s} {'x whole':>8s} {'same tokens':>11s}")
+    for (name, b), (prefill, decode) in rows.items():
+        ref = tokens.get(("resident", b))
+        same = "-" if ref is None or name.startswith("resident") else (
+            "yes" if torch.equal(tokens[(name, b)], ref) else "NO")
+        nbytes = moved.get((name, b))
+        bound = decode / (nbytes / bandwidth * 1e3) if nbytes else float("nan")
+        whole = next((d for (n, bb), (_, d) in rows.items()
+                      if bb == b and "experts='whole'" in n), None)
+        to_whole = decode / whole if whole and nbytes else float("nan")
+        gib = f"{nbytes / 2**30:8.3f}" if nbytes else f"{'-':>8s}"
+        print(f"{name:62s} {b:5d} {prefill:10.1f} {decode:13.2f} {gib} {bound:8.3f} "
+              f"{to_whole:8.3f} {same:>11s}")
+
+
+def _step_bytes(model) -> int:
+    """Bytes the last decode step had to move: every offloaded byte but the expert tensors',
+    plus the expert rows it gathered (counted on the device, replays of a CUDA graph too)
+    where experts are routed, else every expert's.  (``copied_bytes_last_call`` counts the
+    copies the host began: not those a replayed CUDA graph repeats.)"""
+    rep = report(model)
+    state = registry.state_for_model(model)
+    expert_bytes = sum(p.nbytes for layer, tensors in state.choice.experts.items()
+                       for p in state.params[layer] if p.suffix in tensors)
+    routed = any(v.startswith("routed") for v in rep.experts.values())
+    gathered = int(state.routed.gathered) if routed else expert_bytes
+    return sum(rep.layer_bytes.values()) - expert_bytes + gathered
+
+
+def _graphs(configured) -> dict:
+    """generate's keywords for transformers' compile route (CUDA graphs), with
+    ``configured`` (an fx_offload backend) or Inductor."""
+    from transformers import CompileConfig
+    config = CompileConfig() if configured is None else CompileConfig(backend=configured)
+    return dict(cache_implementation="static", compile_config=config)

@@ -1,0 +1,250 @@
+"""MoE layers stream only the experts their tokens are routed to (``experts="routed"``, the
+default): Hugging Face MoE models built from small configs give the logits and tokens of the
+model without offloading, a call of few tokens moves fewer bytes than the whole layer, and a
+graph that reads every expert falls back to whole-layer copies."""
+import copy
+
+
+import pytest
+import torch
+
+import fx_offload
+from fx_offload import registry
+from fx_offload.errors import OffloadError
+from fx_offload.passes import plan as plan_module, routing
+from fx_offload.runtime import gather
+from fx_offload.tools import models
+
+transformers = pytest.importorskip("transformers", reason="install the test extra")
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def build(name, impl="grouped_mm"):
+    torch.manual_seed(0)
+    kw = dict(SMALL, experts_implementation=impl)
+    if name == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**kw, moe_intermediate_size=32, num_experts=16,
+                                             num_experts_per_tok=2)
+        return transformers.Qwen3MoeForCausalLM(config)
+    if name == "mixtral":
+        config = transformers.MixtralConfig(**kw, num_local_experts=8, num_experts_per_tok=2)
+        return transformers.MixtralForCausalLM(config)
+    if name == "qwen2_moe":
+        config = transformers.Qwen2MoeConfig(**kw, moe_intermediate_size=32, num_experts=16,
+                                             num_experts_per_tok=2,
+                                             shared_expert_intermediate_size=64)
+        return transformers.Qwen2MoeForCausalLM(config)
+    if name == "deepseek_v3":
+        kw["num_key_value_heads"] = kw["num_attention_heads"]     # multi-head latent attention
+        config = transformers.DeepseekV3Config(
+            **kw, moe_intermediate_size=32, n_routed_experts=16, num_experts_per_tok=2,
+            n_group=2, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16,
+            q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+        return transformers.DeepseekV3ForCausalLM(config)
+    raise AssertionError(name)
+
+
+def _expert_bytes(model, layer):
+    return sum(p.numel() * p.element_size()
+               for p in model.model.layers[layer].mlp.experts.parameters())
+
+
+def _run_calls(model, compiled, ref_fn, device, shapes):
+    """Each call's logits equal the reference's; the bytes each call copied."""
+    moved = []
+    with torch.no_grad():
+        for i, shape in enumerate(shapes):
+            ids = torch.randint(0, 256, shape, device=device,
+                                generator=torch.Generator(device).manual_seed(i))
+            got = compiled(ids, use_cache=False).logits
+            want = ref_fn(ids, use_cache=False).logits
+            assert torch.equal(got, want), (shape, i)
+            moved.append(fx_offload.report(model).copied_bytes_last_call)
+    return moved
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name,impl", [("qwen3_moe", "grouped_mm"), ("qwen3_moe", "batched_mm"),
+                                       ("mixtral", "grouped_mm"), ("qwen2_moe", "grouped_mm"),
+                                       ("deepseek_v3", "batched_mm")])
+def test_routed_experts_give_the_same_logits_and_move_fewer_bytes(name, impl, device):
+    model = build(name, impl).eval().to(device)
+    ref_fn = torch.compile(copy.deepcopy(model), backend="aot_eager")
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "aot_eager"})
+    # prefill-sized, then decode-sized calls (one token, two sequences of one)
+    moved = _run_calls(model, compiled, ref_fn, device, [(2, 12), (1, 1), (1, 1), (2, 1)])
+    rep = fx_offload.report(model)
+    assert rep.layers == [1, 3]
+    assert all(rep.experts[layer].startswith("routed") for layer in rep.layers), rep.experts
+    layer_bytes = sum(rep.layer_bytes.values())
+    experts = sum(_expert_bytes(model, layer) for layer in rep.layers)
+    # one token picks 2 experts of each offloaded layer: the rest of the layer moves whole
+    # (in this call, or at the end of the one before: the circular prefetch's place)
+    assert 0 < moved[2] < layer_bytes - experts / 2, (moved, layer_bytes, experts)
+    gathered = registry.state_for_model(model).routed.gathered.item()
+    per_expert = experts / 2 / model.model.layers[1].mlp.experts.num_experts
+    # the last call: two tokens, top-2, two layers
+    assert 0 < gathered <= 2 * 4 * per_expert, (gathered, per_expert)
+    assert "experts" in str(rep)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_generate_gives_the_same_tokens_with_routed_experts(device):
+    model = build("qwen3_moe").eval().to(device)
+    reference = copy.deepcopy(model)
+    fx_offload.compile_forward(model, dynamic=True, inner_backend="aot_eager")
+    reference.forward = torch.compile(reference.forward, backend="aot_eager", dynamic=True)
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        for call in range(2):       # twice: the second begins from what the first left
+            ids = torch.randint(0, 256, (2, 7), device=device,
+                                generator=torch.Generator(device).manual_seed(call))
+            got = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+            want = reference.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+            assert torch.equal(got, want), call
+    state = registry.state_for_model(model)
+    assert state.routed.share is not None and state.routed.share < 0.5   # decode was routed
+
+
+def test_experts_whole_moves_every_expert_every_call():
+    model = build("qwen3_moe").eval()
+    ref_fn = torch.compile(copy.deepcopy(model), backend="aot_eager")
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "aot_eager", "experts": "whole"})
+    moved = _run_calls(model, compiled, ref_fn, "cpu", [(2, 12), (1, 1), (1, 1)])
+    rep = fx_offload.report(model)
+    assert rep.experts == {}
+    assert moved[2] == sum(rep.layer_bytes.values())    # one slot: both layers, whole
+
+
+def test_a_bad_experts_value_is_refused():
+    model, (x,) = models.build("mlp")
+    with pytest.raises(OffloadError, match="option 'experts' must be one of"):
+        fx_offload.place(model, "cpu", experts="some")
+
+
+def _builtin_calls(model, shape, calls=3, before=None):
+    """Compile the built-in MoE ``model``; whether each of ``calls`` calls equalled the model
+    without offloading (``before()`` runs first, after the compile is set up)."""
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "aot_eager"})
+    if before is not None:
+        before()
+    with torch.no_grad():
+        return [torch.equal(compiled(x), reference(x))
+                for x in (torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+                          for seed in range(calls))]
+
+
+def test_a_graph_that_reads_every_expert_moves_them_whole():
+    """The built-in MoE computes every expert (gates zero for the others): the experts' rows
+    it reads but no router picked must be there, so they move whole, and report says why."""
+    model, (x,) = models.build("moe", num_layers=4)
+    for layer in model.layers:
+        layer.mlp.experts.num_experts = layer.mlp.experts.w13_weight.shape[0]
+    assert all(_builtin_calls(model, x.shape))
+    rep = fx_offload.report(model)
+    assert rep.experts[1].startswith("whole: ") and "reads every expert of" in rep.experts[1]
+    assert registry.state_for_model(model).routed.gathered.item() == 0
+
+
+def test_routed_builtin_moe_matches_and_gathers():
+    model, (x,) = models.build("moe", num_layers=4, routed=True, seq=1, batch=1)
+    assert all(_builtin_calls(model, x.shape))
+    # one token, top-2: each offloaded layer gathered its two picked experts
+    want = "routed (8 experts; 2 gathered in the last call)"
+    assert fx_offload.report(model).experts == {1: want, 3: want}
+    assert registry.state_for_model(model).routed.gathered.item() > 0
+
+
+def test_a_missing_expert_copy_changes_the_output(monkeypatch):
+    """The equality checks above can fail: with the gather dropped, the slot holds another
+    layer's experts where the picked rows should be."""
+    model, (x,) = models.build("moe", num_layers=4, routed=True, seq=1, batch=1)
+    drop = lambda: monkeypatch.setattr(gather, "gather_rows", lambda host, slot, mask: None)
+    assert not all(_builtin_calls(model, x.shape, before=drop))
+
+
+def test_the_verifier_refuses_a_routed_wait_before_a_read_of_every_expert(monkeypatch):
+    """A planted planner bug: every chunk of expert tensors routed, though the graph reads
+    every expert (the built-in dense MoE).  The verifier names the read."""
+    def route_everything(layer, weights, names, members, choice):
+        ids, _ = routing._router_ids(members, 8)
+        chunks = {c.index for c in choice.layout[layer]
+                  if all(s in choice.experts[layer] for s in c.suffixes)}
+        return {c: ids for c in chunks}
+    monkeypatch.setattr(plan_module, "route", route_everything)
+    model, (x,) = models.build("moe", num_layers=4)
+    for layer in model.layers:
+        layer.mlp.experts.num_experts = 8
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "aot_eager"})
+    with pytest.raises(Exception, match="reads every expert of .*fills only the experts its "
+                                        "router picked"), torch.no_grad():
+        compiled(x)
+
+
+def test_weights_changed_between_calls_are_what_the_next_call_gathers():
+    """load_state_dict on an offloaded MoE layer's experts (the truth on the host): the next
+    decode-sized call reads the new rows; state_dict and restore see the true weights."""
+    model = build("qwen3_moe").eval()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "aot_eager"})
+    ref_fn = torch.compile(reference, backend="aot_eager")
+    _run_calls(model, compiled, ref_fn, "cpu", [(1, 1), (1, 1)])
+    new = {k: v + 0.01 for k, v in reference.model.layers[3].mlp.experts.state_dict().items()}
+    reference.model.layers[3].mlp.experts.load_state_dict(new)
+    model.model.layers[3].mlp.experts.load_state_dict(new)
+    _run_calls(model, compiled, ref_fn, "cpu", [(1, 1), (2, 12), (1, 1)])
+    got = model.model.layers[3].mlp.experts.state_dict()
+    assert all(torch.equal(got[k], new[k]) for k in new)
+    fx_offload.restore(model)
+    for (n, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        assert torch.equal(p, q), n
+
+
+@pytest.mark.cuda
+def test_routed_experts_inside_cuda_graphs():
+    """reduce-overhead: the decode graph is captured with the gather in it; each replay
+    copies the experts its own ids pick (new ids every call), between prefill-sized calls."""
+    # batched_mm: transformers' grouped_mm falls back to a loop that copies to the host (not
+    # capturable) for float32 weights
+    model = build("qwen3_moe", "batched_mm").eval().cuda()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"mode": "reduce-overhead"})
+    ref_fn = torch.compile(reference, mode="reduce-overhead")
+    state = None
+    with torch.no_grad():
+        for i, shape in enumerate([(1, 1)] * 5 + [(2, 12)] + [(1, 1)] * 4):
+            ids = torch.randint(0, 256, shape, device="cuda",
+                                generator=torch.Generator("cuda").manual_seed(i))
+            got = compiled(ids, use_cache=False).logits.clone()
+            want = ref_fn(ids, use_cache=False).logits.clone()
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            state = state or registry.state_for_model(model)
+            if shape == (1, 1) and i > 2:
+                assert state.routed.gathered.item() > 0, i     # this replay gathered
+
+
+def test_host_memory_the_device_cannot_read_moves_experts_whole(caplog):
+    """Where page-locking failed (pageable host memory), a kernel cannot read expert rows
+    from the host: routed chunks are prefetched whole, with one warning."""
+    import logging
+    import types
+    from fx_offload.runtime.routed import RoutedExperts
+    choice = types.SimpleNamespace(routing={1: {1: "routed"}}, experts={1: {"w": 8}},
+                                   device=torch.device("meta"), model_name="M")
+    with caplog.at_level(logging.WARNING, "fx_offload"):
+        routed = RoutedExperts(choice, types.SimpleNamespace(pinned=False))
+    assert "not page-locked" in caplog.text
+    chunk = types.SimpleNamespace(index=1, suffixes=("w",))
+    routed.share = 0.1
+    assert not routed.routes(1, chunk) and not routed.skips(1, chunk, None)
+    assert not routed.observe(1, chunk, torch.zeros(1, 2, dtype=torch.long))
