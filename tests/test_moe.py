@@ -248,3 +248,16 @@ def test_host_memory_the_device_cannot_read_moves_experts_whole(caplog):
     routed.share = 0.1
     assert not routed.routes(1, chunk) and not routed.skips(1, chunk, None)
     assert not routed.observe(1, chunk, torch.zeros(1, 2, dtype=torch.long))
+
+
+def test_the_eager_experts_loop_gets_an_error_naming_the_implementations_that_compile():
+    """transformers' 'eager' experts loop breaks the graph inside each MoE layer, so the
+    graph the backend sees is one layer: the error says which implementations compile."""
+    model = build("qwen3_moe", "eager").eval()
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "aot_eager"})
+    with pytest.raises(Exception, match="Qwen3MoeExperts computes its experts with "
+                                        "transformers' 'eager' loop.*'batched_mm'"), \
+            torch.no_grad():
+        compiled(torch.randint(0, 256, (1, 4)), use_cache=False)
+    assert registry.state_for_model(model) is None      # nothing was offloaded

@@ -77,6 +77,20 @@ def _is_layer_list(module: nn.Module) -> bool:
     return any(all(issubclass(other, kind) for other in kinds) for kind in kinds)
 
 
+def _eager_experts_hint(root: nn.Module) -> str:
+    """transformers' ``eager`` experts loop (a Python loop over the experts a batch hit)
+    breaks the graph inside every MoE layer; say which implementations compile whole."""
+    for module in root.modules():
+        config = getattr(module, "config", None)
+        if "expert" in type(module).__name__.lower() and \
+                getattr(config, "_experts_implementation", None) == "eager":
+            return (f"; {type(module).__name__} computes its experts with transformers' "
+                    "'eager' loop, which breaks the graph inside each layer: build the model "
+                    "with experts_implementation='grouped_mm' (the default where it can run) "
+                    "or 'batched_mm'")
+    return ""
+
+
 def find_layer_stack(root: nn.Module, path: str | tuple[str, ...] | None) -> LayerStack:
     """The ``nn.ModuleList``/``nn.Sequential`` of repeated layers: ``path`` (or several
     paths) if given, else the longest list of modules of one class that is not nested inside
@@ -100,7 +114,7 @@ def find_layer_stack(root: nn.Module, path: str | tuple[str, ...] | None) -> Lay
             "nn.ModuleList or nn.Sequential of two or more modules of one class); pass the option "
             "'layers' with the dotted path of the layer list, e.g. layers='model.layers'. If the "
             "compiled graph is a single layer, a graph break inside the layer's forward may be "
-            "the cause (see TORCH_LOGS=graph_breaks)")
+            "the cause (see TORCH_LOGS=graph_breaks)" + _eager_experts_hint(root))
     longest = max(len(m) for _, m in candidates)
     best = [(p, m) for p, m in candidates if len(m) == longest]
     if len(best) > 1:
