@@ -261,3 +261,34 @@ def test_the_eager_experts_loop_gets_an_error_naming_the_implementations_that_co
             torch.no_grad():
         compiled(torch.randint(0, 256, (1, 4)), use_cache=False)
     assert registry.state_for_model(model) is None      # nothing was offloaded
+
+
+def test_a_gather_that_fails_part_way_leaves_the_next_calls_right(monkeypatch):
+    """A fault in the middle of a routed copy (some rows written, then an error): the error
+    reaches the caller, and later calls read no bytes the broken copy left behind."""
+    model, (x,) = models.build("moe", num_layers=4, routed=True, seq=1, batch=1)
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "aot_eager"})
+    real = gather.gather_rows
+    calls = {"n": 0}
+
+    def flaky(host, slot, mask):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            slot.view(-1)[: slot.numel() // 2].fill_(float("nan"))     # half written
+            raise RuntimeError("injected fault")
+        real(host, slot, mask)
+    monkeypatch.setattr(gather, "gather_rows", flaky)
+    with torch.no_grad():
+        outcomes = []
+        for seed in range(6):
+            x = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed))
+            try:
+                outcomes.append(torch.equal(compiled(x), reference(x)))
+            except Exception as err:
+                assert "injected fault" in str(err)
+                outcomes.append("fault")
+    assert outcomes.count("fault") == 1 and all(o is True for o in outcomes if o != "fault"), \
+        outcomes
+    assert calls["n"] > 3

@@ -140,8 +140,9 @@ class RoutedWait:
         for key, pending in self.contents.in_flight_over(layer, (c,)):
             self._wait_for(pending)
             self.contents.slot(layer)[key] = None
-        self.routed.gather(layer, c, ids)
+        # forgotten first: a gather that fails part-way has overwritten what they held
         self.contents.forget(layer, c)
+        self.routed.gather(layer, c, ids)
 
 
 def _capturing() -> bool:
