@@ -32,8 +32,8 @@ from ..graph_inputs import value_of
 from ..ops import OpCall
 
 _TOPK = {torch.topk, torch.ops.aten.topk.default}
-_INDEX = {operator.getitem, torch.index_select, torch.ops.aten.index.Tensor,
-          torch.ops.aten.index_select.default}
+_SELECT = {torch.index_select, torch.ops.aten.index_select.default}
+_INDEX = {operator.getitem, torch.ops.aten.index.Tensor} | _SELECT
 _VIEWS = {"transpose", "mT", "permute", "t"}        # views a grouped mm reads its weight as
 _METADATA = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool, torch.dtype,
              torch.device, torch.Size)
@@ -49,7 +49,7 @@ def route(layer: int, weights: dict[fx.Node, int], names: dict[fx.Node, str],
         return {}
     prefix = choice.stack.layer_path(layer) + "."
     outcome = choice.routing.setdefault(layer, {})
-    routed = {}
+    routed, routers = {}, {}        # expert count -> (ids, why not, nodes computed from ids)
     for chunk in choice.layout[layer]:
         counts = {experts.get(s) for s in chunk.suffixes}
         if None in counts or len(counts) != 1:
@@ -57,9 +57,12 @@ def route(layer: int, weights: dict[fx.Node, int], names: dict[fx.Node, str],
         ws = [w for w, c in weights.items() if c == chunk.index and w.users]
         if not ws:
             continue
-        ids, why = _router_ids(members, counts.pop())
+        count = counts.pop()
+        if count not in routers:        # one router per layer: looked for once
+            ids, why = _router_ids(members, count)
+            routers[count] = (ids, why, None if ids is None else computed_from(ids, members))
+        ids, why, derived = routers[count]
         if ids is not None:
-            derived = _computed_from(ids, members)
             bad = next((r for w in ws for r in [unrouted_read(w, derived)] if r), None)
             if bad is not None:
                 why = (f"{bad.name} ({_what(bad)}) reads every expert of "
@@ -105,8 +108,8 @@ def _router_ids(members: list[fx.Node], count: int) -> tuple[fx.Node | None, str
     return None, f"{len(found)} top-k over the {count} experts' scores in this graph"
 
 
-def _computed_from(ids: fx.Node, members: list[fx.Node]) -> set[fx.Node]:
-    """``ids`` and the layer's nodes computed from it."""
+def computed_from(ids: fx.Node, members) -> set[fx.Node]:
+    """``ids`` and the nodes among ``members`` (in graph order) computed from it."""
     derived = {ids}
     for node in members:
         if any(a in derived for a in node.all_input_nodes):
@@ -132,15 +135,16 @@ def unrouted_read(w: fx.Node, derived: set[fx.Node]) -> fx.Node | None:
 
 
 def _picks_rows(user: fx.Node, w: fx.Node, derived) -> bool:
-    if user.op != "call_function" or user.target not in _INDEX or not user.args \
+    """``user`` takes rows of ``w`` (its first dimension) by an index in ``derived``."""
+    if user.op != "call_function" or user.target not in _INDEX or len(user.args) < 2 \
             or user.args[0] is not w:
         return False
-    index = user.args[2] if user.target in (torch.index_select,
-                                            torch.ops.aten.index_select.default) \
-        else user.args[1]
-    if user.target in (torch.index_select, torch.ops.aten.index_select.default) \
-            and user.args[1] not in (0, -value_of(w).dim()):
-        return False
+    if user.target in _SELECT:
+        if user.args[1] not in (0, -value_of(w).dim()) or len(user.args) < 3:
+            return False
+        index = user.args[2]
+    else:
+        index = user.args[1]
     first = index[0] if isinstance(index, (list, tuple)) and index else index
     return isinstance(first, fx.Node) and first in derived
 
@@ -153,9 +157,7 @@ def _is_view(user: fx.Node, w: fx.Node) -> bool:
 def _grouped(user: fx.Node, w: fx.Node, derived) -> bool:
     """``user`` is a grouped matmul taking ``w`` as its per-expert weight, with group offsets
     computed from the router's ids (so an expert no token picked is in no group)."""
-    target = user.target
-    name = getattr(target, "__name__", "") or str(target)
-    if user.op != "call_function" or "grouped_mm" not in str(name):
+    if user.op != "call_function" or "grouped_mm" not in _what(user):
         return False
     args = list(user.args) + list(user.kwargs.values())
     offs = user.kwargs.get("offs", user.args[2] if len(user.args) > 2 else None)

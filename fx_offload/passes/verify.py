@@ -31,7 +31,7 @@ from torch import fx
 
 from ..errors import ScheduleError
 from ..ops import OpCall
-from .routing import unrouted_read
+from .routing import computed_from, unrouted_read
 from ..schedule import Schedule
 
 
@@ -59,6 +59,7 @@ def verify_graph(gm: fx.GraphModule, weight_chunk: dict[fx.Node, tuple[int, int]
     # per slot: (layer, chunk) whose bytes it holds -> readable (waited for since filled)
     held: list[dict[tuple[int, int], bool]] = [
         {(layer, c.index): False for c in model.chunks[layer]} for layer in model.entry_owner]
+    routers: dict = {}      # a routed wait's ids -> nodes computed from them (_check_routed)
 
     def chunks_of(layer, chunk):
         return model.chunks[layer] if chunk < 0 else [model.chunks[layer][chunk]]
@@ -85,7 +86,7 @@ def verify_graph(gm: fx.GraphModule, weight_chunk: dict[fx.Node, tuple[int, int]
                         f"{layer} chunk {c.index} precedes this wait")
                 held[slot][(layer, c.index)] = True
             if call.ids is not None:
-                _check_routed(node, call, weight_chunk, gm)
+                _check_routed(node, call, weight_chunk, gm, routers)
         elif kind == "start":
             layer, refill = call.layer, call.refill
             slot = model.slot_of[layer]
@@ -124,12 +125,13 @@ def verify_graph(gm: fx.GraphModule, weight_chunk: dict[fx.Node, tuple[int, int]
                 "not put it")
 
 
-def _check_routed(node: fx.Node, call: OpCall, weight_chunk, gm: fx.GraphModule) -> None:
-    """Every read of the expert tensors a ``wait_routed`` waits for takes rows its ids pick."""
-    derived = {call.ids}
-    for n in gm.graph.nodes:
-        if any(a in derived for a in n.all_input_nodes):
-            derived.add(n)
+def _check_routed(node: fx.Node, call: OpCall, weight_chunk, gm: fx.GraphModule,
+                  routers: dict) -> None:
+    """Every read of the expert tensors a ``wait_routed`` waits for takes rows its ids pick
+    (``routers``: ids node -> the nodes computed from it, filled as they are needed)."""
+    if call.ids not in routers:
+        routers[call.ids] = computed_from(call.ids, gm.graph.nodes)
+    derived = routers[call.ids]
     for w, (layer, chunk) in weight_chunk.items():
         if (layer, chunk) != (call.layer, call.chunk):
             continue

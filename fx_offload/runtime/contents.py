@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 
 @dataclasses.dataclass
 class Pending:
-    event: "torch.cuda.Event"   # noqa: F821 - recorded on the copy stream after the copy
+    event: torch.cuda.Event     # recorded on the copy stream after the copy
     in_capture: bool            # recorded while the stream was being captured into a CUDA graph
 
 
@@ -62,10 +64,14 @@ class SlotContents:
             if self.layout[other][index].overlaps(chunk):
                 del held[(other, index)]
 
-    def in_flight_over(self, layer: int, chunks) -> list[tuple[tuple[int, int], Pending]]:
-        """Copies in flight into bytes of ``layer``'s slot that ``chunks`` cover."""
-        return [(key, p) for key, p in self.slot(layer).items() if p is not None and
-                any(self.layout[key[0]][key[1]].overlaps(c) for c in chunks)]
+    def settle_over(self, layer: int, chunks, wait_for) -> None:
+        """Before bytes of ``layer``'s slot that ``chunks`` cover are written on the current
+        stream: ``wait_for(pending)`` each copy in flight into them, and forget it."""
+        held = self.slot(layer)
+        for key, p in list(held.items()):
+            if p is not None and any(self.layout[key[0]][key[1]].overlaps(c) for c in chunks):
+                wait_for(p)
+                held[key] = None
 
     def pending(self) -> dict[tuple[int, int], Pending]:
         """(layer, chunk) -> its copy in flight (not yet waited for)."""
@@ -80,3 +86,8 @@ class SlotContents:
                 if pending is not None and pending.in_capture:
                     stream.wait_event(pending.event)
                     held[key] = None
+
+
+def capturing() -> bool:
+    """The current stream is being captured into a CUDA graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

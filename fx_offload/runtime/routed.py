@@ -24,16 +24,15 @@ import logging
 import torch
 
 from . import gather
+from .contents import capturing
 
 log = logging.getLogger("fx_offload")
 WHOLE_ABOVE = 0.5       # expected share of a layer's experts a call picks: above it, whole
 
 
-def expected_share(num_experts: int, ids: torch.Tensor) -> float:
-    """Expected share of ``num_experts`` experts picked by ``ids`` ``[tokens, k]`` if each
-    token picked its k at random."""
-    k = ids.shape[-1] if ids.dim() else 1
-    tokens = ids.numel() // max(k, 1)
+def expected_share(num_experts: int, k: int, tokens: int) -> float:
+    """Expected share of ``num_experts`` experts that ``tokens`` tokens pick, ``k`` each, if
+    each picked at random."""
     return 1.0 - (1.0 - min(k / num_experts, 1.0)) ** tokens
 
 
@@ -84,9 +83,9 @@ class RoutedExperts:
         """At a routed wait: note how many experts this call picks (for the prefetches
         that follow); True if, with nothing held, the picked rows are to be gathered rather
         than the chunk loaded whole (many tokens)."""
-        count = self._count(layer, chunk)
-        self.share = expected_share(count, ids)
-        self.picks = (count, ids.shape[-1] if ids.dim() else 1)
+        k = ids.shape[-1] if ids.dim() else 1
+        self.picks = (self._count(layer, chunk), k)
+        self.share = expected_share(*self.picks, ids.numel() // max(k, 1))
         return self.usable and self.share <= WHOLE_ABOVE
 
     def gather(self, layer: int, chunk, ids: torch.Tensor) -> None:
@@ -113,8 +112,7 @@ class RoutedExperts:
         self.gathered.zero_()
         self.picked.zero_()
         if tokens and self.picks:
-            count, k = self.picks
-            self.share = 1.0 - (1.0 - min(k / count, 1.0)) ** tokens
+            self.share = expected_share(*self.picks, tokens)
 
     def gathered_last_call(self) -> dict[int, int]:
         """Layer -> experts its routed waits gathered in the latest call (reads the device)."""
@@ -133,17 +131,11 @@ class RoutedWait:
         the slot holds the chunk whole (waited for), or the picked rows (copied now)."""
         c = self.contents.chunks(layer, chunk)[0]
         gathers = self.routed.observe(layer, c, ids)
-        if self.restored or self.contents.held_for(layer, c, _capturing()):
+        if self.restored or self.contents.held_for(layer, c, capturing()):
             return self.wait(layer, chunk)
         if not gathers:
             return self._load_now(layer, c)
-        for key, pending in self.contents.in_flight_over(layer, (c,)):
-            self._wait_for(pending)
-            self.contents.slot(layer)[key] = None
+        self.contents.settle_over(layer, (c,), self._wait_for)
         # forgotten first: a gather that fails part-way has overwritten what they held
         self.contents.forget(layer, c)
         self.routed.gather(layer, c, ids)
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -44,6 +44,7 @@ from .. import layout, registry
 from ..schedule import Schedule
 from .circular import CircularStart
 from .contents import Pending, SlotContents
+from .contents import capturing as _capturing
 from .ownership import Ownership, ShapeChanged
 from .routed import RoutedExperts, RoutedWait
 from .slots import SlotBuffers
@@ -242,9 +243,7 @@ class OffloadState(Ownership, RoutedWait):
     def _load_now(self, layer: int, chunk=None) -> None:
         """Stream-ordered load of ``layer``'s ``chunk`` (None: all) into its slot."""
         chunks = self.contents.chunks(layer) if chunk is None else (chunk,)
-        for key, pending in self.contents.in_flight_over(layer, chunks):
-            self._wait_for(pending)
-            self.contents.slot(layer)[key] = None
+        self.contents.settle_over(layer, chunks, self._wait_for)
         for c in chunks:
             self.buffers.copy_in(layer, c, non_blocking=self.copy_stream is not None)
             self.contents.fill(layer, c, None)
@@ -265,7 +264,3 @@ def _hold_masters(params, placed, layer: int, masters) -> None:
                 p.point_at(masters)
     if placed is not None:
         placed(layer, masters)
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
