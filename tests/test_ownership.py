@@ -137,6 +137,47 @@ def test_writes_to_the_first_layer_of_a_slot_take_effect_at_the_next_call():
         assert torch.equal(compiled(x), reference(x))
 
 
+def _change(kind, model, reference):
+    """The same change to both models' layer 3 (offloaded) or layer 5's fc2."""
+    w = torch.randn_like(reference.layers[3].fc1.weight)
+    with torch.no_grad():
+        for m in (model, reference):
+            fc = m.layers[3].fc1
+            if kind == "copy_":
+                fc.weight.copy_(w)
+            elif kind == ".data =":
+                fc.weight.data = w.clone()
+            elif kind == "new parameter":
+                fc.weight = torch.nn.Parameter(w.clone())
+            elif kind == "assign":
+                m.layers[5].load_state_dict(
+                    {k: v + 1 for k, v in reference.layers[5].state_dict().items()},
+                    assign=True)
+
+
+@pytest.mark.parametrize("kind", ["copy_", ".data =", "new parameter", "assign"])
+def test_calls_that_change_nothing_skip_the_look_and_a_change_is_still_taken_up(kind,
+                                                                              monkeypatch):
+    """Each call begins with a look at every offloaded parameter; a fingerprint skips it
+    while nothing changed (runtime/fingerprint.py).  Every kind of change made after such a
+    skipped call is still seen."""
+    from fx_offload.selection.params import OffloadedParam
+    model, compiled, reference, x = offloaded(calls=3)
+    looks = []
+    real = OffloadedParam.current
+    monkeypatch.setattr(OffloadedParam, "current", lambda p: looks.append(p) or real(p))
+    with torch.no_grad():
+        assert torch.equal(compiled(x), reference(x))
+        assert looks == []                      # nothing changed: no parameter looked at
+        _change(kind, model, reference)
+        assert torch.equal(compiled(x), reference(x))
+        assert looks                            # the change made the call look
+        looks.clear()
+        assert torch.equal(compiled(x), reference(x))
+        assert looks == []                      # and the next unchanged call skips again
+    assert_weights(model, reference)
+
+
 def test_an_exception_in_a_call_leaves_the_weights_and_the_next_call_right(monkeypatch):
     model, compiled, reference, x = offloaded()
     real = SlotBuffers.copy_in

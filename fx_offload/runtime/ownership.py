@@ -16,6 +16,7 @@ import threading
 import torch
 
 from .. import dtensor, registry
+from .fingerprint import Fingerprint
 
 log = logging.getLogger("fx_offload")
 
@@ -40,6 +41,7 @@ class Ownership:
         self._handover: dict[str, tuple] = {}    # name -> (data_ptr, version) of the tensor
         #   a parameter held when the truth was copied from it; taken over without a copy
         self._dtensor_params: list | None = None  # (owner, attr) of DTensor parameters
+        self._fingerprint: Fingerprint | None = None  # of the last full look, if one applies
 
     # ---- calls -------------------------------------------------------------------------
     def enter(self, root: bool, tokens: int | None = None) -> None:
@@ -162,6 +164,9 @@ class Ownership:
         host block; an in-place write (``copy_``, ``load_state_dict``, an init function)
         makes a slot holding that layer stale and (unless ``restoring``) is encoded again."""
         self._check_stack()
+        if not restoring and self._fingerprint is not None and self._fingerprint.unchanged():
+            return                  # the look below would find nothing: skip it
+        self._fingerprint = None
         stale = set()
         moved = []          # (layer, p, current, its host views, copy the values?)
         for layer, ps in self.params.items():
@@ -210,6 +215,8 @@ class Ownership:
                 self._load_now(layer)
             else:
                 self._copied.pop(layer, None)
+        if Fingerprint.applies(self.params, bool(self._handover or self.dtensor_params)):
+            self._fingerprint = Fingerprint(self.params)
 
     def holding_slots(self):
         """Hold the slots as a call does (for restore), unless this thread is in a call."""

@@ -166,8 +166,8 @@ def build_random(model_class, config):
     """A Hugging Face causal LM of ``config`` on the GPU, bf16 weights drawn normal(0, 0.02)
     (as trained weights are scaled), generating always the full length."""
     with torch.device("meta"):
-        model = model_class(config)
-    model = model.to_empty(device="cuda").to(torch.bfloat16).eval()
+        model = model_class(config).to(torch.bfloat16)     # no float32 copy on the GPU
+    model = model.to_empty(device="cuda").eval()
     gen = torch.Generator("cuda").manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
@@ -178,16 +178,28 @@ def build_random(model_class, config):
     return model
 
 
-def measure(model, prompt, args, repeats: int | None = None, extra=None):
+def measure(model, prompt, args, repeats: int | None = None, extra=None, steps=False):
     """((prefill ms, decode ms per token), the generated tokens); ``extra``: more keywords
-    for ``generate``."""
+    for ``generate``.  ``steps``: decode is the median time between two decode steps of the
+    timed generates (a step clock in ``generate``'s stopping criteria, which ``generate``
+    reaches once a token, just before it waits for the token), rather than the difference of
+    two medians (whose noise, a prefill's over ``N - 1``, grows with the prefill)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
     repeats = repeats or args.repeats
+    ticks: list[list[float]] = []
+
+    class _Clock(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            ticks[-1].append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     def generate(n):
+        ticks.append([])
         torch.cuda.synchronize()
         start = time.perf_counter()
         with torch.no_grad():
             out = model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                 stopping_criteria=StoppingCriteriaList([_Clock()]),
                                  **(extra or {}))
         torch.cuda.synchronize()
         return (time.perf_counter() - start) * 1e3, out
@@ -195,9 +207,12 @@ def measure(model, prompt, args, repeats: int | None = None, extra=None):
     generate(args.new_tokens)                    # compile, first fill, warm-up
     generate(1)
     prefill = statistics.median(generate(1)[0] for _ in range(repeats))
+    del ticks[:]
     timed = [generate(args.new_tokens) for _ in range(repeats)]
     full = statistics.median(ms for ms, _ in timed)
     decode = (full - prefill) / (args.new_tokens - 1)
+    if steps:   # ticks[i][0] follows the prefill; each gap after it is one decode step
+        decode = statistics.median((b - a) * 1e3 for t in ticks for a, b in zip(t, t[1:]))
     print(f"  batch {prompt.shape[0]}: prefill {prefill:.1f} ms, decode {decode:.2f} ms/token",
           flush=True)
     return (prefill, decode), timed[-1][1]

@@ -10,8 +10,9 @@ timed side by side in one process:
 
 Each ``generate`` is greedy with a fixed number of new tokens, at each batch size asked for,
 and is followed by a synchronize.  Prefill is the median time of
-``generate(max_new_tokens=1)``; decode ms/token is ``(median of generate(N) - prefill) /
-(N - 1)``.  The bound of a decode step is the bytes its last forward copied
+``generate(max_new_tokens=1)``; decode ms/token is the median time between two decode steps
+of the timed ``generate(max_new_tokens=N)`` calls (a clock in ``generate``'s stopping
+criteria, reached once a token).  The bound of a decode step is the bytes its last forward copied
 (every offloaded byte but the expert tensors', plus the rows of the experts it picked,
 counted on the device) over the pinned host-to-device bandwidth measured in
 the same process.  Tokens are compared with the resident model's.  Needs a GPU and
@@ -20,6 +21,7 @@ the same process.  Tokens are compared with the resident model's.  Needs a GPU a
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 
 import torch
@@ -85,8 +87,9 @@ def run(args: argparse.Namespace) -> int:
             model.forward = torch.compile(model.forward, dynamic=True)
         for b in batches:
             rows[(f"resident (Inductor{graphs})", b)], tokens[("resident", b)] = \
-                measure(model, prompts[b], args, extra=extra)
+                measure(model, prompts[b], args, extra=extra, steps=True)
         del model
+        _free()
     for experts in [e for e in args.experts.split(",") if e] if "fx_offload" in methods else []:
         torch._dynamo.reset()
         model = build()
@@ -98,10 +101,12 @@ def run(args: argparse.Namespace) -> int:
         name = (f"fx_offload, {args.layers} layers, {args.prefetch_step} slots, "
                 f"experts={experts!r}{graphs}")
         for b in batches:
-            rows[(name, b)], tokens[(name, b)] = measure(model, prompts[b], args, extra=extra)
+            rows[(name, b)], tokens[(name, b)] = measure(model, prompts[b], args, extra=extra,
+                                                         steps=True)
             moved[(name, b)] = _step_bytes(model)
         print(report(model), flush=True)
         del model
+        _free()
     if "accelerate" in methods:
         try:
             from accelerate import cpu_offload
@@ -113,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
                 cpu_offload(layer, execution_device=torch.device("cuda"))
             name = f"accelerate cpu_offload, {args.layers} layers (eager)"
             for b in batches:
-                rows[(name, b)], tokens[(name, b)] = measure(model, prompts[b], args, 1)
+                rows[(name, b)], tokens[(name, b)] = measure(model, prompts[b], args, 1,
+                                                             steps=True)
             del model
     torch.cuda.empty_cache()
     _print_table(rows, tokens, moved, bandwidth)
@@ -149,6 +155,13 @@ def _step_bytes(model) -> int:
     routed = any(v.startswith("routed") for v in rep.experts.values())
     gathered = int(state.routed.gathered) if routed else expert_bytes
     return sum(rep.layer_bytes.values()) - expert_bytes + gathered
+
+
+def _free() -> None:
+    """Give the device memory of the row just measured back before the next is built."""
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def _graphs(configured) -> dict:
