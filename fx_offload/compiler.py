@@ -27,7 +27,8 @@ from .passes.prefetch import run_prefetch_pass
 from .placement import activate
 from .runtime.state import OffloadState
 from .selection import NothingOffloaded, choose
-from .selection.stack import find_parent_model
+from .selection.stack import (eager_experts_hint, find_enclosing_model, find_parent_model,
+                              top_level_lists)
 from .text import format_bytes
 
 log = logging.getLogger("fx_offload")
@@ -173,6 +174,13 @@ def _state_for_graph(gm, gi: GraphInputs, options: OffloadOptions, defaulted: bo
         if state is not None:
             _check_same_options(state, options, defaulted)
             return state, False, True
+    if parent is None and gi.frame_is_root_forward and not top_level_lists(gi.root):
+        enclosing = find_enclosing_model(gi.root)
+        if enclosing is not None:       # a norm or embedding of the model, on its own
+            log.debug("fx_offload: %s of %s compiled on its own (a graph break around it): "
+                      "none of its weights are offloaded", type(gi.root).__name__,
+                      type(enclosing).__name__)
+            return None, False, False
     model = parent if parent is not None else gi.root
     kept = registry.nothing_offloaded(model)
     if kept is not None:
@@ -203,7 +211,8 @@ def _warn_layer_frame(state, gi) -> None:
         "layers of %s; recent graph breaks: %s). That graph is reused for every layer, so no "
         "prefetch can be placed in it: offloaded layers are loaded synchronously before each "
         "call instead (correct, but the copy is not hidden). Remove the graph break to get "
-        "prefetching", type(gi.root).__name__, state.model_name, _recent_graph_breaks())
+        "prefetching%s", type(gi.root).__name__, state.model_name, _recent_graph_breaks(),
+        eager_experts_hint(state.model_ref()) if state.model_ref() is not None else "")
 
 
 def _recent_graph_breaks() -> list[str]:

@@ -101,12 +101,15 @@ def _is_forward_frame(root: nn.Module, f_code) -> bool:
         return False
     for cls in type(root).__mro__:
         forward = vars(cls).get("forward")
-        code = getattr(forward, "__code__", None)
-        if code is None:
-            continue
-        if f_code is code or (f_code.co_name.startswith("torch_dynamo_resume_in_")
-                              and f_code.co_filename == code.co_filename):
-            return True
+        # a forward wrapped by a decorator (transformers' layers wrap theirs for gradient
+        # checkpointing) is compiled as the wrapper or as what it wraps
+        while forward is not None:
+            code = getattr(forward, "__code__", None)
+            if code is not None and (
+                    f_code is code or (f_code.co_name.startswith("torch_dynamo_resume_in_")
+                                       and f_code.co_filename == code.co_filename)):
+                return True
+            forward = getattr(forward, "__wrapped__", None)
     return False
 
 

@@ -75,6 +75,35 @@ def test_graph_breaks_give_correct_outputs(where, inner, caplog):
         assert fx_offload.registry.state_for_model(model).stats["sync_loads"] > 0
 
 
+class Pipeline(nn.Module):
+    """A user's module that calls a model it holds (and whose stack it holds too)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x) * 2
+
+
+def test_a_module_calling_the_compiled_model_is_not_taken_for_it():
+    """Only the inner model is compiled; the graph break inside its layers makes Dynamo
+    compile a layer on its own, whose model is looked for among the callers: the compiled one,
+    not the pipeline around it."""
+    torch.manual_seed(0)
+    model = Stack("inside").eval()
+    reference = copy.deepcopy(model)
+    pipe = Pipeline(model)
+    pipe.model = torch.compile(model, backend="prefetch_offload",
+                               options={"inner_backend": "aot_eager", "prefetch_step": 2})
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(4, 16)
+            assert torch.equal(pipe(x), reference(x) * 2)
+    assert fx_offload.report(model).layers == [1, 3, 5]
+    assert fx_offload.registry.state_for_model(pipe) is None
+
+
 def test_two_models_stay_independent():
     from fx_offload.tools import models
     a, (xa,) = models.build("mlp", num_layers=4, seed=1)

@@ -220,16 +220,21 @@ class Ownership:
 
     def holding_slots(self):
         """Hold the slots as a call does (for restore), unless this thread is in a call."""
-        state = self
+        return _Hold(self)
 
-        class _Hold:
-            def __enter__(self):
-                self.mine = state._holder != threading.get_ident()
-                if self.mine:
-                    state._lock.acquire()
 
-            def __exit__(self, *exc):
-                if self.mine:
-                    state._lock.release()
-        return _Hold()
+class _Hold:
+    """:meth:`Ownership.holding_slots`'s context."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def __enter__(self):
+        self.mine = self.state.holder != threading.get_ident()
+        if self.mine:
+            self.state._lock.acquire()
+
+    def __exit__(self, *exc):
+        if self.mine:
+            self.state._lock.release()
 

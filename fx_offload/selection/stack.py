@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 
 from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule
 
 from ..errors import OffloadError
 from ..graph_inputs import layers_of_nodes
@@ -77,7 +79,7 @@ def _is_layer_list(module: nn.Module) -> bool:
     return any(all(issubclass(other, kind) for other in kinds) for kind in kinds)
 
 
-def _eager_experts_hint(root: nn.Module) -> str:
+def eager_experts_hint(root: nn.Module) -> str:
     """transformers' ``eager`` experts loop (a Python loop over the experts a batch hit)
     breaks the graph inside every MoE layer; say which implementations compile whole."""
     for module in root.modules():
@@ -114,7 +116,7 @@ def find_layer_stack(root: nn.Module, path: str | tuple[str, ...] | None) -> Lay
             "nn.ModuleList or nn.Sequential of two or more modules of one class); pass the option "
             "'layers' with the dotted path of the layer list, e.g. layers='model.layers'. If the "
             "compiled graph is a single layer, a graph break inside the layer's forward may be "
-            "the cause (see TORCH_LOGS=graph_breaks)" + _eager_experts_hint(root))
+            "the cause (see TORCH_LOGS=graph_breaks)" + eager_experts_hint(root))
     longest = max(len(m) for _, m in candidates)
     best = [(p, m) for p, m in candidates if len(m) == longest]
     if len(best) > 1:
@@ -231,26 +233,55 @@ MAX_CALLER_FRAMES = 256         # how far up the call stack a layer's model is l
 # the model until that user's function returns.
 _MODULE_CALL_FRAMES = ("forward", "_call_impl", "_wrapped_call_impl")
 _RESUME_PREFIX = "torch_dynamo_resume_in_"      # the rest of a forward after a graph break
+# torch.compile's wrapper around what it compiles (named so in torch 2.11 and 2.13)
+_COMPILE_ENTRY_FRAMES = ("compile_wrapper", "_fn")
+_COMPILE_ENTRY_FILE = os.path.join("_dynamo", "eval_frame.py")
 
 
 def find_parent_model(module: nn.Module, max_frames: int = MAX_CALLER_FRAMES):
-    """The nearest caller whose ``self`` is a model with ``module`` in its layer stack, for a
-    graph Dynamo compiled from one layer's own ``forward`` frame (a graph break around it).
-    Reads the locals of module-call frames only (see ``_MODULE_CALL_FRAMES``)."""
-    frame = sys._getframe(1)
+    """The outermost caller whose ``self`` is a model with ``module`` in its layer stack, for
+    a graph Dynamo compiled from one layer's own ``forward`` frame (a graph break around it):
+    the model a graph without the break would have had as its root (a causal LM, not the
+    decoder inside it whose stack is the same).  Reads the locals of module-call frames only
+    (see ``_MODULE_CALL_FRAMES``)."""
+    return _caller(module, lambda value: any(
+        layer is module for _, stack in top_level_lists(value) for layer in stack), max_frames,
+        outermost=True)
+
+
+def find_enclosing_model(module: nn.Module, max_frames: int = MAX_CALLER_FRAMES):
+    """The nearest caller whose ``self`` is a model with a layer stack and ``module`` among its
+    submodules outside that stack: for a graph Dynamo compiled from such a module's own frame
+    (the model's forward fell back to eager around a graph break), which reads no layer's
+    weights."""
+    def holds(value):
+        return bool(top_level_lists(value)) and any(m is module for m in value.modules())
+    return _caller(module, holds, max_frames, outermost=False)
+
+
+def _caller(module: nn.Module, wanted, max_frames: int, outermost: bool):
+    """The nearest (or outermost) module ``wanted`` accepts among the ``self`` locals of the
+    module-call frames above the function calling this one's caller; the outermost stops at
+    the call ``torch.compile`` wrapped (a module calling the compiled model is not it)."""
+    frame = sys._getframe(2)
     seen = set()
+    found = None
     for _ in range(max_frames):
         if frame is None:
-            return None
+            break
         name = frame.f_code.co_name
+        if found is not None and name in _COMPILE_ENTRY_FRAMES and \
+                frame.f_code.co_filename.endswith(_COMPILE_ENTRY_FILE):
+            break
         if name in _MODULE_CALL_FRAMES or name.startswith(_RESUME_PREFIX):
             for value in list(frame.f_locals.values()):
                 if not isinstance(value, nn.Module) or value is module or \
-                        id(value) in seen:
-                    continue
+                        id(value) in seen or isinstance(value, OptimizedModule):
+                    continue        # (torch.compile's wrapper: the model it wraps is found)
                 seen.add(id(value))
-                for _, stack in top_level_lists(value):
-                    if any(layer is module for layer in stack):
+                if wanted(value):
+                    if not outermost:
                         return value
+                    found = value
         frame = frame.f_back
-    return None
+    return found
