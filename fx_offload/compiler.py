@@ -13,6 +13,7 @@ hands it, the compile sequence :func:`compile_graph`:
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Mapping
 
 import torch
@@ -88,12 +89,12 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
     _check_grad_mode(gi, state, example_inputs)
     # 3. the pass (a graph of one layer's own frame is reused for every layer: no ops)
     plan = None
+    if not layer_frame:
+        plan = run_prefetch_pass(gm, gi, state.choice, state.handle)
+    # 4. inner compile (it may ask Dynamo to trace the frame again: warn once it is done)
+    compiled = compile_inner(gm, example_inputs, options)
     if layer_frame:
         _warn_layer_frame(state, gi)
-    else:
-        plan = run_prefetch_pass(gm, gi, state.choice, state.handle)
-    # 4. inner compile
-    compiled = compile_inner(gm, example_inputs, options)
     # 5. materialize: host blocks, slots, hooks (the parameters keep their storage for the
     # rest of this call, whose graphs read them as they are, and let it go after the graph
     # that ends the call: the hooks that end a call do not run in the call they were
@@ -196,16 +197,19 @@ def _state_for_graph(gm, gi: GraphInputs, options: OffloadOptions, defaulted: bo
     return OffloadState(model, choice), True, parent is not None
 
 
-_WARNED_LAYER_FRAMES: set[int] = set()
+# models warned about (weakly held): a state Dynamo's restart of a trace abandoned has a
+# handle of its own, and the model must not be warned about twice
+_WARNED_LAYER_FRAMES: weakref.WeakSet = weakref.WeakSet()
 GRAPH_BREAKS_SHOWN = 3          # the most recent graph-break reasons a warning quotes
 REASON_CHARS = 200              # of each reason's first line
 NAMES_SHOWN = 3                 # parameter names an error quotes
 
 
 def _warn_layer_frame(state, gi) -> None:
-    if state.handle in _WARNED_LAYER_FRAMES:
+    model = state.model_ref()
+    if model is None or model in _WARNED_LAYER_FRAMES:
         return
-    _WARNED_LAYER_FRAMES.add(state.handle)
+    _WARNED_LAYER_FRAMES.add(model)
     log.warning(
         "fx_offload: Dynamo compiled %s.forward on its own (a graph break in or between the "
         "layers of %s; recent graph breaks: %s). That graph is reused for every layer, so no "
