@@ -327,3 +327,32 @@ def test_lossless_compression_shortens_the_predicted_copies():
     assert packed.predict(list(c.layers), c.num_slots, sizes, 1) < \
         plain.predict(list(c.layers), c.num_slots, sizes, 1)
     assert "compress='lossless': a copy moves" in str(results["lossless"])
+
+
+def test_the_planner_counts_only_the_routed_experts_a_call_moves():
+    """With ``experts="routed"`` a one-token call moves the picked experts of a layer, not all
+    of them: the planner's copy times say so (the router's top-k is read from the graph),
+    and a call of many tokens, which prefetches the experts whole, is predicted whole."""
+    model, (x,) = models.build("moe", num_layers=4, routed=True, seq=1, batch=1)
+    reference = copy.deepcopy(model)
+    total = weights_bytes(model, torch.device("cpu"))
+    compiled = torch.compile(model, backend="prefetch_offload", dynamic=True,
+                             options=dict(memory_budget=int(total * 0.8),
+                                          inner_backend="aot_eager", **RATES))
+    with torch.no_grad():
+        assert torch.equal(compiled(x), reference(x))
+    cm = fx_offload.report(model).planner.cost_model
+    assert cm.routed, "no routed layer known to the planner"
+    layer, (expert_bytes, count, k) = next(iter(cm.routed.items()))
+    moe = model.layers[layer].mlp
+    assert k == moe.top_k and count == moe.experts.num_experts
+    nbytes = sum(p.numel() * p.element_size() for p in model.layers[layer].parameters())
+    one = cm.moved_bytes(layer, nbytes, 1)
+    assert one == pytest.approx(nbytes - expert_bytes * (1 - k / count))
+    assert cm.moved_bytes(layer, nbytes, 4096) == nbytes
+    whole = copy.copy(cm)           # the same model, every expert predicted to move
+    whole.routed = {}
+    c = fx_offload.report(model).planner.chosen.candidate
+    sizes = dict(zip(c.layers, c.layer_bytes))
+    assert cm.predict(list(c.layers), c.num_slots, sizes, 1) < \
+        whole.predict(list(c.layers), c.num_slots, sizes, 1)

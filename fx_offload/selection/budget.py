@@ -35,11 +35,13 @@ from torch import nn
 from .. import dtensor, subclass
 from ..errors import META_REFUSED, BudgetError, OffloadError
 from ..options import OffloadOptions
+from ..runtime.routed import WHOLE_ABOVE, expected_share
 from ..schedule import Schedule
 from ..text import format_bytes, render_table
 from . import compression
 from .costs import GraphCosts, graph_costs
 from .device_rates import RATE_NAMES, DeviceRates, rates_for
+from .experts import expert_tensors, top_k_per_layer
 from .params import layer_bytes, select_params
 from .stack import LayerStack
 
@@ -129,9 +131,13 @@ class CostModel:
 
     def __init__(self, costs: GraphCosts, rates: DeviceRates, num_layers: int,
                  overlapped: bool, chunks: int = 1, circular: str = "end",
-                 copy_fraction: float = 1.0, decode_rate: float | None = None):
+                 copy_fraction: float = 1.0, decode_rate: float | None = None,
+                 routed: dict[int, tuple[int, int, int]] | None = None):
         """``copy_fraction``, ``decode_rate``: under ``compress="lossless"``, the bytes a copy
-        moves per offloaded byte, and the decode's bytes per second (selection.compression)."""
+        moves per offloaded byte, and the decode's bytes per second (selection.compression).
+        ``routed``: layer -> (bytes of its expert tensors, experts, top-k) where a call may
+        move only the experts its tokens pick (``experts="routed"``)."""
+        self.routed = routed or {}
         self.costs, self.rates = costs, rates
         self.copy_fraction, self.decode_rate = copy_fraction, decode_rate
         self.num_layers, self.overlapped, self.chunks = num_layers, overlapped, chunks
@@ -162,11 +168,23 @@ class CostModel:
     def predict(self, layers: list[int], num_slots: int, layer_bytes: dict[int, int],
                 tokens: float) -> float:
         pre, layer_s, post = self.segments(tokens)
-        copy_s = {layer: self.copy_seconds(b) for layer, b in layer_bytes.items()}
+        copy_s = {layer: self.copy_seconds(self.moved_bytes(layer, b, tokens))
+                  for layer, b in layer_bytes.items()}
         return simulate(pre, layer_s, post, Schedule(layers, num_slots, self.circular), copy_s,
                         self.overlapped, chunks=self.chunks)
 
-    def copy_seconds(self, nbytes: int) -> float:
+    def moved_bytes(self, layer: int, nbytes: int, tokens: float) -> float:
+        """Bytes a call of ``tokens`` tokens moves of ``layer``'s ``nbytes`` offloaded ones:
+        all of them, or, for routed experts, the expected share its tokens pick (whole above
+        the share at which the runtime prefetches them whole: runtime.routed)."""
+        found = self.routed.get(layer)
+        if found is None:
+            return nbytes
+        expert_bytes, count, k = found
+        share = expected_share(count, k, max(int(tokens), 1))
+        return nbytes if share > WHOLE_ABOVE else nbytes - expert_bytes * (1.0 - share)
+
+    def copy_seconds(self, nbytes: float) -> float:
         """A layer of ``nbytes`` offloaded bytes: the link's time for what it moves, or the
         decode's, whichever is longer (they overlap, one chunk apart)."""
         link = nbytes * self.copy_fraction / self.rates.h2d_bandwidth
@@ -235,6 +253,12 @@ class PlannerResult:
             head.append(f"  compress='lossless': a copy moves {cm.copy_fraction:.3f} of its "
                         f"bytes (\"copied per call\" below is before compression), decoded at "
                         f"{cm.decode_rate / 1e9:.0f} GB/s")
+        if cm.routed:
+            e, k = next(iter(cm.routed.values()))[1:]
+            head.append(f"  experts='routed': in {len(cm.routed)} layer(s) a call copies the "
+                        f"experts its tokens pick ({k} of {e} per token; whole when they "
+                        "pick most), which the times below count; \"copied per call\" counts "
+                        "every expert")
         rows = [("", "plan", "weights on device", "copied per call",
                  *[f"ms at {t}" for t in toks], "resident ms" if len(toks) == 1 else
                  "x resident", "hidden from")]
@@ -351,7 +375,8 @@ def plan(model: nn.Module, stack: LayerStack, options: OffloadOptions, costs: Gr
                            chunks=min(options.copy_chunks, CHUNKS_PREDICTED),
                            circular=options.circular_start, copy_fraction=fraction,
                            decode_rate=compression.decode_rate(device)
-                           if options.compress == "lossless" else None)
+                           if options.compress == "lossless" else None,
+                           routed=_routed_layers(model, stack, options, costs))
     tokens = options.plan_tokens or (costs.traced_tokens,)
     best = rank(fitting, total <= budget, cost_model, tokens)[:runner_ups + 1]
     result = PlannerResult(budget, total, minimum, tuple(tokens), best[0], best[1:],
@@ -401,6 +426,25 @@ def rank(fitting: list[Candidate], resident_fits: bool, cost_model: CostModel,
     return scored
 
 
+def _routed_layers(model, stack, options, costs) -> dict[int, tuple[int, int, int]]:
+    """Layer -> (expert bytes, experts, top-k) for the copy times of routed expert tensors:
+    where ``experts="routed"``, the layer holds expert tensors, and its graph's top-k is
+    known; the rest are predicted whole."""
+    if options.experts != "routed" or not costs.top_k:
+        return {}
+    try:
+        params = select_params(model, stack, range(len(stack.modules)), options.offload_params)
+    except OffloadError:
+        return {}
+    found = {}
+    for layer, tensors in expert_tensors(params).items():
+        k = costs.top_k.get(layer)
+        if k is not None:
+            nbytes = sum(p.nbytes for p in params[layer] if p.suffix in tensors)
+            found[layer] = (nbytes, max(tensors.values()), k)
+    return found
+
+
 def plan_for(model: nn.Module, stack: LayerStack, options: OffloadOptions, graph,
              layer_frame: bool, device: torch.device | None = None) -> PlannerResult:
     """The planner's result for ``model`` from its first graph ``(gm, graph_inputs)``:
@@ -411,8 +455,9 @@ def plan_for(model: nn.Module, stack: LayerStack, options: OffloadOptions, graph
     gm, gi = graph
     whole = next((i for i, m in enumerate(stack.modules) if m is gi.root), None) \
         if layer_frame else None
-    costs = graph_costs(gm, gi, {stack.layer_path(i): i for i in range(len(stack.modules))},
-                        whole_graph_layer=whole)
+    paths = {stack.layer_path(i): i for i in range(len(stack.modules))}
+    costs = graph_costs(gm, gi, paths, whole_graph_layer=whole)
+    costs.top_k = {} if layer_frame else top_k_per_layer(gm, gi, paths)
     rates = rates_for(device, dtype, {n: getattr(options, n) for n in RATE_NAMES})
     return plan(model, stack, options, costs, rates, device)
 

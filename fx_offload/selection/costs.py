@@ -84,6 +84,8 @@ class GraphCosts:
     layers: dict[int, SegmentCost]
     post: SegmentCost
     flop_expr: dict[int, sympy.Expr]       # per layer, for display
+    # layer -> k of its router's top-k (selection.experts.top_k_per_layer), set by the planner
+    top_k: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def describe(self) -> str:
         kind = "symbolic" if self.symbolic else f"static, scaled from {self.traced_tokens}"

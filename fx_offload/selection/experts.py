@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .. import dtensor
+from ..graph_inputs import layers_of_nodes
 from .params import OffloadedParam
 
 
@@ -43,3 +44,17 @@ def _experts_in(p: OffloadedParam) -> int:
     if t.dim() < 2 or t.shape[0] != count or not t.is_contiguous():
         return 0
     return count
+
+
+def top_k_per_layer(gm, gi, layer_paths: dict[str, int]) -> dict[int, int]:
+    """Layer -> ``k`` of its one top-k (a router picking ``k`` experts per token), read from
+    a Dynamo graph where ``k`` is a constant; layers with none, or several, are left out.
+    For the planner's copy times (:mod:`.budget`): the pass decides what is routed."""
+    membership = layers_of_nodes(gm, gi, layer_paths)
+    found: dict[int, list[int]] = {}
+    for node, layers in membership.items():
+        if node.target is torch.topk or (node.op == "call_method" and node.target == "topk"):
+            k = node.args[1] if len(node.args) > 1 else node.kwargs.get("k")
+            found.setdefault(layers[0], []).append(k)
+    return {layer: ks[0] for layer, ks in found.items()
+            if len(ks) == 1 and isinstance(ks[0], int) and not isinstance(ks[0], bool)}
