@@ -242,11 +242,7 @@ def test_copies_overlap_compute_in_a_profiler_trace():
     overlap = overlap_from_events(prof.events())
     print("\noverlap:", overlap)
     assert overlap.copies > 0
-    # The share varies from run to run (0.59 to 0.89 on one H200): a copy begun at a call's
-    # end, or by the call hook at its entry, overlaps host time between calls, which a trace
-    # of kernels does not count; where the per-call choice puts it depends on the host's
-    # speed.  The copies of the layers inside a call overlap their neighbours' compute.
-    assert overlap.fraction > 0.25
+    assert overlap.fraction > 0.5
 
 
 def test_pageable_fallback_warns_once_and_stays_correct(monkeypatch, caplog):

@@ -41,7 +41,7 @@ from ..text import format_bytes, render_table
 from . import compression
 from .costs import GraphCosts, graph_costs
 from .device_rates import RATE_NAMES, DeviceRates, rates_for
-from .experts import expert_tensors, top_k_per_layer
+from .experts import expert_tensors
 from .params import layer_bytes, select_params
 from .stack import LayerStack
 
@@ -455,9 +455,8 @@ def plan_for(model: nn.Module, stack: LayerStack, options: OffloadOptions, graph
     gm, gi = graph
     whole = next((i for i, m in enumerate(stack.modules) if m is gi.root), None) \
         if layer_frame else None
-    paths = {stack.layer_path(i): i for i in range(len(stack.modules))}
-    costs = graph_costs(gm, gi, paths, whole_graph_layer=whole)
-    costs.top_k = {} if layer_frame else top_k_per_layer(gm, gi, paths)
+    costs = graph_costs(gm, gi, {stack.layer_path(i): i for i in range(len(stack.modules))},
+                        whole_graph_layer=whole)
     rates = rates_for(device, dtype, {n: getattr(options, n) for n in RATE_NAMES})
     return plan(model, stack, options, costs, rates, device)
 

@@ -40,6 +40,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..graph_inputs import GraphInputs, layers_of_nodes, storage_of, value_of
 from .device_rates import DeviceRates
+from .experts import top_k_per_layer
 
 log = logging.getLogger("fx_offload")
 
@@ -84,7 +85,7 @@ class GraphCosts:
     layers: dict[int, SegmentCost]
     post: SegmentCost
     flop_expr: dict[int, sympy.Expr]       # per layer, for display
-    # layer -> k of its router's top-k (selection.experts.top_k_per_layer), set by the planner
+    # layer -> k of its router's top-k (selection.experts.top_k_per_layer)
     top_k: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def describe(self) -> str:
@@ -279,7 +280,9 @@ def graph_costs(gm: fx.GraphModule, gi: GraphInputs, layer_paths: dict[str, int]
         return SegmentCost(ns, kernels)
 
     layers = {key: segment(key) for key in nodes if isinstance(key, int)}
-    return GraphCosts(traced, symbolic, segment("pre"), layers, segment("post"), flop_expr)
+    top_k = {} if whole_graph_layer is not None else top_k_per_layer(membership)
+    return GraphCosts(traced, symbolic, segment("pre"), layers, segment("post"), flop_expr,
+                      top_k)
 
 
 def _hint(shape_env, expr) -> int:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from .. import dtensor
-from ..graph_inputs import layers_of_nodes
 from .params import OffloadedParam
 
 
@@ -46,11 +45,11 @@ def _experts_in(p: OffloadedParam) -> int:
     return count
 
 
-def top_k_per_layer(gm, gi, layer_paths: dict[str, int]) -> dict[int, int]:
-    """Layer -> ``k`` of its one top-k (a router picking ``k`` experts per token), read from
-    a Dynamo graph where ``k`` is a constant; layers with none, or several, are left out.
-    For the planner's copy times (:mod:`.budget`): the pass decides what is routed."""
-    membership = layers_of_nodes(gm, gi, layer_paths)
+def top_k_per_layer(membership: dict) -> dict[int, int]:
+    """Layer -> ``k`` of its one top-k (a router picking ``k`` experts per token), from a
+    Dynamo graph's layer ``membership`` (``graph_inputs.layers_of_nodes``) where ``k`` is a
+    constant; layers with none, or several, are left out.  For the planner's copy times
+    (:mod:`.budget`): the pass decides what is routed."""
     found: dict[int, list[int]] = {}
     for node, layers in membership.items():
         if node.target is torch.topk or (node.op == "call_method" and node.target == "topk"):
