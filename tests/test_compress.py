@@ -2,6 +2,7 @@
 (fx_offload.runtime.lossless) and are decoded into the slot; outputs stay bitwise those of the
 model without offloading, and everything a user does to the weights keeps its guarantees."""
 import copy
+import io
 import logging
 
 import pytest
@@ -188,6 +189,26 @@ def test_what_users_do_keeps_the_true_weights():
     assert all(torch.equal(v, want[k]) for k, v in fx_offload.named_weights(model))
     twin = copy.deepcopy(model)
     assert all(torch.equal(v, want[k]) for k, v in twin.state_dict().items())
+
+
+def test_torch_save_of_a_layer_of_mixed_dtypes():
+    """A host block holds a layer's tensors of every dtype (bf16 weights, an fp32 norm):
+    ``torch.save`` of the state dict between calls works (it refuses one storage viewed as
+    several dtypes) and loads the true weights."""
+    model, inputs = _bf16_decoder()
+    for layer in model.layers:
+        layer.input_layernorm.float()
+    reference = copy.deepcopy(model)
+    fx_offload.place(model, "cpu", group_size=2, num_in_group=1, compress="lossless")
+    assert registry.state_for_model(model).buffers.compressed
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    want = reference.state_dict()
+    assert saved.keys() == want.keys()
+    assert all(v.dtype == want[k].dtype and torch.equal(v, want[k]) for k, v in saved.items())
+    assert saved["layers.1.input_layernorm.weight"].dtype == torch.float32
 
 
 def test_a_model_with_nothing_to_compress_says_so(caplog):

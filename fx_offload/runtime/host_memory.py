@@ -62,13 +62,24 @@ def layout_of(tensors: dict[str, torch.Tensor], align: int = ALIGN) -> tuple:
     return tuple(entries), total
 
 
-def views_into(buffer: torch.Tensor, layout: tuple) -> dict[str, torch.Tensor]:
-    """Tensors laid out in the flat uint8 ``buffer`` as ``layout`` says."""
+def views_into(buffer: torch.Tensor, layout: tuple,
+               own_storage: bool = False) -> dict[str, torch.Tensor]:
+    """Tensors laid out in the flat uint8 ``buffer`` as ``layout`` says.  ``own_storage``:
+    each on a storage of its own, a slice of the buffer's (which it keeps alive), so that
+    ``torch.save`` of several of them (a layer's bf16 weight and fp32 norm, a quantized
+    weight's int8 data and bf16 scale) does not find one storage viewed as several dtypes,
+    which it refuses; a host block's views are what the parameters hold between calls."""
     views = {}
+    storage = buffer.untyped_storage() if own_storage else None
     for key, offset, shape, stride, dtype in layout:
         n = 1
         for d in shape:
             n *= d
+        if storage is not None:
+            start = buffer.storage_offset() + offset
+            views[key] = torch.empty(0, dtype=dtype).set_(
+                storage[start:start + max(n, 1) * dtype.itemsize], 0, shape, stride)
+            continue
         flat = buffer[offset:offset + n * dtype.itemsize].view(dtype)
         views[key] = flat.as_strided(shape, stride) if n else flat.view(shape)
     return views
@@ -98,7 +109,7 @@ class HostBlock:
         if pin:
             buffer, self.registered, self.pinned = _page_lock(buffer)
         self.buffer = buffer
-        self.views = views_into(buffer, self.layout)
+        self.views = views_into(buffer, self.layout, own_storage=True)
         if fill is not None:
             fill(self.views)
         else:
