@@ -225,7 +225,9 @@ def register(state, model: nn.Module | None) -> None:
             _BY_MODEL[model] = state
         for layer, ps in state.params.items():
             for p in ps:
-                _BY_PARAM[p.param] = (weakref.ref(state), layer)
+                for held in (p.param, p.host):      # a quantized weight's host twin too
+                    if held is not None:
+                        _BY_PARAM[held] = (weakref.ref(state), layer)
             for module in state.stack.modules[layer].modules():
                 _BY_SUBMODULE[id(module)] = weakref.ref(state)
                 state.watched.append(id(module))
@@ -255,8 +257,9 @@ def unregister(state, model: nn.Module | None) -> None:
             del _BY_MODEL[model]
         for ps in state.params.values():
             for p in ps:
-                if _state_of_entry(p.param) is state:
-                    del _BY_PARAM[p.param]
+                for held in (p.param, p.host):
+                    if held is not None and _state_of_entry(held) is state:
+                        del _BY_PARAM[held]
         for key in state.watched:
             if _BY_SUBMODULE.get(key, lambda: None)() is state:
                 del _BY_SUBMODULE[key]

@@ -178,8 +178,7 @@ class Ownership:
                 if current is p.param and p.ptrs() in (p.ptrs_in(masters), p.ptrs_in(views)):
                     continue
                 handed = self._handover.pop(p.name, None)
-                copy = current is not p.param or handed != (p.ptrs(current),
-                                                              p.versions(current))
+                copy = current is not p.param or handed != (p.ptrs(), p.versions())
                 moved.append((layer, p, current, masters, copy))
         # Read every new value before writing any host block: a parameter moved from one
         # layer to another still views the host block it came from.
@@ -199,8 +198,8 @@ class Ownership:
                     for key, value in sources[id(current)].items():
                         masters[key].copy_(value)
                 stale.add(layer)
-            if current is not p.param:
-                registry.replace_param(self, layer, p.param, current)
+            if current is not p.param and p.host is None:   # else its values were copied:
+                registry.replace_param(self, layer, p.param, current)   # the twin stays
                 p.param = current
             p.point_at(masters)
         if moved:

@@ -118,6 +118,9 @@ class OffloadState(Ownership, RoutedWait):
             self._events = {(layer, c.index): (torch.cuda.Event(), torch.cuda.Event())
                             for layer in self.layers for c in self.choice.layout[layer]}
         self.buffers = buffers
+        for layer, ps in self.params.items():     # quantized weights' host twins, made before
+            for p in ps:                          # the registry learns of them
+                p.twin(buffers.masters[layer])
         self.routed = RoutedExperts(self.choice, buffers)
         self._handover = {p.name: handover[p.name] for layer, ps in self.params.items()
                           for p in ps if not hand_over and
@@ -151,6 +154,7 @@ class OffloadState(Ownership, RoutedWait):
                                 p.ptrs(current) == p.ptrs_in(self.masters[layer]):
                             for t in p.parts(current).values():     # the CPU: itself
                                 t.data = t.data.to(self.device)
+                        p.untwin()
             self.rewrap()
             self.swapped_in = False
             self.detach()

@@ -54,7 +54,6 @@ def choose(model: nn.Module, options: OffloadOptions, graph=None, layer_frame: b
     if check_owners:
         _check_not_offloaded_elsewhere(params)
     device = _offload_device(model, params) if device is None else device
-    _check_subclasses_on(device, params)
     schedule = Schedule(params, num_slots, options.circular_start)
     choice = Choice(type(model).__name__, options, stack, params, schedule, device, planner,
                     hook_starts_entry=options.hook_starts_entry, compress=options.compress,
@@ -132,17 +131,3 @@ def _offload_device(model: nn.Module, params) -> torch.device:
 
 def _cuda_available() -> bool:
     return torch.cuda.is_available()
-
-
-def _check_subclasses_on(device: torch.device, params) -> None:
-    """Quantized weights (tensor subclasses, fx_offload.subclass) are offloaded on the CPU
-    only for now: a wrapper's device is fixed when it is made, so its inner tensors cannot
-    move to the host between calls (what a GPU's offloaded weights do) without the wrapper
-    disagreeing with them, and the first operation on it fails."""
-    quantized = [p.name for ps in params.values() for p in ps if p.inner]
-    if quantized and device.type != "cpu":
-        raise OffloadError(
-            f"{len(quantized)} offloaded parameter(s) are tensor subclasses (quantized weights), "
-            f"e.g. {quantized[:3]}: offloading them to {device} is not supported yet (a "
-            "subclass's device is fixed, so its inner tensors cannot live on the host between "
-            "calls). Keep them resident with offload_params naming the other parameters")

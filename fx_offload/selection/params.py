@@ -38,6 +38,8 @@ class OffloadedParam:
     owner: nn.Module     # the module whose attribute it is
     attr: str            # its attribute name there ("weight")
     inner: tuple[str, ...] = ()     # a tensor subclass's inner tensors (fx_offload.subclass)
+    host: torch.Tensor | None = None    # its twin between calls where the host is elsewhere
+    _twin_base: tuple[int, ...] = ()    # the twin's version counters when it was made
 
     @property
     def nbytes(self) -> int:
@@ -56,6 +58,30 @@ class OffloadedParam:
             return
         for key, t in self.parts(value).items():
             t.data = views[key]
+        if value is None:
+            self.owner._parameters[self.attr] = self._holder_of(views)
+
+    def _holder_of(self, views: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The object the owner holds while the parameter's bytes are ``views``.  A wrapper
+        subclass's device is fixed when it is made, so on a GPU the weight (``param``) cannot
+        hold its host block without saying ``cuda`` of bytes in host memory (``detach``,
+        hence ``state_dict``, then fails); between calls the owner holds ``host``, the same
+        kind of tensor made around the host block, and ``param`` (its inner tensors pointed
+        at the host block too) comes back for each call, as the compiled graph saw it."""
+        if next(iter(views.values())).device == self.param.device:
+            return self.param
+        return self.twin(views)
+
+    def twin(self, masters: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The host twin around ``masters`` (made once), where the weight is a tensor
+        subclass on another device than its host block; else None."""
+        if self.host is None and self.inner and \
+                next(iter(masters.values())).device != self.param.device:
+            made = subclass.rebuild(self.param, {n: masters[f"{self.suffix}{subclass.PART}{n}"]
+                                                 for n in self.inner})
+            self.host = nn.Parameter(made, requires_grad=self.param.requires_grad)
+            self._twin_base = self.versions(self.host)
+        return self.host
 
     def value_in(self, views: dict[str, torch.Tensor]) -> torch.Tensor:
         """The parameter's value as ``views`` (a host block's, a slot's) hold it."""
@@ -83,10 +109,19 @@ class OffloadedParam:
         write moves one.  A tensor subclass's own counter moves when it is written through
         its API (``copy_``, ``load_state_dict``), which writes its inner tensors below
         autograd (their counters stay); theirs move when they are written directly."""
+        if value is None and self.inner:    # a write through the host twin counts too
+            return self.versions(self.param) + self._twin_versions()
         value = self.param if value is None else value
         if not self.inner:
             return (value._version,)
         return (value._version,) + tuple(t._version for t in self.parts(value).values())
+
+    def _twin_versions(self) -> tuple[int, ...]:
+        """The host twin's counters, counted from its making (zeros before): a layer's
+        versions keep their length and value when the twin is made."""
+        if self.host is None:
+            return (0,) * (1 + len(self.inner))
+        return tuple(a - b for a, b in zip(self.versions(self.host), self._twin_base))
 
     def fits(self, value: torch.Tensor | None, views: dict[str, torch.Tensor]) -> bool:
         """``value`` can take the place ``views`` (a host block's) have for the parameter:
@@ -104,8 +139,17 @@ class OffloadedParam:
 
     def current(self) -> nn.Parameter | None:
         """The parameter the owner holds now (``load_state_dict(assign=True)`` or an
-        assignment may have put another one there); a DTensor's local shard."""
-        return dtensor.local(self.owner._parameters.get(self.attr))
+        assignment may have put another one there); a DTensor's local shard; ``param`` where
+        the owner holds its host twin."""
+        held = dtensor.local(self.owner._parameters.get(self.attr))
+        return self.param if held is not None and held is self.host else held
+
+    def untwin(self) -> None:
+        """Drop the host twin (restore); an owner holding it holds ``param`` again (one
+        holding a value the user gave, of another shape, keeps it)."""
+        if self.host is not None and self.owner._parameters.get(self.attr) is self.host:
+            self.owner._parameters[self.attr] = self.param
+        self.host = None
 
 
 def layer_bytes(params: dict[int, list[OffloadedParam]]) -> dict[int, int]:

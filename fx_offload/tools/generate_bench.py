@@ -158,7 +158,12 @@ def _quantize(model, fmt: str) -> None:
     import torchao.quantization as quantization
     if fmt not in TORCHAO_CONFIGS:
         raise SystemExit(f"--quantize {fmt}: choose among none, {', '.join(TORCHAO_CONFIGS)}")
-    config = getattr(quantization, TORCHAO_CONFIGS[fmt])()
+    if fmt == "int4":   # the tile-packed layout: torch's own int4 matmul, no extra kernels
+        from torchao.quantization.quantize_.workflows import Int4PackingFormat
+        config = quantization.Int4WeightOnlyConfig(
+            group_size=128, int4_packing_format=Int4PackingFormat.TILE_PACKED_TO_4D)
+    else:
+        config = getattr(quantization, TORCHAO_CONFIGS[fmt])()
     quantization.quantize_(model.model.layers, config)
 
 
