@@ -142,6 +142,46 @@ def test_what_users_do_to_a_quantized_offloaded_model():
         assert torch.equal(model(x), other(x))
 
 
+@pytest.mark.parametrize("change", ["copy_", "load_state_dict", "assign", "inner tensor"])
+def test_unchanged_quantized_weights_skip_the_look_and_a_change_is_taken_up(change,
+                                                                             monkeypatch):
+    """The call hook's fingerprint covers quantized weights too (their inner tensors and
+    their own version counter): a call after no change looks at no parameter; each way of
+    writing one is still seen by the next call."""
+    from fx_offload.selection.params import OffloadedParam
+    model, x = quantized("int8")
+    reference = copy.deepcopy(model)
+    other, _ = quantized("int8", seed=3)
+    compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+    looks = []
+    real = OffloadedParam.current
+    monkeypatch.setattr(OffloadedParam, "current", lambda p: looks.append(p) or real(p))
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(compiled(x), reference(x))
+        looks.clear()
+        assert torch.equal(compiled(x), reference(x))
+        assert looks == []
+        for target in (model, reference):
+            w, new = target.layers[3].fc2.weight, other.layers[3].fc2.weight
+            if change == "copy_":
+                w.copy_(new)
+            elif change == "load_state_dict":
+                target.layers[3].load_state_dict(other.layers[3].state_dict())
+            elif change == "assign":
+                target.layers[3].load_state_dict(copy.deepcopy(other.layers[3]).state_dict(),
+                                                 assign=True)
+            else:
+                w.qdata.copy_(new.qdata)
+        assert torch.equal(compiled(x), reference(x))
+        assert looks
+        looks.clear()
+        assert torch.equal(compiled(x), reference(x))
+        assert looks == []
+    for key, value in reference.state_dict().items():
+        assert same_weights(model.state_dict()[key], value), key
+
+
 def test_a_tensor_subclass_with_inner_tensors_of_its_own_kind_is_refused():
     """A weight whose bytes are not plain inner tensors (a subclass nested in a subclass)
     cannot be laid out in a host block: refused by name, nothing offloaded."""

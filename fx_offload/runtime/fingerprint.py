@@ -10,9 +10,12 @@ it saw: per parameter, the object its module holds, its storage address, autogra
 counter (every in-place write moves it) and its shape.  While the fingerprint taken now is
 the same, the full look would find nothing to do, and is skipped.
 
-Only plain parameters are fingerprinted: a tensor subclass's inner tensors and a DTensor's
-shard are written around the counters this reads, so a model with either always takes the
-full look.
+A tensor subclass (a quantized weight) is fingerprinted by its inner tensors (storage,
+version, shape) and by its own version counter, which is what moves when it is written
+through its API (torchao's ``copy_`` writes the inner tensors below autograd), and so is its
+host twin (``OffloadedParam.host``), which the module holds between calls on a GPU.  A
+DTensor's shard is written around the counters this reads, so a model with DTensor
+parameters always takes the full look.
 """
 from __future__ import annotations
 
@@ -21,20 +24,29 @@ class Fingerprint:
     """What the offloaded parameters of one model were when last looked at in full."""
 
     def __init__(self, params: dict):
-        self._entries = [(p.owner._parameters, p.attr, p.param)
-                         for ps in params.values() for p in ps]
+        # (the module's parameters, the name there, a tensor holding the bytes)
+        self._entries = []
+        self._wrappers = []     # tensor subclasses, whose own version counter is watched
+        for ps in params.values():
+            for p in ps:
+                for t in (p.param,) if not p.inner else p.parts().values():
+                    self._entries.append((p.owner._parameters, p.attr, t))
+                if p.inner:
+                    self._wrappers.append(p.param)
+                if p.host is not None:
+                    self._wrappers += [p.host, *p.parts(p.host).values()]
         self._seen = self._now()
 
     @staticmethod
     def applies(params: dict, special: bool) -> bool:
-        """A fingerprint can stand for the full look: plain parameters only (``special``:
-        some are DTensors, or other parameters are handed over)."""
-        return not special and not any(p.inner for ps in params.values() for p in ps)
+        """A fingerprint can stand for the full look (``special``: some parameters are
+        DTensors, or others are handed over)."""
+        return not special
 
-    def _now(self) -> list:
-        # one comprehension, no calls of ours: this runs at every call
-        return [(id(owned.get(attr)), t.data_ptr(), t._version, t.shape)
-                for owned, attr, t in self._entries]
+    def _now(self) -> tuple:
+        # comprehensions, no calls of ours: this runs at every call
+        return ([(id(owned.get(attr)), t.data_ptr(), t._version, t.shape)
+                 for owned, attr, t in self._entries], [w._version for w in self._wrappers])
 
     def unchanged(self) -> bool:
         """Every parameter is the object, storage, version and shape last seen."""
