@@ -118,9 +118,7 @@ class OffloadState(Ownership, RoutedWait):
             self._events = {(layer, c.index): (torch.cuda.Event(), torch.cuda.Event())
                             for layer in self.layers for c in self.choice.layout[layer]}
         self.buffers = buffers
-        for layer, ps in self.params.items():     # quantized weights' host twins, made before
-            for p in ps:                          # the registry learns of them
-                p.twin(buffers.masters[layer])
+        _make_twins(self.params, buffers.masters)
         self.routed = RoutedExperts(self.choice, buffers)
         self._handover = {p.name: handover[p.name] for layer, ps in self.params.items()
                           for p in ps if not hand_over and
@@ -254,6 +252,14 @@ class OffloadState(Ownership, RoutedWait):
         self._copied[layer] = self._versions(layer)
         self.stats["sync_loads"] += 1
         log.debug("fx_offload: loaded layer %d (chunk %s) synchronously", layer, chunk)
+
+
+def _make_twins(params, masters) -> None:
+    """The host twins of quantized weights (``OffloadedParam.twin``), made before the
+    registry learns of the parameters."""
+    for layer, ps in params.items():
+        for p in ps:
+            p.twin(masters[layer])
 
 
 def _hold_masters(params, placed, layer: int, masters) -> None:
