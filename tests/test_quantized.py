@@ -142,7 +142,8 @@ def test_what_users_do_to_a_quantized_offloaded_model():
         assert torch.equal(model(x), other(x))
 
 
-@pytest.mark.parametrize("change", ["copy_", "load_state_dict", "assign", "inner tensor"])
+@pytest.mark.parametrize("change", ["copy_", "load_state_dict", "assign", "inner tensor",
+                                    "inner attribute"])
 def test_unchanged_quantized_weights_skip_the_look_and_a_change_is_taken_up(change,
                                                                              monkeypatch):
     """The call hook's fingerprint covers quantized weights too (their inner tensors and
@@ -171,8 +172,10 @@ def test_unchanged_quantized_weights_skip_the_look_and_a_change_is_taken_up(chan
             elif change == "assign":
                 target.layers[3].load_state_dict(copy.deepcopy(other.layers[3]).state_dict(),
                                                  assign=True)
-            else:
+            elif change == "inner tensor":
                 w.qdata.copy_(new.qdata)
+            else:                       # a new tensor object set as its data
+                w.qdata = new.qdata.clone()
         assert torch.equal(compiled(x), reference(x))
         assert looks
         looks.clear()

@@ -10,8 +10,8 @@ it saw: per parameter, the object its module holds, its storage address, autogra
 counter (every in-place write moves it) and its shape.  While the fingerprint taken now is
 the same, the full look would find nothing to do, and is skipped.
 
-A tensor subclass (a quantized weight) is fingerprinted by its inner tensors (storage,
-version, shape) and by its own version counter, which is what moves when it is written
+A tensor subclass (a quantized weight) is fingerprinted by its inner tensors (the objects
+its attributes hold, their storage, version and shape) and by its own version counter, which is what moves when it is written
 through its API (torchao's ``copy_`` writes the inner tensors below autograd), and so is its
 host twin (``OffloadedParam.host``), which the module holds between calls on a GPU.  A
 DTensor's shard is written around the counters this reads, so a model with DTensor
@@ -24,17 +24,19 @@ class Fingerprint:
     """What the offloaded parameters of one model were when last looked at in full."""
 
     def __init__(self, params: dict):
-        # (the module's parameters, the name there, a tensor holding the bytes)
-        self._entries = []
-        self._wrappers = []     # tensor subclasses, whose own version counter is watched
+        self._plain = []        # (the module's parameters, the name there, the parameter)
+        self._held = []         # (the module's parameters, the name there) of a subclass
+        self._inner = []        # (a subclass, an inner tensor's name): read anew each look,
+        self._wrappers = []     # as one may be set anew; subclasses whose counter is watched
         for ps in params.values():
             for p in ps:
-                for t in (p.param,) if not p.inner else p.parts().values():
-                    self._entries.append((p.owner._parameters, p.attr, t))
-                if p.inner:
-                    self._wrappers.append(p.param)
-                if p.host is not None:
-                    self._wrappers += [p.host, *p.parts(p.host).values()]
+                if not p.inner:
+                    self._plain.append((p.owner._parameters, p.attr, p.param))
+                    continue
+                self._held.append((p.owner._parameters, p.attr))
+                for w in (p.param,) if p.host is None else (p.param, p.host):
+                    self._wrappers.append(w)
+                    self._inner += [(w, n) for n in p.inner]
         self._seen = self._now()
 
     @staticmethod
@@ -46,7 +48,11 @@ class Fingerprint:
     def _now(self) -> tuple:
         # comprehensions, no calls of ours: this runs at every call
         return ([(id(owned.get(attr)), t.data_ptr(), t._version, t.shape)
-                 for owned, attr, t in self._entries], [w._version for w in self._wrappers])
+                 for owned, attr, t in self._plain],
+                [id(owned.get(attr)) for owned, attr in self._held],
+                [(id(t), t.data_ptr(), t._version, t.shape)
+                 for w, n in self._inner for t in (getattr(w, n),)],
+                [w._version for w in self._wrappers])
 
     def unchanged(self) -> bool:
         """Every parameter is the object, storage, version and shape last seen."""

@@ -3,6 +3,7 @@ names; a parameter shared with anything else stays resident)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Iterable
 
@@ -40,6 +41,8 @@ class OffloadedParam:
     inner: tuple[str, ...] = ()     # a tensor subclass's inner tensors (fx_offload.subclass)
     host: torch.Tensor | None = None    # its twin between calls where the host is elsewhere
     _twin_base: tuple[int, ...] = ()    # the twin's version counters when it was made
+    _device_of: torch.Tensor | None = dataclasses.field(default=None, repr=False)
+    _device_read: torch.device | None = dataclasses.field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -56,10 +59,23 @@ class OffloadedParam:
         if not self.inner:              # every call, every parameter: the short way
             (self.param if value is None else value).data = views[self.suffix]
             return
-        for key, t in self.parts(value).items():
-            t.data = views[key]
+        target = self.param if value is None else value
+        for n, key in zip(self.inner, self._inner_keys):    # read anew: one may be set anew
+            getattr(target, n).data = views[key]
         if value is None:
             self.owner._parameters[self.attr] = self._holder_of(views)
+
+    @functools.cached_property
+    def _inner_keys(self) -> tuple[str, ...]:
+        return tuple(f"{self.suffix}{subclass.PART}{n}" for n in self.inner)
+
+    @property
+    def _device(self) -> torch.device:
+        """The weight object's device, read once per object: a tensor subclass's attributes
+        go through its ``__torch_function__``, which costs microseconds at every call."""
+        if self._device_of is not self.param:
+            self._device_of, self._device_read = self.param, self.param.device
+        return self._device_read
 
     def _holder_of(self, views: dict[str, torch.Tensor]) -> torch.Tensor:
         """The object the owner holds while the parameter's bytes are ``views``.  A wrapper
@@ -68,7 +84,7 @@ class OffloadedParam:
         hence ``state_dict``, then fails); between calls the owner holds ``host``, the same
         kind of tensor made around the host block, and ``param`` (its inner tensors pointed
         at the host block too) comes back for each call, as the compiled graph saw it."""
-        if next(iter(views.values())).device == self.param.device:
+        if next(iter(views.values())).device == self._device:
             return self.param
         return self.twin(views)
 
