@@ -185,6 +185,62 @@ def test_unchanged_quantized_weights_skip_the_look_and_a_change_is_taken_up(chan
         assert same_weights(model.state_dict()[key], value), key
 
 
+def test_the_host_twin_path_run_on_the_cpu(monkeypatch):
+    """What a GPU does with quantized weights (the module holds a host twin between calls),
+    run on the CPU by taking the weights' device to be another than their host blocks':
+    outputs, what users do between calls (torchao's copy_, assign=True, an inner tensor set
+    anew on the twin, update_weights), skipped looks while nothing changed, and restore."""
+    from fx_offload.selection.params import OffloadedParam
+    monkeypatch.setattr(OffloadedParam, "_device", property(lambda p: torch.device("meta")))
+    model, x = quantized("int8")
+    reference = copy.deepcopy(model)
+    other, _ = quantized("int8", seed=3)
+    original = model.layers[3].fc2.weight
+    compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+    looks = []
+    real = OffloadedParam.current
+    monkeypatch.setattr(OffloadedParam, "current", lambda p: looks.append(p) or real(p))
+
+    def changed_then_skipped():
+        assert torch.equal(compiled(x), reference(x)) and looks
+        looks.clear()
+        assert torch.equal(compiled(x), reference(x)) and not looks
+
+    with torch.no_grad():
+        for _ in range(3):      # the first call's weights are taken up by the second's look
+            assert torch.equal(compiled(x), reference(x))
+        held = model.layers[3].fc2.weight
+        assert held is not original and type(held) is type(original)
+        assert registry.owner_of_param(held)[1] == 3
+        looks.clear()
+        assert torch.equal(compiled(x), reference(x)) and not looks
+        for target in (model, reference):
+            target.layers[3].fc2.weight.copy_(other.layers[3].fc2.weight)
+        changed_then_skipped()
+        for target in (model, reference):
+            target.layers[1].load_state_dict(copy.deepcopy(other.layers[1]).state_dict(),
+                                             assign=True)
+        changed_then_skipped()
+        assert model.layers[1].fc1.weight is registry.state_for_model(model).params[1][0].host
+        for target in (model, reference):
+            target.layers[5].fc1.weight.qdata = other.layers[5].fc1.weight.qdata.clone()
+        changed_then_skipped()
+    fx_offload.update_weights(model, {"layers.5.fc2.weight": other.layers[5].fc2.weight})
+    with torch.no_grad():
+        reference.layers[5].fc2.weight.copy_(other.layers[5].fc2.weight)
+        changed_then_skipped()
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=False)
+    for key, value in reference.state_dict().items():
+        assert same_weights(saved[key], value), key
+    fx_offload.restore(model)
+    assert model.layers[3].fc2.weight is original
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+
+
 def test_a_tensor_subclass_with_inner_tensors_of_its_own_kind_is_refused():
     """A weight whose bytes are not plain inner tensors (a subclass nested in a subclass)
     cannot be laid out in a host block: refused by name, nothing offloaded."""

@@ -173,6 +173,8 @@ class Ownership:
             masters, views = self.buffers.masters[layer], self.buffers.views[layer]
             for p in ps:
                 current = p.current()
+                if p.host is not None and p.ptrs(p.host) != p.ptrs_in(masters):
+                    current = p.host    # an inner tensor of the host twin was set anew
                 if not p.fits(current, masters):
                     raise ShapeChanged(p.name)
                 if current is p.param and p.ptrs() in (p.ptrs_in(masters), p.ptrs_in(views)):
@@ -201,6 +203,8 @@ class Ownership:
             if current is not p.param and p.host is None:   # else its values were copied:
                 registry.replace_param(self, layer, p.param, current)   # the twin stays
                 p.param = current
+            if p.host is not None:
+                p.point_at(masters, p.host)     # the twin views the host block again
             p.point_at(masters)
         if moved:
             self.rewrap()

@@ -92,7 +92,7 @@ class OffloadedParam:
         """The host twin around ``masters`` (made once), where the weight is a tensor
         subclass on another device than its host block; else None."""
         if self.host is None and self.inner and \
-                next(iter(masters.values())).device != self.param.device:
+                next(iter(masters.values())).device != self._device:
             made = subclass.rebuild(self.param, {n: masters[f"{self.suffix}{subclass.PART}{n}"]
                                                  for n in self.inner})
             self.host = nn.Parameter(made, requires_grad=self.param.requires_grad)
