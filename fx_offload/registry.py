@@ -21,7 +21,6 @@ import weakref
 
 from torch import nn
 from torch.nn.modules.module import register_module_module_registration_hook
-from torch.utils.weak import WeakIdKeyDictionary
 
 from . import dtensor
 from .errors import OffloadError, StateGoneError
@@ -29,8 +28,11 @@ from .errors import OffloadError, StateGoneError
 log = logging.getLogger("fx_offload")
 _HANDLES: dict[int, "weakref.ref"] = {}
 _BY_MODEL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_BY_PARAM = WeakIdKeyDictionary()            # Parameter -> (weakref to state, layer index):
-#   the state holds its parameters, so a strong value would keep both alive forever
+_BY_PARAM: dict[int, tuple] = {}             # id of a Parameter -> (weakref to state, layer
+#   index), checked against the state's own parameters when read (an id outlives its
+#   object).  No weakref to the parameter: torch will not swap a tensor subclass that has
+#   one, which nn.Module._apply (model.to, .half) does to quantized weights; and the state
+#   holds its parameters, so a strong reference would keep both alive forever.
 _BY_TOKEN: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 _NOTHING_OFFLOADED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _RESTORED: dict[int, tuple] = {}              # handle -> (the schedule, the chunks) it had
@@ -197,9 +199,9 @@ def state_with_layer(module: nn.Module):
 def owner_of_param(param) -> "tuple[object, int] | None":
     """(offload state, layer index) of an offloaded parameter (or of a DTensor parameter
     whose local shard is offloaded), or None."""
-    found = _BY_PARAM.get(dtensor.local(param))
-    state = None if found is None else found[0]()
-    return None if state is None else (state, found[1])
+    param = dtensor.local(param)
+    state = _state_of_entry(param)
+    return None if state is None else (state, _BY_PARAM[id(param)][1])
 
 
 def nothing_offloaded(model: nn.Module):
@@ -227,12 +229,15 @@ def register(state, model: nn.Module | None) -> None:
             for p in ps:
                 for held in (p.param, p.host):      # a quantized weight's host twin too
                     if held is not None:
-                        _BY_PARAM[held] = (weakref.ref(state), layer)
+                        _BY_PARAM[id(held)] = (weakref.ref(state), layer)
             for module in state.stack.modules[layer].modules():
                 _BY_SUBMODULE[id(module)] = weakref.ref(state)
                 state.watched.append(id(module))
+        # entries of states collected without being unregistered
         for key in [k for k, ref in _BY_SUBMODULE.items() if ref() is None]:
-            del _BY_SUBMODULE[key]        # states collected without being unregistered
+            del _BY_SUBMODULE[key]
+        for key in [k for k, (ref, _) in _BY_PARAM.items() if ref() is None]:
+            del _BY_PARAM[key]
         if not _WATCH:
             _WATCH.append(register_module_module_registration_hook(_child_set))
 
@@ -259,7 +264,7 @@ def unregister(state, model: nn.Module | None) -> None:
             for p in ps:
                 for held in (p.param, p.host):
                     if held is not None and _state_of_entry(held) is state:
-                        del _BY_PARAM[held]
+                        del _BY_PARAM[id(held)]
         for key in state.watched:
             if _BY_SUBMODULE.get(key, lambda: None)() is state:
                 del _BY_SUBMODULE[key]
@@ -270,10 +275,14 @@ def replace_param(state, layer: int, old, new) -> None:
     """``new`` took the place of the offloaded parameter ``old`` (``assign=True``)."""
     with _LOCK:
         if _state_of_entry(old) is state:
-            del _BY_PARAM[old]
-        _BY_PARAM[new] = (weakref.ref(state), layer)
+            del _BY_PARAM[id(old)]
+        _BY_PARAM[id(new)] = (weakref.ref(state), layer)
 
 
 def _state_of_entry(param):
-    found = _BY_PARAM.get(param)
-    return None if found is None else found[0]()
+    found = _BY_PARAM.get(id(param))
+    state = None if found is None else found[0]()
+    if state is None or not any(param is p.param or param is p.host
+                                for p in state.params.get(found[1], ())):
+        return None         # its state is gone, or the id is another object's now
+    return state

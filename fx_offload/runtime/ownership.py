@@ -203,8 +203,10 @@ class Ownership:
             if current is not p.param and p.host is None:   # else its values were copied:
                 registry.replace_param(self, layer, p.param, current)   # the twin stays
                 p.param = current
-            if p.host is not None:
-                p.point_at(masters, p.host)     # the twin views the host block again
+            if p.host is not None:              # the twin views the host block again
+                old = p.host
+                if p.retwin(masters) is not old:
+                    registry.replace_param(self, layer, old, p.host)
             p.point_at(masters)
         if moved:
             self.rewrap()

@@ -160,6 +160,16 @@ class OffloadedParam:
         held = dtensor.local(self.owner._parameters.get(self.attr))
         return self.param if held is not None and held is self.host else held
 
+    def retwin(self, masters: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Point the host twin at ``masters`` again (an inner tensor of it was set anew);
+        one moved to another device (``model.to`` swaps a subclass's whole contents) is made
+        anew.  Returns the twin."""
+        if self.host.device != next(iter(masters.values())).device:
+            self.host = None
+            return self.twin(masters)
+        self.point_at(masters, self.host)
+        return self.host
+
     def untwin(self) -> None:
         """Drop the host twin (restore); an owner holding it holds ``param`` again (one
         holding a value the user gave, of another shape, keeps it)."""
