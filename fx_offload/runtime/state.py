@@ -152,7 +152,6 @@ class OffloadState(Ownership, RoutedWait):
                                 p.ptrs(current) == p.ptrs_in(self.masters[layer]):
                             for t in p.parts(current).values():     # the CPU: itself
                                 t.data = t.data.to(self.device)
-                        p.untwin()
             self.rewrap()
             self.swapped_in = False
             self.detach()
@@ -161,6 +160,7 @@ class OffloadState(Ownership, RoutedWait):
         """Forget the model: remove the hooks, free the slots and host blocks; the
         parameters keep whatever they hold now."""
         self.synchronize()          # no copy may still read a host block or fill a slot
+        _untwin_unchanged(self.params, self.masters)
         for hook in self.hooks:
             hook.remove()
         self.hooks.clear()
@@ -260,6 +260,17 @@ def _make_twins(params, masters) -> None:
     for layer, ps in params.items():
         for p in ps:
             p.twin(masters[layer])
+
+
+def _untwin_unchanged(params, masters) -> None:
+    """Where a host twin still views its host block, its module holds the weight object the
+    graph was compiled with again (its inner tensors view that block too), so the model
+    offloaded anew (after a change of shape or dtype) keeps the object of the weight's
+    device; a twin the user filled anew (``model.half()`` swaps its contents) stays."""
+    for layer, ps in params.items():
+        for p in ps:
+            if p.host is not None and p.ptrs(p.host) == p.ptrs_in(masters[layer]):
+                p.untwin()
 
 
 def _hold_masters(params, placed, layer: int, masters) -> None:
