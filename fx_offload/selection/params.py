@@ -93,8 +93,8 @@ class OffloadedParam:
         subclass on another device than its host block; else None."""
         if self.host is None and self.inner and \
                 next(iter(masters.values())).device != self._device:
-            made = subclass.rebuild(self.param, {n: masters[f"{self.suffix}{subclass.PART}{n}"]
-                                                 for n in self.inner})
+            made = subclass.rebuild(self.param, {n: masters[key]
+                                                 for n, key in zip(self.inner, self._inner_keys)})
             self.host = nn.Parameter(made, requires_grad=self.param.requires_grad)
             self._twin_base = self.versions(self.host)
         return self.host
@@ -171,8 +171,8 @@ class OffloadedParam:
         return self.host
 
     def untwin(self) -> None:
-        """Drop the host twin (restore); an owner holding it holds ``param`` again (one
-        holding a value the user gave, of another shape, keeps it)."""
+        """Drop the host twin (the state detached); an owner holding it holds ``param``
+        again (one holding a value the user gave keeps it)."""
         if self.host is not None and self.owner._parameters.get(self.attr) is self.host:
             self.owner._parameters[self.attr] = self.param
         self.host = None
