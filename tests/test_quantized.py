@@ -401,3 +401,30 @@ def test_a_quantized_model_on_the_gpu_with_inductor(kind, mode):
     skipped = {k: v for k, v in torch._dynamo.utils.counters["inductor"].items()
                if "cudagraph_skips" in k}
     assert not skipped, skipped
+
+
+def test_a_call_reads_each_layers_versions_once_however_many_chunks(monkeypatch):
+    """Each start and load of a chunk records its layer's version counters; for a quantized
+    layer reading them walks every inner tensor.  Inside a call they are read once per layer
+    (nothing writes the weights while the graph runs), and a write between calls is still
+    taken up: the memo begins afresh with each call."""
+    from fx_offload.runtime.ownership import Ownership
+    model, x = quantized("int8")
+    reference = copy.deepcopy(model)
+    other, _ = quantized("int8", seed=3)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={**OPTIONS, "copy_chunks": 3})
+    reads = []
+    real = Ownership._read_versions
+    monkeypatch.setattr(Ownership, "_read_versions",
+                        lambda self, layer: reads.append(layer) or real(self, layer))
+    with torch.no_grad():
+        assert torch.equal(compiled(x), reference(x))
+        for _ in range(3):
+            reads.clear()
+            assert torch.equal(compiled(x), reference(x))
+            assert reads and len(reads) == len(set(reads)), reads
+        for target in (model, reference):
+            target.layers[3].fc2.weight.copy_(other.layers[3].fc2.weight)
+        assert torch.equal(compiled(x), reference(x))
+        assert torch.equal(compiled(x), reference(x))

@@ -42,6 +42,7 @@ class Ownership:
         #   a parameter held when the truth was copied from it; taken over without a copy
         self._dtensor_params: list | None = None  # (owner, attr) of DTensor parameters
         self._fingerprint: Fingerprint | None = None  # of the last full look, if one applies
+        self._call_versions: dict[int, tuple] | None = None   # during a call: _versions's
 
     # ---- calls -------------------------------------------------------------------------
     def enter(self, root: bool, tokens: int | None = None) -> None:
@@ -62,6 +63,7 @@ class Ownership:
             self._lock.acquire()
             self._holder = me
         try:
+            self._call_versions = {}
             if root:    # first: the copy stream works while the rest runs; a layer whose
                 self.begin_entry_refills(tokens)    # weights changed: reloaded when taken up
             self._take_up_changes()
@@ -69,6 +71,7 @@ class Ownership:
             registry.begin_call(self)
             self.entered = True
         except BaseException:
+            self._call_versions = None
             self._holder = None
             self._lock.release()
             raise
@@ -85,6 +88,7 @@ class Ownership:
         try:
             self._point_at(truth=True)
         finally:
+            self._call_versions = None
             registry.end_call(self)
             self._holder = None
             self._lock.release()
@@ -115,29 +119,23 @@ class Ownership:
             with self.holding_slots():
                 self._take_up_changes()
 
-    def _check_stack(self) -> None:
-        """The layer list still holds the offloaded layers at their places (a layer replaced,
-        inserted, deleted or reordered changes which weights each index reads), and no
-        child module inside an offloaded layer was set (``layers[3].fc1 = new``)."""
-        if self.structure_changed:
-            raise ShapeChanged("a module inside an offloaded layer")
-        model = self.model_ref()
-        if model is None:
-            return
-        for path, layers in self.stack.sections():
-            try:
-                container = model.get_submodule(path) if path else model
-            except AttributeError:
-                raise ShapeChanged(f"the layer stack {path!r}") from None
-            now = list(container)
-            if len(now) != len(layers) or any(a is not b for a, b in zip(now, layers)):
-                raise ShapeChanged(f"the layer stack {path!r}")
-
     def truth_of(self, layer: int, p) -> torch.Tensor:
         """The true value of ``layer``'s offloaded parameter ``p``: its host block's."""
         return p.value_in(self.buffers.masters[layer])
 
     def _versions(self, layer: int) -> tuple:
+        """The version counters of ``layer``'s parameters.  Inside a call they are read once
+        (each start and load of a chunk records them: for a quantized layer that is a walk
+        of every inner tensor): nothing writes the parameters while the graph runs, and a
+        call's look at what the user changed begins the memo afresh."""
+        memo = self._call_versions
+        if memo is None:
+            return self._read_versions(layer)
+        if layer not in memo:
+            memo[layer] = self._read_versions(layer)
+        return memo[layer]
+
+    def _read_versions(self, layer: int) -> tuple:
         if not self.dtensor_params:          # every call: plain parameters stay cheap
             return tuple(p.versions() for p in self.params[layer])
         # a DTensor parameter's own counter too: a write through it leaves its shard's alone
@@ -163,10 +161,12 @@ class Ownership:
         (``load_state_dict(assign=True)``, ``.data =``, ``.to(device)``) is copied into the
         host block; an in-place write (``copy_``, ``load_state_dict``, an init function)
         makes a slot holding that layer stale and (unless ``restoring``) is encoded again."""
-        self._check_stack()
+        _check_stack(self)
         if not restoring and self._fingerprint is not None and self._fingerprint.unchanged():
             return                  # the look below would find nothing: skip it
         self._fingerprint = None
+        if self._call_versions is not None:
+            self._call_versions = {}    # read anew below: the look may change parameters
         stale = set()
         moved = []          # (layer, p, current, its host views, copy the values?)
         for layer, ps in self.params.items():
@@ -226,6 +226,25 @@ class Ownership:
     def holding_slots(self):
         """Hold the slots as a call does (for restore), unless this thread is in a call."""
         return _Hold(self)
+
+
+def _check_stack(state) -> None:
+    """``state``'s layer list still holds the offloaded layers at their places (a layer
+    replaced, inserted, deleted or reordered changes which weights each index reads), and no
+    child module inside an offloaded layer was set (``layers[3].fc1 = new``)."""
+    if state.structure_changed:
+        raise ShapeChanged("a module inside an offloaded layer")
+    model = state.model_ref()
+    if model is None:
+        return
+    for path, layers in state.stack.sections():
+        try:
+            container = model.get_submodule(path) if path else model
+        except AttributeError:
+            raise ShapeChanged(f"the layer stack {path!r}") from None
+        now = list(container)
+        if len(now) != len(layers) or any(a is not b for a, b in zip(now, layers)):
+            raise ShapeChanged(f"the layer stack {path!r}")
 
 
 class _Hold:
