@@ -1,7 +1,8 @@
 """``python -m fx_offload generate``: Hugging Face ``generate`` on a Llama built from a config
 with Llama-3-8B layer shapes (random weights, bf16), timed side by side in one process:
 
-* resident, its ``forward`` compiled with Inductor (``dynamic=True``);
+* resident, its ``forward`` compiled with Inductor (``dynamic=True``), with ``--quantize``
+  also each quantized form of it resident;
 * fx_offload through :func:`fx_offload.compile_forward` (every second layer offloaded,
   ``prefetch_step`` slots), Inductor inside; with ``--quantize int8,float8,...`` also the same
   model with its layers' weights quantized by torchao first (their packed bytes move; "x
@@ -10,7 +11,8 @@ with Llama-3-8B layer shapes (random weights, bf16), timed side by side in one p
 
 Each ``generate`` is greedy with a fixed number of new tokens and is followed by a
 synchronize.  Prefill is the median time of ``generate(max_new_tokens=1)``; decode ms/token is
-``(median time of generate(max_new_tokens=N) - prefill) / (N - 1)``.  The copy bound of a
+``(median time of generate(max_new_tokens=N) - prefill) / (N - 1)``, or with ``--step-clock``
+the median time between two decode steps (free of the prefill's noise).  The copy bound of a
 decode step is the bytes copied per forward over the pinned host-to-device bandwidth measured
 in the same process.  The tokens of each method are compared with the resident model's.
 Needs a GPU and ``transformers``.
@@ -45,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compress", default="none",
                         help="comma-separated compress values of the fx_offload rows: none, "
                              "lossless (bf16 weights cross the link compressed)")
+    parser.add_argument("--step-clock", action="store_true",
+                        help="decode: the median time between two decode steps")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--methods", default="resident,fx_offload,accelerate",
                         help="comma-separated among resident, fx_offload, accelerate")
@@ -75,14 +79,24 @@ def run(args: argparse.Namespace) -> int:
         return build_random(LlamaForCausalLM, config)
 
     rows, tokens, moved = {}, {}, {}
+    resident_row: dict[str, str] = {}   # a weight format -> its resident row
+    resident_of: dict[str, str] = {}    # an fx_offload row -> the resident row of its weights
     methods = [m for m in args.methods.split(",") if m]
-    if "resident" in methods:
+    formats = [q for q in args.quantize.split(",") if q]
+    for quantize in formats if "resident" in methods else ():
+        torch._dynamo.reset()
         model = build()
+        name = "resident (Inductor)"
+        if quantize != "none":
+            _quantize(model, quantize)
+            name = f"resident (Inductor), {quantize}"
         model.forward = torch.compile(model.forward, dynamic=True)
-        rows["resident (Inductor)"], tokens["resident"] = measure(model, prompt, args)
+        rows[name], tok = measure(model, prompt, args, steps=args.step_clock)
+        resident_row[quantize] = name
+        if quantize == "none":
+            tokens["resident"] = tok
         del model
     circulars = [c for c in args.circular_prefetch.split(",") if c]
-    formats = [q for q in args.quantize.split(",") if q]
     compressions = [c for c in args.compress.split(",") if c]
     variants = [(c, q, z) for c in circulars for q in formats for z in compressions] \
         if "fx_offload" in methods else []
@@ -101,7 +115,9 @@ def run(args: argparse.Namespace) -> int:
             name += f", {quantize if quantize != 'none' else 'bf16'}"
         if compressions != ["none"]:
             name += f", compress={compress}"
-        rows[name], tokens[name] = measure(model, prompt, args)
+        rows[name], tokens[name] = measure(model, prompt, args, steps=args.step_clock)
+        if quantize in resident_row:
+            resident_of[name] = resident_row[quantize]
         if quantize != "none":
             tokens.pop(name)            # other weights: other tokens than the bf16 resident's
         rep = report(model)
@@ -134,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     bf16 = next((decode for name, (_, decode) in rows.items()
                  if name in moved and moved[name] == moved.get("bf16")), None)
     print(f"{'method':66s} {'prefill ms':>10s} {'decode ms/token':>16s} {'x bound':>8s} "
-          f"{'x bf16':>7s} {'same tokens':>19s}")
+          f"{'x bf16':>7s} {'x resident':>10s} {'same tokens':>12s}")
     # tokens compared with the resident model's, or else with the first bf16 row's
     first = "resident" if "resident" in tokens else next(iter(tokens), None)
     for name, (prefill, decode) in rows.items():
@@ -144,8 +160,11 @@ def run(args: argparse.Namespace) -> int:
         nbytes = moved.get(name, None if name.startswith("resident") else moved.get("bf16"))
         ratio = decode / (nbytes / bandwidth * 1e3) if nbytes else float("nan")
         to_bf16 = decode / bf16 if bf16 and name in moved else float("nan")
+        # to the same weights resident: what offloading them costs on top of their compute
+        to_resident = decode / rows[resident_of[name]][1] if name in resident_of \
+            else float("nan")
         print(f"{name:66s} {prefill:10.1f} {decode:16.2f} {ratio:8.3f} {to_bf16:7.3f} "
-              f"{same:>19s}")
+              f"{to_resident:10.3f} {same:>12s}")
     return 0
 
 
