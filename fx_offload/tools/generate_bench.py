@@ -9,6 +9,11 @@ with Llama-3-8B layer shapes (random weights, bf16), timed side by side in one p
   bf16" compares decode with the bf16 row);
 * accelerate's ``cpu_offload`` on the same layers (eager), where accelerate is installed.
 
+With ``--cuda-graphs`` every row decodes through transformers' own compile route instead: a
+static cache and ``CompileConfig`` (``reduce-overhead``: CUDA graphs), naming
+``fx_offload.backend(...)`` with the same options for the fx_offload rows; prefill then runs
+eagerly.
+
 Each ``generate`` is greedy with a fixed number of new tokens and is followed by a
 synchronize.  Prefill is the median time of ``generate(max_new_tokens=1)``; decode ms/token is
 ``(median time of generate(max_new_tokens=N) - prefill) / (N - 1)``, or with ``--step-clock``
@@ -26,7 +31,7 @@ import time
 
 import torch
 
-from .. import compile_forward, registry, report
+from .. import backend, compile_forward, registry, report
 from ..schedule import Schedule
 from .bench import h2d_bandwidth
 
@@ -52,6 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--methods", default="resident,fx_offload,accelerate",
                         help="comma-separated among resident, fx_offload, accelerate")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="decode through transformers' own compile route instead: a static "
+                             "cache and CompileConfig (reduce-overhead: CUDA graphs), naming "
+                             "fx_offload.backend(...) for the fx_offload rows; prefill then runs "
+                             "eagerly")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,15 +93,18 @@ def run(args: argparse.Namespace) -> int:
     resident_of: dict[str, str] = {}    # an fx_offload row -> the resident row of its weights
     methods = [m for m in args.methods.split(",") if m]
     formats = [q for q in args.quantize.split(",") if q]
+    graphs = " + CUDA graphs" if args.cuda_graphs else ""
     for quantize in formats if "resident" in methods else ():
         torch._dynamo.reset()
         model = build()
-        name = "resident (Inductor)"
+        name = f"resident (Inductor{graphs})"
         if quantize != "none":
             _quantize(model, quantize)
-            name = f"resident (Inductor), {quantize}"
-        model.forward = torch.compile(model.forward, dynamic=True)
-        rows[name], tok = measure(model, prompt, args, steps=args.step_clock)
+            name += f", {quantize}"
+        if not args.cuda_graphs:
+            model.forward = torch.compile(model.forward, dynamic=True)
+        rows[name], tok = measure(model, prompt, args, steps=args.step_clock,
+                                  extra=graphs_route(None) if args.cuda_graphs else None)
         resident_row[quantize] = name
         if quantize == "none":
             tokens["resident"] = tok
@@ -105,17 +118,21 @@ def run(args: argparse.Namespace) -> int:
         model = build()
         if quantize != "none":
             _quantize(model, quantize)
-        compile_forward(model, dynamic=True, group_size=2, num_in_group=1,
-                        prefetch_step=args.prefetch_step, circular_prefetch=circular,
-                        compress=compress)
-        name = f"fx_offload, {len(offloaded)} layers, {args.prefetch_step} slots (Inductor)"
+        options = dict(group_size=2, num_in_group=1, prefetch_step=args.prefetch_step,
+                       circular_prefetch=circular, compress=compress)
+        extra = graphs_route(backend(**options)) if args.cuda_graphs else None
+        if not args.cuda_graphs:
+            compile_forward(model, dynamic=True, **options)
+        name = (f"fx_offload, {len(offloaded)} layers, {args.prefetch_step} slots "
+                f"(Inductor{graphs})")
         if circulars != ["auto"]:
             name += f", circular at {circular}"
         if formats != ["none"]:
             name += f", {quantize if quantize != 'none' else 'bf16'}"
         if compressions != ["none"]:
             name += f", compress={compress}"
-        rows[name], tokens[name] = measure(model, prompt, args, steps=args.step_clock)
+        rows[name], tokens[name] = measure(model, prompt, args, steps=args.step_clock,
+                                           extra=extra)
         if quantize in resident_row:
             resident_of[name] = resident_row[quantize]
         if quantize != "none":
@@ -186,6 +203,14 @@ def _quantize(model, fmt: str) -> None:
     quantization.quantize_(model.model.layers, config)
 
 
+def graphs_route(configured) -> dict:
+    """``generate``'s keywords for transformers' compile route (a static cache, CUDA graphs),
+    compiling with ``configured`` (an fx_offload backend) or, for ``None``, Inductor."""
+    from transformers import CompileConfig
+    config = CompileConfig() if configured is None else CompileConfig(backend=configured)
+    return dict(cache_implementation="static", compile_config=config)
+
+
 def build_random(model_class, config):
     """A Hugging Face causal LM of ``config`` on the GPU, bf16 weights drawn normal(0, 0.02)
     (as trained weights are scaled), generating always the full length."""
@@ -237,6 +262,9 @@ def measure(model, prompt, args, repeats: int | None = None, extra=None, steps=F
     decode = (full - prefill) / (args.new_tokens - 1)
     if steps:   # ticks[i][0] follows the prefill; each gap after it is one decode step
         decode = statistics.median((b - a) * 1e3 for t in ticks for a, b in zip(t, t[1:]))
-    print(f"  batch {prompt.shape[0]}: prefill {prefill:.1f} ms, decode {decode:.2f} ms/token",
+    from torch._dynamo.utils import counters
+    skips = sum(v for k, v in counters["inductor"].items() if "cudagraph_skips" in k)
+    print(f"  batch {prompt.shape[0]}: prefill {prefill:.1f} ms, decode {decode:.2f} ms/token"
+          + (f" (CUDA graphs skipped {skips} times in this process)" if skips else ""),
           flush=True)
     return (prefill, decode), timed[-1][1]

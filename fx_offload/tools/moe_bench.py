@@ -28,7 +28,7 @@ import torch
 
 from .. import backend, compile_forward, registry, report
 from .bench import h2d_bandwidth
-from .generate_bench import build_random, measure
+from .generate_bench import build_random, graphs_route as _graphs, measure
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -163,10 +163,3 @@ def _free() -> None:
     gc.collect()
     torch.cuda.empty_cache()
 
-
-def _graphs(configured) -> dict:
-    """generate's keywords for transformers' compile route (CUDA graphs), with
-    ``configured`` (an fx_offload backend) or Inductor."""
-    from transformers import CompileConfig
-    config = CompileConfig() if configured is None else CompileConfig(backend=configured)
-    return dict(cache_implementation="static", compile_config=config)
