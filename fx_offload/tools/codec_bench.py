@@ -5,7 +5,10 @@ timed on the GPU:
 * the ratio (record bytes / raw bytes) and the encode time;
 * decode throughput (GB/s of bf16 written), our Triton kernel and the torch-ops fallback,
   and, where the ``dfloat11`` package is importable, DFloat11's Huffman decoder on the same
-  weights (``--dfloat11-words`` of them: its encoder is pure Python);
+  weights (``--dfloat11-words`` of them: its encoder is pure Python); where nvCOMP's Python
+  package (``nvidia-nvcomp-cu13``) is importable, its ANS, GDeflate and Bitcomp codecs on the
+  whole layer: ratio, decode throughput, and whether its decode can be captured in a CUDA
+  graph and replayed right;
 * a layer's copy: raw, record and decode on one stream (a synchronous load), record on the
   copy stream and decode on the decode stream (a prefetch), and that captured in a CUDA
   graph and replayed; each checked bitwise.
@@ -34,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--dfloat11-words", type=int, default=1 << 22,
                         help="bf16 words DFloat11 encodes for its row (0: skip it)")
+    parser.add_argument("--nvcomp", default="ANS,ANS:<f2,GDeflate:0,Bitcomp:<u2",
+                        help="comma-separated nvCOMP codecs (algorithm[:data type or GDeflate "
+                             "level]) for their rows; empty: skip them")
 
 
 def _time(fn, repeats: int) -> float:
@@ -103,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
                      f"{meta.nbytes / meta.raw_nbytes:.3f}", 2 * few.numel() / ms / 1e6,
                      torch.equal(small, few)))
         rows.append(_dfloat11(few, args.repeats))
+    library = [_nvcomp(want, spec, args.repeats) for spec in args.nvcomp.split(",") if spec]
 
     staging = torch.empty(block.staging_nbytes, dtype=torch.uint8, device="cuda")
     copy_stream = torch.cuda.Stream()
@@ -137,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
         torch.cuda.synchronize()
         for buffer in [out, staging, *staged.buffers]:
             buffer.fill_(0xAB)
+        torch.cuda.synchronize()    # the copy stream does not wait for the compute stream
         fn()
         torch.cuda.synchronize()
         return torch.equal(out, want)
@@ -155,6 +163,14 @@ def run(args: argparse.Namespace) -> int:
     timed.append(("the same, a CUDA graph replayed", _time(graph.replay, args.repeats),
                   checked(graph.replay)))
 
+    _print_tables(rows, timed, library, packed / bandwidth * 1e3,
+                  raw.numel() / bandwidth * 1e3, bandwidth)
+    return 0
+
+
+def _print_tables(rows, timed, library, record_ms: float, raw_bytes_ms: float,
+                  bandwidth: float) -> None:
+    """The decoders' throughput, a layer's copy each way, and nvCOMP's codecs."""
     print(f"\n{'decoder':56s} {'GB/s of bf16 out':>17s} {'bitwise':>8s}")
     for name, rate, ok in rows:
         print(f"{name:56s} {rate:17.0f} {'yes' if ok else 'NO':>8s}")
@@ -162,10 +178,13 @@ def run(args: argparse.Namespace) -> int:
     raw_ms = timed[0][1]
     for name, ms, ok in timed:
         print(f"{name:44s} {ms:7.2f} {ms / raw_ms:6.3f} {'yes' if ok else 'NO':>8s}")
-    print(f"(the record bytes alone at {bandwidth / 1e9:.1f} GB/s: "
-          f"{packed / bandwidth * 1e3:.2f} ms; the raw bytes: "
-          f"{raw.numel() / bandwidth * 1e3:.2f} ms)")
-    return 0
+    if library:
+        print(f"\n{'nvCOMP, the whole layer as one buffer':44s} {'ratio':>6s} "
+              f"{'GB/s out':>9s} {'bitwise':>8s}  captured in a CUDA graph")
+        for name, ratio, rate, ok, captured in library:
+            print(f"{name:44s} {ratio:6.3f} {rate:9.0f} {'yes' if ok else 'NO':>8s}  {captured}")
+    print(f"(the record bytes alone at {bandwidth / 1e9:.1f} GB/s: {record_ms:.2f} ms; the "
+          f"raw bytes: {raw_bytes_ms:.2f} ms)")
 
 
 def _dfloat11(words: torch.Tensor, repeats: int):
@@ -203,3 +222,63 @@ def _dfloat11(words: torch.Tensor, repeats: int):
         (2 * cpu.numel())
     ok = torch.equal(out, words)
     return (f"DFloat11 (ratio {ratio:.3f})", 2 * cpu.numel() / ms / 1e6, ok)
+
+
+def _nvcomp(raw: torch.Tensor, spec: str, repeats: int):
+    """(name, ratio, GB/s of output, bitwise, captured) of nvCOMP's codec ``spec`` on the bytes
+    ``raw`` (on the GPU): encoded by nvCOMP on the GPU, decoded into a buffer of ours with a
+    decompression config made once (the sync-free decode), and that decode captured in a
+    CUDA graph on a stream of its own and replayed from a poisoned buffer."""
+    algorithm, _, extra = spec.partition(":")
+    options = {"algorithm": algorithm}
+    if extra:
+        options["algorithm_type" if extra.isdigit() else "data_type"] = \
+            int(extra) if extra.isdigit() else extra
+    name = f"{algorithm}" + (f" ({extra})" if extra else "")
+    try:
+        from nvidia import nvcomp
+    except Exception as err:                # not installed: a row saying so
+        return (f"{name}: nvCOMP not importable ({type(err).__name__})", float("nan"),
+                float("nan"), False, "-")
+    out = torch.empty_like(raw)
+    try:
+        stream = torch.cuda.current_stream()
+        codec = nvcomp.Codec(device_id=raw.device.index or 0, cuda_stream=stream.cuda_stream,
+                             **options)
+        packed = codec.encode(nvcomp.as_array(raw))
+        config = codec.decompression_config(packed)     # reads the header: one sync, here
+        ms = _time(lambda: codec.decode(packed, out=out, decompression_config=config), repeats)
+        out.fill_(0xAB)
+        codec.decode(packed, out=out, decompression_config=config)
+        torch.cuda.synchronize()
+        ok = torch.equal(out, raw)
+        ratio = packed.buffer_size / raw.numel()
+    except Exception as err:
+        return (f"{name}: {type(err).__name__}: {str(err).splitlines()[0][:60]}", float("nan"),
+                float("nan"), False, "-")
+    return (name, ratio, raw.numel() / ms / 1e6, ok,
+            _captured(lambda s: nvcomp.Codec(device_id=raw.device.index or 0,
+                                             cuda_stream=s.cuda_stream, **options),
+                      packed, out, raw))
+
+
+def _captured(make_codec, packed, out: torch.Tensor, want: torch.Tensor) -> str:
+    """Whether a decode by a codec on a capture stream is captured and its replay is right."""
+    side = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.stream(side):
+            codec = make_codec(side)
+            config = codec.decompression_config(packed)
+            codec.decode(packed, out=out, decompression_config=config)     # warm up
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, stream=side):
+            codec.decode(packed, out=out, decompression_config=config)
+        out.fill_(0xAB)
+        torch.cuda.synchronize()
+        graph.replay()
+        torch.cuda.synchronize()
+    except Exception as err:
+        torch.cuda.synchronize()
+        return f"no: {type(err).__name__}: {str(err).splitlines()[0][:70]}"
+    return "yes, replayed bitwise" if torch.equal(out, want) else "captured, replay WRONG"
