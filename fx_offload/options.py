@@ -63,9 +63,10 @@ class OffloadOptions:
     @property
     def hook_starts_entry(self) -> bool:
         """True when the model's call hook begins the entry refills, ahead of the graph (and
-        of Dynamo's guards): where they exist, and not under CUDA graphs, whose replays run
-        only what the captured graph does."""
-        return self.circular_start != "end" and self.mode != "reduce-overhead"
+        of Dynamo's guards): wherever they exist.  Under CUDA graphs too: the hook's copies
+        run outside the replayed graph, which waits for them through external events
+        (``runtime.contents.Pending.by_hook``), so they overlap the guards and the launch."""
+        return self.circular_start != "end"
 
     def offloads_layer(self, index: int) -> bool:
         """True for the last ``num_in_group`` layers of each group of ``group_size``."""

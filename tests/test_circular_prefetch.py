@@ -104,7 +104,8 @@ def test_the_call_hook_begins_the_entry_refills_before_the_graph_runs():
     (ahead of Dynamo's guards); the graph's own start then finds it begun and copies nothing,
     so each refill is copied once per call."""
     assert parse_options({"circular_prefetch": "entry"}).hook_starts_entry
-    assert not parse_options({}, mode="reduce-overhead").hook_starts_entry   # replays: graph only
+    # under CUDA graphs too: a capture waits for the hook's copies through external events
+    assert parse_options({}, mode="reduce-overhead").hook_starts_entry
     assert not parse_options({"circular_prefetch": "end"}).hook_starts_entry
     model, inputs = models.build("mlp", num_layers=6)
     reference = copy.deepcopy(model)
@@ -133,7 +134,7 @@ def test_the_call_hook_begins_the_entry_refills_before_the_graph_runs():
 
 
 def test_inside_a_capture_the_call_hook_leaves_the_entry_refills_to_the_graph(monkeypatch):
-    from fx_offload.runtime import state as state_module
+    from fx_offload.runtime import hook_copies
     model, inputs = models.build("mlp", num_layers=6)
     compiled = torch.compile(model, backend="prefetch_offload",
                              options=dict(group_size=2, inner_backend="aot_eager",
@@ -142,10 +143,10 @@ def test_inside_a_capture_the_call_hook_leaves_the_entry_refills_to_the_graph(mo
         compiled(*inputs)
         state = registry.state_for_model(model)
         before = state.stats["prefetches"]
-        monkeypatch.setattr(state_module, "_capturing", lambda: True)
+        monkeypatch.setattr(hook_copies, "capturing", lambda: True)
         state.begin_entry_refills()
         assert state.stats["prefetches"] == before          # nothing begun from the hook
-        monkeypatch.setattr(state_module, "_capturing", lambda: False)
+        monkeypatch.setattr(hook_copies, "capturing", lambda: False)
         state.begin_entry_refills()
         assert state.stats["prefetches"] == before + 1      # layer 1 over layer 5, slot 0
 

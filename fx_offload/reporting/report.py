@@ -37,6 +37,7 @@ class Report:
     # bytes the copies begun since the most recent call began moved (counted in Python: a
     # CUDA graph's replay copies what its capture did, uncounted)
     copied_bytes_last_call: int = 0
+    copies_captured: bool = False      # some copies run inside captured CUDA graphs
     # MoE layers: layer -> how its expert tensors move ("routed (128 experts)": only the
     # experts its tokens picked; "whole: <why>")
     experts: dict[int, str] = dataclasses.field(default_factory=dict)
@@ -87,7 +88,9 @@ class Report:
                          f"the compressed copies take {format_bytes(self.compressed_host_bytes)}"
                          " of host memory besides the weights")
         if self.copied_bytes_last_call:
-            lines.append(f"  the last call copied {format_bytes(self.copied_bytes_last_call)}")
+            lines.append(f"  the last call copied {format_bytes(self.copied_bytes_last_call)}"
+                         + (" outside CUDA graphs (a replay's own copies are not counted)"
+                            if self.copies_captured else ""))
         if self.planner is not None:
             lines.append(str(self.planner))
         return "\n".join(lines)
@@ -139,6 +142,7 @@ def report(model: nn.Module) -> Report:
             call_bytes=state.buffers.call_bytes() if state.buffers else {},
             compressed_host_bytes=state.buffers.compressed_host_bytes if state.buffers else 0,
             copied_bytes_last_call=_copied(state),
+            copies_captured=bool(state.buffers and state.buffers.captured),
             experts=experts_moved(choice, getattr(state, "routed", None)))
     kept = registry.nothing_offloaded(model)
     if kept is not None:

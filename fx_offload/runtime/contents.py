@@ -17,6 +17,10 @@ import torch
 class Pending:
     event: torch.cuda.Event     # recorded on the copy stream after the copy
     in_capture: bool            # recorded while the stream was being captured into a CUDA graph
+    # begun by the model's call hook, outside any capture, on an event made with
+    # ``external=True``: a capture waits for it through an event-wait node, so each replay
+    # waits for the copy the hook began before it
+    by_hook: bool = False
 
 
 class SlotContents:
@@ -54,7 +58,8 @@ class SlotContents:
         held = self.slot(layer)
         if key not in held:
             return False
-        return not capturing or (held[key] is not None and held[key].in_capture)
+        return not capturing or (held[key] is not None and
+                                 (held[key].in_capture or held[key].by_hook))
 
     def forget(self, layer: int, chunk) -> None:
         """The bytes of ``layer``'s ``chunk`` hold no whole chunk (some rows of it were
@@ -77,13 +82,14 @@ class SlotContents:
         """(layer, chunk) -> its copy in flight (not yet waited for)."""
         return {key: p for held in self.held for key, p in held.items() if p is not None}
 
-    def join_captured(self, stream) -> None:
-        """End of a captured forward: ``stream`` waits for every copy forked during the
-        capture.  Joined inside the graph, whoever runs after a replay is ordered after the
-        copy, and the event itself means nothing outside the capture: forget it."""
+    def join(self, stream, captured: bool) -> None:
+        """End of a forward: ``stream`` waits for every copy it began, then they count as
+        landed.  ``captured``: the copies forked during a capture; joined inside the graph,
+        whoever runs after a replay is ordered after the copy, and the event itself means
+        nothing outside the capture.  Else the copies begun outside any capture."""
         for held in self.held:
             for key, pending in held.items():
-                if pending is not None and pending.in_capture:
+                if pending is not None and pending.in_capture == captured:
                     stream.wait_event(pending.event)
                     held[key] = None
 

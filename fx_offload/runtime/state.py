@@ -29,7 +29,9 @@ the copy cannot begin before the kernels that read what they held; ``wait`` make
 compute stream wait on the copy's done event.  Both events of every chunk are made once, when
 the slots are, and recorded again on every call.  Both work inside CUDA-graph capture, where the
 fork (event wait) pulls the copy into the capture; ``join`` ends a captured forward by joining
-copies that were forked during the capture.
+copies that were forked during the capture (and, for a model compiled for CUDA graphs, an
+eager call too).  The call hook's entry refills (:mod:`.hook_copies`) run outside any
+capture, on external events a capture can wait for.
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ from ..schedule import Schedule
 from .circular import CircularStart
 from .contents import Pending, SlotContents
 from .contents import capturing as _capturing
+from .hook_copies import HookCopies
 from .ownership import Ownership, ShapeChanged
 from .routed import RoutedExperts, RoutedWait
 from .slots import SlotBuffers
@@ -52,7 +55,7 @@ from .slots import SlotBuffers
 log = logging.getLogger("fx_offload")
 
 
-class OffloadState(Ownership, RoutedWait):
+class OffloadState(Ownership, RoutedWait, HookCopies):
     """The slots of one model compiled with the backend, driven by the ops.  Built from a
     :class:`~fx_offload.selection.Choice`; it reads no option."""
 
@@ -75,7 +78,7 @@ class OffloadState(Ownership, RoutedWait):
         self.hooks: list = []
         self.stats = {"prefetches": 0, "sync_loads": 0}
         # the refills the call hook begins, worked out once rather than on every call
-        self._hook_refills = self.schedule.entry_refills() if choice.hook_starts_entry else []
+        self._init_hook_copies(choice)
         self.circular = CircularStart(self.schedule.circular, self.model_name)
         self._init_ownership()
 
@@ -117,6 +120,7 @@ class OffloadState(Ownership, RoutedWait):
             # made once: no event is created on the forward path
             self._events = {(layer, c.index): (torch.cuda.Event(), torch.cuda.Event())
                             for layer in self.layers for c in self.choice.layout[layer]}
+            self._make_hook_events()
         self.buffers = buffers
         _make_twins(self.params, buffers.masters)
         self.routed = RoutedExperts(self.choice, buffers)
@@ -190,9 +194,10 @@ class OffloadState(Ownership, RoutedWait):
                 self._wait_for(held[key])
                 held[key] = None
 
-    def start(self, layer: int, refill: int, chunk: int = -1) -> None:
+    def start(self, layer: int, refill: int, chunk: int = -1, by_hook: bool = False) -> None:
         """``layer`` has read the last of what ``refill``'s ``chunk`` (-1: all of them)
-        overwrites in their slot: copy it in asynchronously."""
+        overwrites in their slot: copy it in asynchronously (``by_hook``: the call hook's
+        entry refills, begun outside the graph)."""
         if self.restored:
             return
         held, capturing = self.contents.slot(refill), _capturing()
@@ -200,8 +205,11 @@ class OffloadState(Ownership, RoutedWait):
         if at_end and not self.circular.copies_at_end(capturing):
             return          # left to the next call's entry start (fx_offload.schedule)
         for c in self.contents.chunks(refill, chunk):
-            if (refill, c.index) in held and not capturing:
-                continue    # not overwritten since (a capture copies: its replays cannot know)
+            # not overwritten since (a capture copies: its replays cannot know), or begun
+            # by this call's hook, for which a capture waits (an external event)
+            if (refill, c.index) in held and (not capturing or (
+                    held[(refill, c.index)] is not None and held[(refill, c.index)].by_hook)):
+                continue
             if self.routed.skips(refill, c, self.contents):
                 continue    # a routed chunk: its wait_routed copies what the router picks
             if c.index == 0:
@@ -211,35 +219,28 @@ class OffloadState(Ownership, RoutedWait):
                 self.buffers.copy_in(refill, c)
                 self.contents.fill(refill, c, None)
                 continue
-            fork, done = self._events[(refill, c.index)]    # made once, recorded again
-            fork.record(torch.cuda.current_stream(self.device))
+            fork, done = (self._hook_events if by_hook else self._events)[(refill, c.index)]
+            fork.record(torch.cuda.current_stream(self.device))     # made once, recorded again
             self.buffers.begin_copy(refill, c, self.copy_stream, fork, done, capturing)
-            self.contents.fill(refill, c, Pending(done, capturing))
+            self.contents.fill(refill, c, Pending(done, capturing, by_hook))
             if at_end:
                 self.circular.began_at_end(done)
 
-    def begin_entry_refills(self, tokens: int | None = None) -> None:
-        """A call begins (its hook): choose where this call's circular prefetch starts
-        (``"either"``), and begin the entry refills now, so the copy stream works while
-        Dynamo's guards run; the graph's own start finds them begun.  Not where the graph
-        alone must (a capture: its replays run only what it recorded)."""
-        self.buffers.copied = 0     # a new call: report's copied_bytes_last_call
-        if _capturing():
-            return
-        self.routed.begin_call(tokens)      # many tokens: routed chunks prefetched whole
-        self.circular.call_begins()
-        for leaving, refill in self._hook_refills:
-            self.start(leaving, refill)
-
     def join(self) -> None:
-        """End of a forward: inside a CUDA-graph capture, join every copy forked during it."""
-        if self.copy_stream is not None and _capturing():   # eager: copies run on
-            self.contents.join_captured(torch.cuda.current_stream(self.device))
+        """End of a forward: inside a CUDA-graph capture, join every copy forked during it.
+        Also in an eager call of a model compiled for CUDA graphs (a warm-up, a shape not
+        captured yet): a replay that comes next reads each slot's first layer as its capture
+        found it, without a wait for this call's copy of it (the circular prefetch at the
+        end), so the call ends as a replay does, its copies landed.  Elsewhere they run on."""
+        if self.copy_stream is None:
+            return
+        if (capturing := _capturing()) or self.choice.under_cuda_graphs:
+            self.contents.join(torch.cuda.current_stream(self.device), captured=capturing)
 
     def _wait_for(self, pending: Pending) -> None:
         # A copy recorded before a capture began was completed by the synchronization that
         # starts every capture; waiting on it inside the capture is not allowed.
-        if pending.in_capture or not _capturing():
+        if pending.in_capture or pending.by_hook or not _capturing():
             torch.cuda.current_stream(self.device).wait_event(pending.event)
 
     def _load_now(self, layer: int, chunk=None) -> None:

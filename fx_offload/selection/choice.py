@@ -26,9 +26,12 @@ class Choice:
     device: torch.device
     planner: object = None            # budget.PlannerResult under memory_budget
     # the model's call hook begins the entry refills (fx_offload.schedule) before Dynamo's
-    # guards run; the graph's own entry start then finds them begun.  Not under CUDA graphs
-    # (reduce-overhead), whose replays run only what the graph does.
+    # guards run; the graph's own entry start then finds them begun (under CUDA graphs a
+    # capture waits for the hook's copies through external events)
     hook_starts_entry: bool = False
+    # compiled for CUDA graphs (reduce-overhead): the hooks' circular refills always copy,
+    # so every capture finds one to wait for (fx_offload.runtime.hook_copies)
+    under_cuda_graphs: bool = False
     # layer -> its copy chunks, arranged once at the first graph (fx_offload.layout.arrange),
     # which also puts each layer's params in the order of its host block
     layout: dict = dataclasses.field(default_factory=dict)
