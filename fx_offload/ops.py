@@ -33,6 +33,7 @@ import torch
 from torch import fx
 
 from . import dtensor, registry
+from .runtime import slot_check
 
 
 # Defined with torch.library's low-level API, a Python kernel for every backend: a call goes
@@ -67,14 +68,20 @@ def _define(kernel):
 @_define
 def wait_prefetch(activations, handle, layer, chunk=-1):
     """Block the compute stream until ``layer``'s ``chunk`` is in its slot."""
-    registry.state_for_op(handle).wait(layer, chunk)
+    state = registry.state_for_op(handle)
+    state.wait(layer, chunk)
+    if slot_check.enabled():        # FX_OFFLOAD_CHECK_SLOTS=1: a debugging aid
+        slot_check.after_wait(state, layer, chunk)
 
 
 @_define
 def wait_routed(activations, ids, handle, layer, chunk):
     """Before ``layer`` reads the rows of its expert tensors in ``chunk`` that ``ids`` (its
     router's top-k) picked: make sure the slot holds those rows."""
-    registry.state_for_op(handle).wait_routed(layer, chunk, ids)
+    state = registry.state_for_op(handle)
+    state.wait_routed(layer, chunk, ids)
+    if slot_check.enabled():
+        slot_check.after_wait(state, layer, chunk, ids)
 
 
 @_define
