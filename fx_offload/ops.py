@@ -70,7 +70,7 @@ def wait_prefetch(activations, handle, layer, chunk=-1):
     """Block the compute stream until ``layer``'s ``chunk`` is in its slot."""
     state = registry.state_for_op(handle)
     state.wait(layer, chunk)
-    if slot_check.enabled():        # FX_OFFLOAD_CHECK_SLOTS=1: a debugging aid
+    if getattr(state, "check_slots", False):    # FX_OFFLOAD_CHECK_SLOTS=1: a debugging aid
         slot_check.after_wait(state, layer, chunk)
 
 
@@ -80,7 +80,7 @@ def wait_routed(activations, ids, handle, layer, chunk):
     router's top-k) picked: make sure the slot holds those rows."""
     state = registry.state_for_op(handle)
     state.wait_routed(layer, chunk, ids)
-    if slot_check.enabled():
+    if getattr(state, "check_slots", False):
         slot_check.after_wait(state, layer, chunk, ids)
 
 
@@ -93,7 +93,8 @@ def start_prefetch(activations, reads, handle, layer, target, chunk=-1):
 
 @_define
 def join_prefetch(activations, reads, handle):
-    """End of the forward: inside a CUDA-graph capture, join the copy stream back."""
+    """End of the forward: inside a CUDA-graph capture, join the copy stream back (and in
+    an eager call of a model compiled for CUDA graphs: ``OffloadState.join``)."""
     registry.state_for_op(handle).join()
 
 

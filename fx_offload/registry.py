@@ -66,6 +66,9 @@ class _Restored:
     def wait(self, layer, chunk=-1):
         pass
 
+    def wait_routed(self, layer, chunk, ids):
+        pass
+
     def start(self, layer, refill, chunk=-1):
         pass
 
@@ -85,6 +88,9 @@ class _OnDemand:
         # the graph's chunks are another state's: load every chunk of the layer
         if layer in self.state.schedule.slot_of:
             self.state.wait(layer)
+
+    def wait_routed(self, layer, chunk, ids):
+        self.wait(layer)
 
     def start(self, layer, refill, chunk=-1):
         pass

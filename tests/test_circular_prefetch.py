@@ -9,6 +9,7 @@ from torch import nn
 import fx_offload
 from fx_offload import ops, registry
 from fx_offload.options import parse_options
+from fx_offload.runtime.contents import Pending
 from fx_offload.selection.budget import simulate
 from fx_offload.schedule import Schedule
 from fx_offload.tools import models
@@ -143,12 +144,34 @@ def test_inside_a_capture_the_call_hook_leaves_the_entry_refills_to_the_graph(mo
         compiled(*inputs)
         state = registry.state_for_model(model)
         before = state.stats["prefetches"]
+        held, key = state.contents.slot(1), (1, 0)
+        # an earlier call's hook copy (that call raised before its wait): not this capture's
+        held[key] = Pending(None, in_capture=False, by_hook=True)
         monkeypatch.setattr(hook_copies, "capturing", lambda: True)
         state.begin_entry_refills()
         assert state.stats["prefetches"] == before          # nothing begun from the hook
+        assert key not in held                              # the graph's start copies it
+        # a copy recorded in a capture that raised never ran: forgotten, copied afresh
+        held[key] = Pending(None, in_capture=True)
         monkeypatch.setattr(hook_copies, "capturing", lambda: False)
         state.begin_entry_refills()
         assert state.stats["prefetches"] == before + 1      # layer 1 over layer 5, slot 0
+        assert held[key] is None
+
+
+def test_a_placed_model_compiled_for_cuda_graphs_later_is_switched_before_its_calls():
+    """Placed with the default options, then compiled with reduce-overhead: from that
+    compile on the model's calls may be replays, so the call hook copies every call and an
+    eager call ends joined (runtime.hook_copies)."""
+    model, (x,) = models.build("mlp", num_layers=6)
+    reference = copy.deepcopy(model)
+    fx_offload.place(model, "cpu", prefetch_step=2)
+    state = registry.state_for_model(model)
+    assert not state.under_cuda_graphs
+    compiled = torch.compile(model, backend=fx_offload.backend(), mode="reduce-overhead")
+    with torch.no_grad():       # Inductor (no CUDA graphs on the CPU): its own rounding
+        torch.testing.assert_close(compiled(x), reference(x), rtol=1e-5, atol=1e-5)
+    assert state.under_cuda_graphs and state.choice.hook_starts_entry
 
 
 class Landed:

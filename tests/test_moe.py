@@ -316,3 +316,16 @@ def test_a_gather_that_fails_part_way_leaves_the_next_calls_right(monkeypatch):
     assert outcomes.count("fault") == 1 and all(o is True for o in outcomes if o != "fault"), \
         outcomes
     assert calls["n"] > 3
+
+
+def test_a_restored_routed_model_runs_its_compiled_graph():
+    """After restore the graph's routed waits reach the restored stand-in, which has
+    nothing to do: the compiled model computes with the restored weights."""
+    model, (x,) = models.build("moe", num_layers=4, routed=True, seq=1, batch=1)
+    assert all(_builtin_calls(model, x.shape, calls=1))
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "aot_eager"})
+    fx_offload.restore(model)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), reference(x))

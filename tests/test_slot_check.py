@@ -100,3 +100,37 @@ def test_a_wrong_expert_row_is_caught(compared, monkeypatch):
     with pytest.raises(SlotCheckError, match="experts"):
         with torch.no_grad():
             compiled(x)
+
+
+def test_ids_outside_the_experts_pick_no_row(compared):
+    """Ids below 0 (an expert-parallel sentinel) or past the experts pick nothing: the
+    check compares only the rows the gather copied, and raises nothing."""
+    model, (x,) = models.build("moe", num_layers=4, routed=True, seq=1, batch=1)
+    compiled = _compiled(model, prefetch_step=1)
+    with torch.no_grad():
+        compiled(x)
+    state = registry.state_for_model(model)
+    layer = next(layer for layer, chunks in state.choice.routing.items() if chunks)
+    chunk = next(i for i, how in state.choice.routing[layer].items() if how == "routed")
+    other = next(o for o in state.layers
+                 if o != layer and state.schedule.slot_of[o] == state.schedule.slot_of[layer])
+    state.enter(root=False)
+    try:
+        state.wait(other)       # the slot holds another layer's experts
+        ids = torch.tensor([[0, -1, 99]])
+        state.wait_routed(layer, chunk, ids)
+        slot_check.after_wait(state, layer, chunk, ids)     # raises nothing
+        assert compared[-1].tolist() == [-1, 0, 99]         # compared by rows: row 0 alone
+    finally:
+        state.leave()
+
+
+def test_a_restored_model_is_not_checked_and_still_runs(monkeypatch):
+    """After restore the graph's ops reach a stand-in state: nothing to check."""
+    model, (x,) = models.build("mlp", num_layers=6)
+    reference = copy.deepcopy(model)
+    compiled = _compiled(model)
+    _calls(compiled, reference, x.shape, calls=2)
+    fx_offload.restore(model)
+    monkeypatch.setenv(slot_check.ENV, "1")
+    _calls(compiled, reference, x.shape, calls=2)

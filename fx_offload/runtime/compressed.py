@@ -159,7 +159,9 @@ class StagedCopies:
         # The buffer's last decode must be over before it is overwritten.  Inside a capture
         # only what this capture recorded may be waited on: the copy stream joins through
         # the fork, then follows the decode stream if it is in this capture too (the
-        # synchronization that begins every capture finished the decodes before it).  After
+        # synchronization that begins every capture finished the decodes before it, and
+        # under CUDA graphs no decode is begun outside the graph: the call hook leaves a
+        # compressed layer's entry refill to the graph, runtime.hook_copies).  After
         # a capture, a replay may still be decoding from the buffer: the fork, recorded on
         # the stream the replay runs on, comes after it.
         last = self._free_in_capture[k]

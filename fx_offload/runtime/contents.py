@@ -82,6 +82,14 @@ class SlotContents:
         """(layer, chunk) -> its copy in flight (not yet waited for)."""
         return {key: p for held in self.held for key, p in held.items() if p is not None}
 
+    def forget_captured(self) -> None:
+        """Outside any capture: copies recorded in a capture that was not joined (it raised)
+        never ran, and their events may not be waited on here: their bytes hold nothing."""
+        for held in self.held:
+            for key, pending in list(held.items()):
+                if pending is not None and pending.in_capture:
+                    del held[key]
+
     def join(self, stream, captured: bool) -> None:
         """End of a forward: ``stream`` waits for every copy it began, then they count as
         landed.  ``captured``: the copies forked during a capture; joined inside the graph,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from . import slot_check
 from .contents import capturing
 
 
@@ -31,6 +32,10 @@ class HookCopies:
     def _init_hook_copies(self, choice) -> None:
         self._hook_refills = self.schedule.entry_refills() if choice.hook_starts_entry else []
         self._hook_events: dict[tuple[int, int], tuple] = {}
+        # calls may be CUDA-graph replays: compiled with reduce-overhead, now or later (a
+        # model placed first; the compiler sets it before that graph's first call)
+        self.under_cuda_graphs = choice.under_cuda_graphs
+        self.check_slots = slot_check.enabled()     # read once per call (ops.wait_prefetch)
 
     def _make_hook_events(self) -> None:
         """Each hook-begun chunk's (fork, done) events, made once; ``done`` is external."""
@@ -46,17 +51,45 @@ class HookCopies:
         that takes in the whole call (a user's ``torch.cuda.graph``): there the graph's own
         start copies, as its replays run only what it recorded."""
         self.buffers.copied = 0     # a new call: report's copied_bytes_last_call
-        if capturing():
+        self.check_slots = slot_check.enabled()
+        if capturing():         # copies an earlier call's hook began are not this call's
+            self._forget_hook_copies()
             return
+        self.contents.forget_captured()     # a capture that raised: its copies never ran
         self.routed.begin_call(tokens)      # many tokens: routed chunks prefetched whole
         self.circular.call_begins()
         for leaving, refill in self._hook_refills:
             self._hook_refill(leaving, refill)
 
+    def after_take_up(self, root: bool) -> None:
+        """The call's look at what the user changed has run (``root``: a call of the model,
+        not of a layer on its own).  Under CUDA graphs, a hook copy it replaced with a
+        synchronous reload (the layer's weights changed) is begun again, so that a capture
+        in this call still finds one to wait for: every later replay's hook copies outside
+        the graph."""
+        if not (root and self.under_cuda_graphs) or self.copy_stream is None or capturing():
+            return
+        for leaving, refill in self._hook_refills:
+            held = self.contents.slot(refill)
+            if any(not getattr(held.get((refill, c.index)), "by_hook", False)
+                   for c in self.contents.chunks(refill)):
+                self._hook_refill(leaving, refill)
+
     def _hook_refill(self, leaving: int, refill: int) -> None:
-        if self.choice.under_cuda_graphs and self.copy_stream is not None:
+        if self.under_cuda_graphs and self.copy_stream is not None:
             chunks = self.contents.chunks(refill)       # copied whatever the slot holds
             self.contents.settle_over(refill, chunks, self._wait_for)
             for c in chunks:
                 self.contents.forget(refill, c)
+            if refill in self.buffers.compressed:
+                # left to the graph: a replay's own compressed copies reuse the staging
+                # buffers without waiting for decodes begun outside it
+                return
         self.start(leaving, refill, by_hook=True)
+
+    def _forget_hook_copies(self) -> None:
+        for _, refill in self._hook_refills:
+            held = self.contents.slot(refill)
+            for c in self.contents.chunks(refill):
+                if getattr(held.get((refill, c.index)), "by_hook", False):
+                    self.contents.forget(refill, c)

@@ -6,7 +6,8 @@ its own): it waits for another thread's call to end, takes up what the user chan
 offloaded parameters since the last call (after beginning the copies the schedule starts at
 a call's entry), and points the parameters at their slots.
 :meth:`Ownership.leave` points them back.  Mixed into :class:`~.state.OffloadState`, whose
-``params``, ``buffers``, ``contents``, ``_load_now`` and ``begin_entry_refills`` it uses.
+``params``, ``buffers``, ``contents``, ``_load_now``, ``begin_entry_refills`` and
+``after_take_up`` it uses.
 """
 from __future__ import annotations
 
@@ -67,6 +68,7 @@ class Ownership:
             if root:    # first: the copy stream works while the rest runs; a layer whose
                 self.begin_entry_refills(tokens)    # weights changed: reloaded when taken up
             self._take_up_changes()
+            self.after_take_up(root)
             self._point_at(truth=False)
             registry.begin_call(self)
             self.entered = True
@@ -128,8 +130,7 @@ class Ownership:
         (each start and load of a chunk records them: for a quantized layer that is a walk
         of every inner tensor): nothing writes the parameters while the graph runs, and a
         call's look at what the user changed begins the memo afresh."""
-        memo = self._call_versions
-        if memo is None:
+        if (memo := self._call_versions) is None:
             return self._read_versions(layer)
         if layer not in memo:
             memo[layer] = self._read_versions(layer)

@@ -36,7 +36,7 @@ class SlotCheckError(OffloadError):
 
 
 def enabled() -> bool:
-    """Read at every wait, so a test or a debugging session can turn it on and off."""
+    """Read when the state is made and at each call's hook (on and off between calls)."""
     return os.environ.get(ENV, "") not in ("", "0")
 
 
@@ -44,8 +44,8 @@ def after_wait(state, layer: int, chunk: int, ids: torch.Tensor | None = None) -
     """``layer``'s ``chunk`` (-1: all of them) was just waited for: compare each of its
     tensors in the slot with its host copy (for a routed chunk not held whole, the rows
     ``ids`` picked).  Raises :class:`SlotCheckError` naming what differs."""
-    if state.restored or state.buffers is None or capturing():
-        return
+    if getattr(state, "restored", True) or state.buffers is None or capturing():
+        return                          # restored, or a stand-in (fx_offload.registry)
     buffers, held = state.buffers, state.contents.slot(layer)
     for c in state.contents.chunks(layer, chunk):
         rows = None
@@ -70,7 +70,7 @@ def _differs(slot: torch.Tensor, host: torch.Tensor, rows: torch.Tensor | None) 
     if rows is not None:
         if not slot.dim():
             return False
-        rows = rows[rows < slot.shape[0]]   # ids past the experts pick nothing
+        rows = rows[(rows >= 0) & (rows < slot.shape[0])]   # others pick nothing
         slot, host = slot[rows.to(slot.device)], host[rows]
     return not torch.equal(_bytes(slot.cpu()), _bytes(host.cpu()))
 

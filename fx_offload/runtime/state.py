@@ -234,7 +234,7 @@ class OffloadState(Ownership, RoutedWait, HookCopies):
         end), so the call ends as a replay does, its copies landed.  Elsewhere they run on."""
         if self.copy_stream is None:
             return
-        if (capturing := _capturing()) or self.choice.under_cuda_graphs:
+        if (capturing := _capturing()) or self.under_cuda_graphs:
             self.contents.join(torch.cuda.current_stream(self.device), captured=capturing)
 
     def _wait_for(self, pending: Pending) -> None:
