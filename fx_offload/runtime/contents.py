@@ -61,6 +61,10 @@ class SlotContents:
         return not capturing or (held[key] is not None and
                                  (held[key].in_capture or held[key].by_hook))
 
+    def by_hook(self, layer: int, chunk) -> bool:
+        """The call hook began the copy of ``layer``'s ``chunk``, not yet waited for."""
+        return getattr(self.slot(layer).get((layer, chunk.index)), "by_hook", False)
+
     def forget(self, layer: int, chunk) -> None:
         """The bytes of ``layer``'s ``chunk`` hold no whole chunk (some rows of it were
         copied, or none)."""

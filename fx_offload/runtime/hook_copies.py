@@ -32,8 +32,9 @@ class HookCopies:
     def _init_hook_copies(self, choice) -> None:
         self._hook_refills = self.schedule.entry_refills() if choice.hook_starts_entry else []
         self._hook_events: dict[tuple[int, int], tuple] = {}
-        # calls may be CUDA-graph replays: compiled with reduce-overhead, now or later (a
-        # model placed first; the compiler sets it before that graph's first call)
+        # calls may be CUDA-graph replays: offloaded with reduce-overhead (also a copy
+        # offloaded again at its first call, which runs the graph compiled for the original),
+        # or set by the compiler when a model placed first gets a reduce-overhead graph
         self.under_cuda_graphs = choice.under_cuda_graphs
         self.check_slots = slot_check.enabled()     # read once per call (ops.wait_prefetch)
 
@@ -70,9 +71,7 @@ class HookCopies:
         if not (root and self.under_cuda_graphs) or self.copy_stream is None or capturing():
             return
         for leaving, refill in self._hook_refills:
-            held = self.contents.slot(refill)
-            if any(not getattr(held.get((refill, c.index)), "by_hook", False)
-                   for c in self.contents.chunks(refill)):
+            if not all(self.contents.by_hook(refill, c) for c in self.contents.chunks(refill)):
                 self._hook_refill(leaving, refill)
 
     def _hook_refill(self, leaving: int, refill: int) -> None:
@@ -89,7 +88,6 @@ class HookCopies:
 
     def _forget_hook_copies(self) -> None:
         for _, refill in self._hook_refills:
-            held = self.contents.slot(refill)
             for c in self.contents.chunks(refill):
-                if getattr(held.get((refill, c.index)), "by_hook", False):
+                if self.contents.by_hook(refill, c):
                     self.contents.forget(refill, c)

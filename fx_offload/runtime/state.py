@@ -207,8 +207,7 @@ class OffloadState(Ownership, RoutedWait, HookCopies):
         for c in self.contents.chunks(refill, chunk):
             # not overwritten since (a capture copies: its replays cannot know), or begun
             # by this call's hook, for which a capture waits (an external event)
-            if (refill, c.index) in held and (not capturing or (
-                    held[(refill, c.index)] is not None and held[(refill, c.index)].by_hook)):
+            if (refill, c.index) in held and (not capturing or self.contents.by_hook(refill, c)):
                 continue
             if self.routed.skips(refill, c, self.contents):
                 continue    # a routed chunk: its wait_routed copies what the router picks
