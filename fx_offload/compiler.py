@@ -23,6 +23,7 @@ from . import registry
 from .errors import GradModeError, OffloadError
 from .graph_inputs import GraphInputs, read_graph_inputs
 from .inner import compile_inner
+from .kv import run_kv_pass
 from .options import PLACEMENT_KEYS, OffloadOptions, parse_options
 from .passes.prefetch import run_prefetch_pass
 from .placement import activate
@@ -77,6 +78,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
     """``given``: the option names the user gave; placement options left out take what the
     model was offloaded with (by ``fx_offload.place``, say)."""
     placement_given = any(name in PLACEMENT_KEYS for name in given)
+    # 0. the host KV cache's layers, rerouted through their slots (fx_offload.kv)
+    run_kv_pass(gm, example_inputs, options)
     # 1. inputs
     gi = read_graph_inputs(gm, example_inputs)
     if gi.root is None or not gi.params:

@@ -13,8 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import registry
+from . import kv, registry
 from .compiler import backend
+from .options import parse_options
 from .errors import OffloadError
 
 log = logging.getLogger("fx_offload")
@@ -40,6 +41,11 @@ def compile_forward(model: nn.Module, *, dynamic: bool | None = None, mode: str 
             "fx_offload.restore(model) and `del model.forward` before compiling it again "
             "with other options", where="fx_offload.compile_forward")
     configured = backend(**options)      # options checked here, before anything changes
+    parsed = parse_options(options)
+    if parsed.kv_cache == "host":
+        kv.install(module, parsed)      # its hook prepares each static cache
+    else:
+        kv.uninstall(module)
     module.forward = torch.compile(module.forward, backend=configured, dynamic=dynamic,
                                    mode=mode, fullgraph=fullgraph)
     log.debug("fx_offload: %s.forward compiled with %r", type(module).__name__, configured)

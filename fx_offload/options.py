@@ -20,6 +20,9 @@ MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagrap
 CIRCULAR_PREFETCH = ("auto", "end", "entry")
 COMPRESS = ("none", "lossless")
 EXPERTS = ("routed", "whole")
+KV_CACHE = ("device", "host")
+KV_TILE = 16    # tokens: kv_block_size is a multiple of it (the attention kernels' key tiles
+#                 are multiples of 16 tokens, so a block never splits one)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +47,11 @@ class OffloadOptions:
     memory_bandwidth: float | None = None
     h2d_bandwidth: float | None = None
     launch_overhead: float | None = None
+    # the KV cache (fx_offload.kv): a static cache's layers in host memory
+    kv_cache: str = "device"
+    kv_layers: tuple[int, ...] | None = None    # None: every layer of the cache
+    kv_block_size: int = 256    # tokens: the valid prefix crosses the link in whole blocks
+    kv_slots: int = 2
 
     @property
     def planned(self) -> bool:
@@ -101,6 +109,11 @@ class OffloadOptions:
             parts.append(f"compress={self.compress!r}")
         if self.experts != OffloadOptions.experts:
             parts.append(f"experts={self.experts!r}")
+        if self.kv_cache != OffloadOptions.kv_cache:
+            parts.append(f"kv_cache={self.kv_cache!r}, kv_block_size={self.kv_block_size}, "
+                         f"kv_slots={self.kv_slots}")
+            if self.kv_layers is not None:
+                parts.append(f"kv_layers={list(self.kv_layers)}")
         if placement_only:
             return ", ".join(parts)
         parts.append(f"inner_backend={self.inner_backend!r}")
@@ -184,6 +197,13 @@ def _check_choice(name: str, value: Any, choices: Iterable[str]) -> str:
     return value
 
 
+def _check_meaning(name: str, value: Any, choices: tuple[str, ...], meaning: str) -> None:
+    """A choice among ``choices``, refused with what they mean."""
+    if value not in choices:
+        raise OffloadError(f"option {name!r} must be one of {list(choices)} ({meaning}), "
+                           f"got {value!r}")
+
+
 def _check_offload_params(value: Any) -> tuple[str, ...] | None:
     if value is None:
         return None
@@ -240,17 +260,13 @@ def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None 
                              CIRCULAR_PREFETCH)
     compress = options.get("compress", "none")
     compress = "none" if compress is None else compress
-    if compress not in COMPRESS:
-        raise OffloadError(
-            f"option 'compress' must be one of {list(COMPRESS)} ('lossless': bfloat16 "
-            "weights cross the link compressed and are decoded on the device, bitwise the "
-            f"same), got {compress!r}")
+    _check_meaning("compress", compress, COMPRESS,
+                   "'lossless': bfloat16 weights cross the link compressed and are decoded on "
+                   "the device, bitwise the same")
     experts = options.get("experts", "routed")
-    if experts not in EXPERTS:
-        raise OffloadError(
-            f"option 'experts' must be one of {list(EXPERTS)} ('routed': an MoE layer's "
-            "expert tensors move only the experts its tokens were routed to; 'whole': every "
-            f"expert, every call), got {experts!r}")
+    _check_meaning("experts", experts, EXPERTS,
+                   "'routed': an MoE layer's expert tensors move only the experts its tokens "
+                   "were routed to; 'whole': every expert, every call")
     inner_backend = _check_choice("inner_backend", options.get("inner_backend", "inductor"),
                                   INNER_BACKENDS)
     mode_name = _check_choice("mode", options.get("mode") or "default", MODES)
@@ -279,7 +295,39 @@ def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None 
         compress=compress,
         experts=experts,
         **planner,
+        **_check_kv_options(options),
     )
+
+
+def _check_kv_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    kv_cache = options.get("kv_cache", "device")
+    _check_meaning("kv_cache", kv_cache, KV_CACHE,
+                   "'host': a static KV cache's layers live in page-locked host memory and "
+                   "stream through device slots")
+    given = [k for k in ("kv_layers", "kv_block_size", "kv_slots") if k in options]
+    if kv_cache == "device" and given:
+        raise OffloadError(f"option(s) {given} only apply with kv_cache='host': give it too, "
+                           "or leave them out")
+    block = _check_int("kv_block_size", options.get("kv_block_size", 256), KV_TILE)
+    if block % KV_TILE:
+        raise OffloadError(
+            f"option 'kv_block_size' must be a multiple of {KV_TILE} tokens (the attention "
+            f"kernels' key tile), got {block}: use {block - block % KV_TILE} or "
+            f"{block - block % KV_TILE + KV_TILE}")
+    layers = options.get("kv_layers")
+    if layers is not None:
+        try:
+            layers = tuple(layers)
+        except TypeError:
+            layers = (layers,)
+        if not layers or any(isinstance(i, bool) or not isinstance(i, int) or i < 0
+                             for i in layers) or len(set(layers)) != len(layers):
+            raise OffloadError(
+                "option 'kv_layers' must be a list of distinct layer indices (ints >= 0) "
+                f"of the cache, such as [0, 1, 2], got {options.get('kv_layers')!r}")
+        layers = tuple(sorted(layers))
+    return dict(kv_cache=kv_cache, kv_layers=layers, kv_block_size=block,
+                kv_slots=_check_int("kv_slots", options.get("kv_slots", 2), 1))
 
 
 def _check_planner_options(options: Mapping[str, Any]) -> dict[str, Any]:

@@ -5,7 +5,7 @@ import dataclasses
 
 from torch import nn
 
-from .. import registry
+from .. import kv, registry
 from ..errors import OffloadError
 from ..text import format_bytes, render_table
 
@@ -41,6 +41,8 @@ class Report:
     # MoE layers: layer -> how its expert tensors move ("routed (128 experts)": only the
     # experts its tokens picked; "whole: <why>")
     experts: dict[int, str] = dataclasses.field(default_factory=dict)
+    # kv_cache="host": HostKV.summary() (host and slot bytes, what a decode step moves)
+    kv: dict = dataclasses.field(default_factory=dict)
 
     @property
     def saved_bytes(self) -> int:
@@ -93,6 +95,14 @@ class Report:
                             if self.copies_captured else ""))
         if self.planner is not None:
             lines.append(str(self.planner))
+        if self.kv:
+            kv = self.kv
+            lines.append(
+                f"  KV cache on the host: layers {kv['layers']}, {format_bytes(kv['host_bytes'])}"
+                f" in host memory, {kv['slots']} slot(s) = {format_bytes(kv['slot_bytes'])}; "
+                f"at {kv['valid_tokens']} valid tokens a decode step copies "
+                f"{format_bytes(kv['copied_per_step'])} in (blocks of {kv['block']} tokens) "
+                f"and writes {format_bytes(kv['written_per_step'])} back")
         return "\n".join(lines)
 
 
@@ -126,6 +136,12 @@ def experts_moved(choice, routed=None) -> dict[int, str]:
 def report(model: nn.Module) -> Report:
     """What is offloaded of ``model`` (or of the module ``torch.compile`` wrapped)."""
     model = registry.model_of(model)
+    weights = _weights_report(model)
+    runtime = kv.runtime_of(model)
+    return weights if runtime is None else dataclasses.replace(weights, kv=kv.summary(runtime))
+
+
+def _weights_report(model: nn.Module) -> Report:
     state = registry.state_for_model(model)
     if state is not None:
         choice = state.choice

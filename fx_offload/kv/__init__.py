@@ -1,0 +1,102 @@
+"""A transformers static KV cache kept in page-locked host memory (``kv_cache="host"``).
+
+``compile_forward(model, kv_cache="host", ...)`` installs a call hook that puts the chosen
+layers of each static cache the model is called with in host memory (:mod:`.cache`); the
+backend's KV pass reroutes those layers' writes and reads through device slots
+(:mod:`.rewrite`, checked by :mod:`.verify`); at run time each step fills a slot with the
+layer's valid blocks ahead of its attention and writes the step's tokens back
+(:mod:`.runtime`, copies driven from the device: :mod:`.copies`).
+"""
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+
+import torch
+from torch._dynamo.utils import counters
+from torch._logging import trace_structured
+
+from .. import registry
+from ..errors import OffloadError
+from . import cache, ops, rewrite, verify
+from .runtime import HostKV, summary
+
+log = logging.getLogger("fx_offload")
+_BY_MODEL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+__all__ = ["HostKV", "summary", "install", "uninstall", "runtime_of", "run_kv_pass"]
+
+
+def runtime_of(model) -> HostKV | None:
+    return _BY_MODEL.get(model)
+
+
+def install(model, options) -> HostKV:
+    """The model's host KV runtime and its call hook (once per model)."""
+    runtime = _BY_MODEL.get(model)
+    if runtime is not None:
+        if (runtime.block, runtime.num_slots, runtime.wanted) == (
+                options.kv_block_size, options.kv_slots, options.kv_layers):
+            return runtime
+        uninstall(model)    # other KV options: a new runtime takes each cache over
+    runtime = HostKV(model, registry.new_handle(), options)
+    ops.register(runtime)
+    _BY_MODEL[model] = runtime
+    ref = weakref.ref(runtime)
+
+    @torch._dynamo.disable
+    def prepare_cache(module, args, kwargs):
+        live = ref()
+        if live is not None:
+            cache.prepare(live, module, args, kwargs)
+
+    runtime.hook = model.register_forward_pre_hook(prepare_cache, with_kwargs=True)
+    return runtime
+
+
+def uninstall(model) -> None:
+    """Compiled again without ``kv_cache="host"``: the call hook goes (caches already on the
+    host stay there, correct and read through the link)."""
+    runtime = _BY_MODEL.pop(model, None)
+    if runtime is not None and runtime.hook is not None:
+        runtime.hook.remove()
+
+
+def _writes_a_cache(gm) -> bool:
+    return any(rewrite._is_index_copy(n) and getattr(n.args[0], "op", None) == "placeholder"
+               for n in gm.graph.nodes)
+
+
+def run_kv_pass(gm, example_inputs, options) -> list[int]:
+    """Reroute the host cache layers this graph writes; returns them (none: nothing to do)."""
+    if options.kv_cache != "host":
+        return []
+    runtime, layers = rewrite.find_layers(gm, example_inputs, list(_BY_MODEL.values()))
+    if not layers:
+        if _writes_a_cache(gm):
+            raise OffloadError(
+                "kv_cache='host': this graph writes a cache that was not put on the host. "
+                "Compile with fx_offload.compile_forward(model, kv_cache='host', ...), whose "
+                "call hook prepares each static cache before the compiled forward sees it",
+                where="kv_cache='host'")
+        return []
+    started = time.perf_counter()
+    _trace("fx_offload_kv_before", gm)
+    rewrite.apply(gm, runtime, layers)
+    verify.verify(gm.graph, runtime)
+    _trace("fx_offload_kv_after", gm)
+    counters["fx_offload"]["kv_layers"] += len(layers)
+    counters["fx_offload"]["kv_pass_us"] += int((time.perf_counter() - started) * 1e6)
+    log.info("fx_offload: %s graph reroutes the host KV cache of layer(s) %s through %d "
+             "slot(s)", runtime.model_name, [kl.layer for kl in layers],
+             min(runtime.num_slots, len(runtime.layers)))
+    return [kl.layer for kl in layers]
+
+
+def _trace(name: str, gm) -> None:
+    trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": name, "encoding": "string"},
+        payload_fn=lambda: gm.print_readable(print_output=False, include_stride=True,
+                                             include_device=True))

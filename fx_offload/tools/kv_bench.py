@@ -1,0 +1,167 @@
+"""``python -m fx_offload kv``: greedy ``generate`` at a long context, the KV cache on the
+host (``kv_cache="host"``) against the cache on the device and transformers' own offloaded
+static cache, side by side in one process.
+
+A Llama of Llama-3-8B layer shapes (random bf16 weights, ``--layers`` decoder layers), one
+prompt of ``--context`` tokens, ``--new-tokens`` tokens; each row generates once to compile
+and warm up, then once timed.  Prefill is the time of a ``generate`` of one token, to its end on
+the device; decode is the median time between two decode steps (a step clock in ``generate``'s
+stopping criteria).  Rows:
+
+* ``device``: the cache on the device, ``forward`` compiled with Inductor (``dynamic=True``);
+* ``host``: :func:`fx_offload.compile_forward` with ``kv_cache="host"``, the weights on
+  the device (as in the transformers row), Inductor inside;
+* ``host-offload``: the same with the default weight offloading (every second layer's
+  weights cross the link too);
+* ``host-graphs``: the same with ``mode="reduce-overhead"`` (CUDA graphs);
+* ``transformers``: ``cache_implementation="offloaded_static"`` (eager: the whole cache
+  of the next layer is prefetched, in Python).
+
+The bound of a host decode step is ``max(compute, bytes / H2D)``: compute is the device
+row's decode step, bytes are the valid KV blocks of every host layer plus the offloaded
+weights (``fx_offload.report``), H2D is the pinned copy bandwidth measured in the same
+process.  Tokens are compared with the device row's.  Needs a GPU and ``transformers``.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+
+import torch
+
+from .. import compile_forward, report
+from ..text import format_bytes
+from .bench import h2d_bandwidth
+from .generate_bench import build_random
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers")
+    parser.add_argument("--context", type=int, default=65536, help="prompt tokens")
+    parser.add_argument("--new-tokens", type=int, default=9)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--block", type=int, default=256, help="kv_block_size")
+    parser.add_argument("--slots", type=int, default=2, help="kv_slots")
+    parser.add_argument("--methods", default="device,host,host-offload,host-graphs,transformers",
+                        help="comma-separated among device, host, host-offload, host-graphs, "
+                             "transformers")
+
+
+def _generate(model, prompt, new: int, **kwargs):
+    """(prefill ms, median decode ms, tokens) of one greedy generate."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+    ticks: list[float] = []
+
+    class _Clock(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kw):
+            ticks.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                             disable_compile=True, stopping_criteria=StoppingCriteriaList([_Clock()]), **kwargs)
+    torch.cuda.synchronize()
+    steps = [(b - a) * 1e3 for a, b in zip(ticks, ticks[1:])] or [float("nan")]
+    return (ticks[0] - start) * 1e3, statistics.median(steps), out
+
+
+def _cache(model, args):
+    from transformers import StaticCache
+    cache = StaticCache(config=model.config, max_cache_len=args.context + args.new_tokens)
+    return cache
+
+
+# every weight stays on the device, as in the transformers row (a budget that holds them all,
+# with device rates given so that the planner measures nothing)
+RESIDENT = dict(memory_budget="1TiB", flop_rate=5e14, memory_bandwidth=3e12,
+                h2d_bandwidth=5e10, launch_overhead=5e-6)
+
+
+def _fresh(kept, model, args):
+    """A new cache for each generate (one passed in is not reset), the latest kept."""
+    kept["cache"] = _cache(model, args)
+    return kept["cache"]
+
+
+def _row(method, model, prompt, args, kept):
+    """``kept``: the last cache, alive for the report."""
+    if method == "device":
+        model.forward = torch.compile(model.forward, dynamic=True)
+        extra = lambda: dict(past_key_values=_fresh(kept, model, args))  # noqa: E731
+    elif method.startswith("host"):
+        graphs = method == "host-graphs"    # one graph per shape there: a prefill's and a
+        weights = {} if method == "host-offload" else RESIDENT      # decode step's
+        compile_forward(model, dynamic=not graphs, kv_cache="host",
+                        kv_block_size=args.block, kv_slots=args.slots,
+                        mode="reduce-overhead" if graphs else None, **weights)
+        extra = lambda: dict(past_key_values=_fresh(kept, model, args))  # noqa: E731
+    else:   # eager, as transformers runs it unless told to compile
+        extra = lambda: dict(cache_implementation="offloaded_static")  # noqa: E731
+    _generate(model, prompt, 3, **extra())                  # compile, warm up
+    torch.cuda.reset_peak_memory_stats()
+    _, decode, out = _generate(model, prompt, args.new_tokens, **extra())
+    # the prefill alone, to its end on the device (the step clock's first tick is taken
+    # before the device has finished it)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    _generate(model, prompt, 1, **extra())
+    prefill = (time.perf_counter() - start) * 1e3
+    return prefill, decode, out, torch.cuda.max_memory_allocated()
+
+
+def run(args: argparse.Namespace) -> int:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                         num_key_value_heads=8, num_hidden_layers=args.layers,
+                         vocab_size=32000,
+                         max_position_embeddings=args.context + args.new_tokens + 16)
+    torch.manual_seed(0)
+    prompt = torch.randint(0, config.vocab_size, (args.batch, args.context), device="cuda")
+    h2d = h2d_bandwidth(torch.device("cuda"))
+    kv_per_step = args.layers * 2 * args.batch * 8 * 128 * 2 * (args.context + args.new_tokens)
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; {args.layers} layers "
+          f"of Llama-3-8B shapes, batch {args.batch}, context {args.context}, "
+          f"{args.new_tokens} new tokens; the whole cache: {format_bytes(kv_per_step)}; "
+          f"pinned H2D {h2d / 1e9:.1f} GB/s", flush=True)
+    rows, results, kept = {}, {}, {}
+    for method in args.methods.split(","):
+        model = build_random(LlamaForCausalLM, config)
+        rows[method] = _row(method, model, prompt, args, kept)
+        if method.startswith("host"):
+            rep = report(model)
+            results[method] = rep.kv["copied_per_step"] + rep.offloaded_bytes
+            results["kv"] = rep.kv
+            print(str(rep), flush=True)
+        del model
+        kept.clear()
+        gc.collect()
+        torch.cuda.empty_cache()
+        prefill, decode, _, peak = rows[method]
+        print(f"  {method}: prefill {prefill:.1f} ms, decode {decode:.2f} ms/token, peak GPU "
+              f"{format_bytes(peak)}", flush=True)
+    reference = rows.get("device")
+    print("\n| method | prefill ms | decode ms/token | bound ms | x bound | peak GPU | "
+          "tokens = device |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for method, (prefill, decode, out, peak) in rows.items():
+        bound = "-"
+        ratio = "-"
+        if method in results:
+            link = results[method] / h2d * 1e3
+            compute = reference[1] if reference is not None else 0.0
+            bound = f"{max(compute, link):.2f}"
+            ratio = f"{decode / max(compute, link):.3f}"
+        same = "-" if reference is None or method == "device" else \
+            str(bool(torch.equal(out, reference[2])))
+        print(f"| {method} | {prefill:.1f} | {decode:.2f} | {bound} | {ratio} | "
+              f"{format_bytes(peak)} | {same} |")
+    if "kv" in results:
+        kv = results["kv"]
+        print(f"\na host decode step moves {format_bytes(kv['copied_per_step'])} of KV (valid "
+              f"blocks at {kv['valid_tokens']} tokens); host-offload also every second "
+              "layer's weights")
+    return 0
