@@ -302,3 +302,14 @@ def test_beam_search_use_cache_false_and_sliding_layers():
                                kv_cache="host", **WEIGHTS)
     with pytest.raises(OffloadError, match="every layer of this cache is a sliding-window"):
         generate(mistral, ids, new=2)
+
+
+def test_a_direct_forward_call_with_a_fresh_cache_is_refused():
+    """model.forward(...) skips the call hook: a cache transformers would initialize
+    inside the graph, on the device, is refused rather than silently kept there."""
+    _, model = pair()
+    ids = torch.randint(0, 128, (1, 6))
+    cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+    with pytest.raises(Exception, match="not model.forward directly"):
+        with torch.no_grad():
+            model.forward(ids, past_key_values=cache, use_cache=True)

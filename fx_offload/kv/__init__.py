@@ -64,8 +64,9 @@ def uninstall(model) -> None:
 
 
 def _writes_a_cache(gm) -> bool:
-    return any(rewrite._is_index_copy(n) and getattr(n.args[0], "op", None) == "placeholder"
-               for n in gm.graph.nodes)
+    """The graph writes a cache the hook did not prepare: one passed in (a placeholder) or
+    one transformers allocates inside the graph (a lazily initialized layer)."""
+    return any(rewrite._is_index_copy(n) for n in gm.graph.nodes)
 
 
 def run_kv_pass(gm, example_inputs, options) -> list[int]:
@@ -76,9 +77,10 @@ def run_kv_pass(gm, example_inputs, options) -> list[int]:
     if not layers:
         if _writes_a_cache(gm):
             raise OffloadError(
-                "kv_cache='host': this graph writes a cache that was not put on the host. "
-                "Compile with fx_offload.compile_forward(model, kv_cache='host', ...), whose "
-                "call hook prepares each static cache before the compiled forward sees it",
+                "this graph writes a cache that was not put on the host. Compile with "
+                "fx_offload.compile_forward(model, kv_cache='host', ...), whose call hook "
+                "prepares each static cache before the compiled forward sees it, and call "
+                "the model (model(...), generate), not model.forward directly",
                 where="kv_cache='host'")
         return []
     started = time.perf_counter()
