@@ -96,10 +96,9 @@ class HostKV:
         if self.device is not None:
             return
         self.device = device
-        if device.type == "cuda":   # the fill is a kernel: at the highest priority, its
-            # blocks take SMs as soon as the step's compute frees them
-            self.copy_stream = torch.cuda.Stream(device, priority=-1)
-            self.write_stream = torch.cuda.Stream(device, priority=-1)
+        if device.type == "cuda":   # (a high priority made the kernel fill no faster:
+            self.copy_stream = torch.cuda.Stream(device)    # docs/benchmarks.md)
+            self.write_stream = torch.cuda.Stream(device)
 
     def allocate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """The slots, index and length buffers for caches shaped like ``keys``/``values``,
