@@ -42,8 +42,8 @@ def compile_forward(model: nn.Module, *, dynamic: bool | None = None, mode: str 
             "with other options", where="fx_offload.compile_forward")
     configured = backend(**options)      # options checked here, before anything changes
     parsed = parse_options(options)
-    if parsed.kv_cache == "host":
-        kv.install(module, parsed)      # its hook prepares each static cache
+    if parsed.kv_cache == "host" or parsed.memory_budget is not None:
+        kv.install(module, parsed)      # its hook prepares (or counts) each static cache
     else:
         kv.uninstall(module)
     module.forward = torch.compile(module.forward, backend=configured, dynamic=dynamic,

@@ -20,7 +20,7 @@ MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagrap
 CIRCULAR_PREFETCH = ("auto", "end", "entry")
 COMPRESS = ("none", "lossless")
 EXPERTS = ("routed", "whole")
-KV_CACHE = ("device", "host")
+KV_CACHE = ("auto", "device", "host")
 KV_TILE = 16    # tokens: kv_block_size is a multiple of it (the attention kernels' key tiles
 #                 are multiples of 16 tokens, so a block never splits one)
 
@@ -48,7 +48,7 @@ class OffloadOptions:
     h2d_bandwidth: float | None = None
     launch_overhead: float | None = None
     # the KV cache (fx_offload.kv): a static cache's layers in host memory
-    kv_cache: str = "device"
+    kv_cache: str = "auto"      # under memory_budget the planner may move layers (kv.plan)
     kv_layers: tuple[int, ...] | None = None    # None: every layer of the cache
     kv_block_size: int = 256    # tokens: the valid prefix crosses the link in whole blocks
     kv_slots: int = 2
@@ -300,14 +300,21 @@ def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None 
 
 
 def _check_kv_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    kv_cache = options.get("kv_cache", "device")
+    kv_cache = options.get("kv_cache", "auto")
     _check_meaning("kv_cache", kv_cache, KV_CACHE,
                    "'host': a static KV cache's layers live in page-locked host memory and "
-                   "stream through device slots")
-    given = [k for k in ("kv_layers", "kv_block_size", "kv_slots") if k in options]
-    if kv_cache == "device" and given:
-        raise OffloadError(f"option(s) {given} only apply with kv_cache='host': give it too, "
-                           "or leave them out")
+                   "stream through device slots; 'device': it stays on the device; 'auto': "
+                   "on the device unless memory_budget leaves it too little")
+    if "kv_layers" in options and kv_cache != "host":
+        raise OffloadError("option 'kv_layers' only applies with kv_cache='host' (under "
+                           "memory_budget, kv_cache='auto' chooses the layers): give "
+                           "kv_cache='host' too, or leave kv_layers out")
+    given = [k for k in ("kv_block_size", "kv_slots") if k in options]
+    if given and not (kv_cache == "host" or
+                      (kv_cache == "auto" and options.get("memory_budget") is not None)):
+        raise OffloadError(f"option(s) {given} only apply where the KV cache may go to the "
+                           "host: with kv_cache='host', or with memory_budget (kv_cache "
+                           "'auto'); give one of them, or leave these out")
     block = _check_int("kv_block_size", options.get("kv_block_size", 256), KV_TILE)
     if block % KV_TILE:
         raise OffloadError(

@@ -141,6 +141,61 @@ def test_graph_holds_one_update_per_layer_and_verifies():
         verify.verify(bad.graph, runtime)
 
 
+def _step(model, cache, ids, start):
+    """One forward of ``ids`` at ``start`` on ``cache``: the logits."""
+    with torch.no_grad():
+        return model(input_ids=ids, past_key_values=cache, use_cache=True,
+                     cache_position=torch.arange(start, start + ids.shape[1])).logits
+
+
+def test_fills_begun_ahead_are_taken_only_while_they_hold():
+    """Each call's join fills the slots with the next call's first layers; the next call
+    takes them (no fill of its own) only while they still hold.  A user's in-place write
+    into a host layer between calls, cache.reset() and a new prefill, and two caches used
+    in turn each make the begin fill again: the logits stay the reference's, bitwise."""
+    reference, model = pair()
+    generate(model, torch.randint(0, 128, (1, 9)), new=2)          # compiled
+    ahead = runtime_of(model).next_call
+    ahead.skipped = 0
+    ids = torch.randint(0, 128, (1, 40))
+    assert torch.equal(generate(model, ids), generate(reference, ids))
+    assert ahead.skipped == 2 * 9       # each decode step found slots 0 and 1 filled
+
+    caches = [(static_cache(reference, 1, 64), static_cache(model, 1, 64)) for _ in range(2)]
+    lengths = [0, 0]
+
+    def step(which, ids):
+        ref_cache, cache = caches[which]
+        expected = _step(reference, ref_cache, ids, lengths[which])
+        got = _step(model, cache, ids, lengths[which])
+        lengths[which] += ids.shape[1]
+        assert torch.equal(got, expected)
+
+    step(0, ids[:, :20])
+    for token in range(3):
+        step(0, ids[:, 20 + token:21 + token])
+    assert ahead.skipped == 2 * 9 + 2 * 3
+    for ref_cache, cache in caches[:1]:     # the user writes a valid position in place
+        for c in (ref_cache, cache):
+            c.layers[0].keys[:, :, 5] = 0.5
+            c.layers[1].values[:, 1, 7] = -0.5
+    step(0, ids[:, 30:31])
+    assert ahead.skipped == 2 * 9 + 2 * 3           # both slots filled again
+    step(0, ids[:, 31:32])
+    assert ahead.skipped == 2 * 9 + 2 * 4
+    for c in caches[0]:
+        c.reset()
+    lengths[0] = 0
+    step(0, ids[:, 3:12])       # reset wrote the blocks the slots were filled with
+    assert ahead.skipped == 2 * 9 + 2 * 4
+    step(1, ids[:, 0:5])        # two caches in turn: each finds the other's layers
+    step(0, ids[:, 12:13])
+    step(1, ids[:, 5:6])
+    assert ahead.skipped == 2 * 9 + 2 * 4
+    step(1, ids[:, 6:7])
+    assert ahead.skipped == 2 * 9 + 2 * 5
+
+
 @pytest.mark.parametrize("which", ["fill", "write_back"])
 def test_a_failing_copy_leaves_the_cache_usable(which):
     """A copy that raises in the middle of a decode step: the generate raises; the valid
@@ -177,7 +232,7 @@ def test_a_failing_copy_leaves_the_cache_usable(which):
 def test_bad_options_and_caches_get_clear_errors():
     with pytest.raises(OffloadError, match="multiple of 16"):
         fx_offload.parse_options({"kv_cache": "host", "kv_block_size": 40})
-    with pytest.raises(OffloadError, match="only apply with kv_cache='host'"):
+    with pytest.raises(OffloadError, match="only applies with kv_cache='host'"):
         fx_offload.parse_options({"kv_layers": [0]})
     with pytest.raises(OffloadError, match="distinct layer indices"):
         fx_offload.parse_options({"kv_cache": "host", "kv_layers": [1, 1]})

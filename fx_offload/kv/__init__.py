@@ -5,7 +5,10 @@ layers of each static cache the model is called with in host memory (:mod:`.cach
 backend's KV pass reroutes those layers' writes and reads through device slots
 (:mod:`.rewrite`, checked by :mod:`.verify`); at run time each step fills a slot with the
 layer's valid blocks ahead of its attention and writes the step's tokens back
-(:mod:`.runtime`, copies driven from the device: :mod:`.copies`).
+(:mod:`.runtime`, copies driven from the device: :mod:`.copies`), and as each call ends
+begins the next call's first fills (:mod:`.ahead`).  Under ``memory_budget`` the hook also
+plans the cache's share of the budget and, under ``kv_cache="auto"``, its host layers
+(:mod:`.plan`).
 """
 from __future__ import annotations
 
@@ -25,19 +28,30 @@ from .runtime import HostKV, summary
 log = logging.getLogger("fx_offload")
 _BY_MODEL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
-__all__ = ["HostKV", "summary", "install", "uninstall", "runtime_of", "run_kv_pass"]
+__all__ = ["HostKV", "summary", "install", "uninstall", "runtime_of", "run_kv_pass",
+           "reserved"]
 
 
 def runtime_of(model) -> HostKV | None:
     return _BY_MODEL.get(model)
 
 
+def reserved(model) -> int:
+    """The device bytes of ``model``'s KV cache under its plan (:mod:`.plan`), which the
+    weight planner leaves it out of ``memory_budget`` (0: no cache planned yet, or the
+    weights planned first)."""
+    runtime = _BY_MODEL.get(model)
+    plan = None if runtime is None else runtime.plan
+    return 0 if plan is None or plan.weights_planned else plan.device_bytes
+
+
 def install(model, options) -> HostKV:
     """The model's host KV runtime and its call hook (once per model)."""
     runtime = _BY_MODEL.get(model)
     if runtime is not None:
-        if (runtime.block, runtime.num_slots, runtime.wanted) == (
-                options.kv_block_size, options.kv_slots, options.kv_layers):
+        if (runtime.block, runtime.num_slots, runtime.wanted, runtime.mode, runtime.budget) \
+                == (options.kv_block_size, options.kv_slots, options.kv_layers,
+                    options.kv_cache, options.memory_budget):
             return runtime
         uninstall(model)    # other KV options: a new runtime takes each cache over
     runtime = HostKV(model, registry.new_handle(), options)
@@ -71,11 +85,11 @@ def _writes_a_cache(gm) -> bool:
 
 def run_kv_pass(gm, example_inputs, options) -> list[int]:
     """Reroute the host cache layers this graph writes; returns them (none: nothing to do)."""
-    if options.kv_cache != "host":
+    if options.kv_cache == "device":
         return []
     runtime, layers = rewrite.find_layers(gm, example_inputs, list(_BY_MODEL.values()))
     if not layers:
-        if _writes_a_cache(gm):
+        if options.kv_cache == "host" and _writes_a_cache(gm):
             raise OffloadError(
                 "this graph writes a cache that was not put on the host. Compile with "
                 "fx_offload.compile_forward(model, kv_cache='host', ...), whose call hook "

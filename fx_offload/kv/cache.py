@@ -18,6 +18,8 @@ import torch
 
 from ..errors import OffloadError
 from ..text import format_bytes
+from . import plan
+from .plan import KVPlan
 
 log = logging.getLogger("fx_offload")
 WHERE = "kv_cache='host'"
@@ -76,14 +78,24 @@ def _dims(model, args, kwargs):
     return ids.shape[0], kv_heads, head_dim, head_dim, dtype, ids.device
 
 
-def _check_cache(cache, wanted):
-    """The cache's layers, or an error that says what to pass instead."""
+def _static_layers():
     try:
         from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
     except ImportError:         # pragma: no cover - transformers is optional
         StaticLayer = StaticSlidingWindowLayer = ()
+    return StaticLayer, StaticSlidingWindowLayer
+
+
+def is_static(cache) -> bool:
     layers = getattr(cache, "layers", None)
-    if cache is None or not layers or not all(isinstance(c, StaticLayer) for c in layers):
+    return bool(layers) and all(isinstance(c, _static_layers()[0]) for c in layers)
+
+
+def _check_cache(cache, wanted):
+    """The cache's layers, or an error that says what to pass instead."""
+    StaticLayer, StaticSlidingWindowLayer = _static_layers()
+    layers = getattr(cache, "layers", None)
+    if cache is None or not is_static(cache):
         kind = type(cache).__name__ if cache is not None else "no cache (past_key_values=None)"
         raise OffloadError(
             f"a static cache's blocks are kept on the host, but this call passes {kind}: "
@@ -143,13 +155,28 @@ def prepare(kv, model, args, kwargs) -> None:
                             layer.keys.dtype, kv.device)
         _read_lengths(kv, cache)
         return
-    layers, chosen = _check_cache(cache, kv.wanted)
+    if kv.mode != "host" and (not is_static(cache) or (kv.plan is not None and not kv.layers)):
+        return      # (the budget counts a static cache only: another grows as it fills)
+    if kv.mode == "host":
+        layers, chosen = _check_cache(cache, kv.wanted)
+    else:           # "auto" chooses among the layers that can move, "device" none
+        sliding = _static_layers()[1]
+        layers = cache.layers
+        chosen = [i for i, c in enumerate(layers)
+                  if kv.mode == "auto" and not isinstance(c, sliding)]
     batch, heads, dk, dv, dtype, device = _dims(model, args, kwargs)
-    if not kv.layers:
-        kv.layers = chosen
-    elif kv.layers != chosen:
+    if kv.plan is None:
+        sizes = {i: batch * heads * layer.max_cache_len * (dk + dv) * dtype.itemsize
+                 for i, layer in enumerate(layers)}
+        kv.plan = decide(kv, model, sizes, chosen, device)
+        kv.layers = list(kv.plan.layers)
+        if kv.budget is not None:
+            log.info("fx_offload: %s %s", kv.model_name, kv.plan.describe())
+    elif kv.mode == "host" and kv.layers != chosen:
         raise OffloadError(f"this cache's layers {chosen} differ from the first cache's "
                            f"{kv.layers}; give kv_layers", where=WHERE)
+    if not kv.layers:
+        return      # the whole cache on the device, as transformers makes it
     kv.use_device(device)
     kv.forget_dead()
     total = 0
@@ -172,6 +199,28 @@ def prepare(kv, model, args, kwargs) -> None:
              format_bytes(total), first.max_cache_len, batch, kv.block)
 
 
+def decide(kv, model, sizes: dict[int, int], movable: list[int], device) -> "KVPlan":
+    """The cache's plan (:mod:`.plan`): the layers asked for under ``kv_cache="host"``;
+    under ``memory_budget`` the budget's share too, and under ``"auto"`` the layers."""
+    from .. import registry
+    from ..selection.budget import weights_bytes
+    budget = kv.budget
+    if budget is None:          # "host" without a budget: no share to count
+        return plan.KVPlan(tuple(movable), sizes, kv.num_slots, None, 0, False)
+    weights, planned = weights_bytes(model, device), False
+    state, nothing = registry.state_for_model(model), registry.nothing_offloaded(model)
+    planner = state.choice.planner if state is not None else \
+        nothing.planner if nothing is not None else None
+    if planner is not None:     # the weights were planned first: the cache gets the rest
+        chosen = planner.chosen.candidate
+        weights = planner.weights_bytes if chosen is None else chosen.weights_bytes
+        planned = True
+    if kv.mode == "auto":
+        return plan.choose(sizes, movable, kv.num_slots, budget, weights, planned)
+    layers = tuple(movable) if kv.mode == "host" else ()
+    return plan.KVPlan(layers, sizes, kv.num_slots, budget, weights, planned)
+
+
 def _host_layer(kv, i, layer, shape_k, shape_v, dtype, device) -> int:
     """Put cache layer ``i`` in host memory (its tokens, where it holds some, kept); the
     bytes it takes."""
@@ -188,10 +237,11 @@ def _host_layer(kv, i, layer, shape_k, shape_v, dtype, device) -> int:
 
 def _read_lengths(kv, cache) -> None:
     """Each host layer's valid length, read back once per call (outside CUDA graphs the
-    fills then run on the copy engine, whose copies need their sizes on the host; a replay
-    runs the captured fill kernel, which reads the length on the device).  ``generate``
-    waits for each step's token before the next call, so the read finds the device idle."""
-    if kv.device is None or kv.device.type != "cuda" or not kv.layers:
+    fills then run on the copy engine, whose copies need their sizes on the host, and the
+    fills begun ahead are checked against it; a replay runs the captured fill kernel, which
+    reads the length on the device).  ``generate`` waits for each step's token before the
+    next call, so the read finds the device idle."""
+    if kv.device is None or not kv.layers:
         kv.lengths = {}
         return
     lengths = torch.stack([cache.layers[i].cumulative_length.reshape(()) for i in kv.layers])

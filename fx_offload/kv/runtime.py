@@ -17,6 +17,7 @@ step, for host layers ``A, B, C`` and two slots::
                               fill C -> slot 0
     update B ...              ...
     join: wait the write-back stream
+                              fill A, B -> slots 0, 1 for the next call (.ahead)
 
 so the slot is overwritten only after its layer's clone and write-back read it, and a host
 block is read (by a later step's fill) only after the write-back that wrote it: the join
@@ -35,6 +36,8 @@ import weakref
 import torch
 
 from . import copies
+from .ahead import NextCall
+from .slots import KVSlots
 
 log = logging.getLogger("fx_offload")
 
@@ -48,17 +51,18 @@ class HostKV:
         self.block = options.kv_block_size
         self.num_slots = options.kv_slots
         self.wanted = options.kv_layers          # None: every layer of the cache
+        self.mode = options.kv_cache             # "host", or "auto"/"device" under a budget
+        self.budget = options.memory_budget
+        self.plan = None                         # .plan.KVPlan, made at the first cache
         self.layers: list[int] = []              # host layers, set by the first cache
         # data_ptr -> (layer, "keys"|"values"|"pos", weak reference to the tensor)
         self.owners: dict[int, tuple] = {}
         self.caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._slots: dict[tuple, list[torch.Tensor]] = {}
-        self._idx: dict[tuple, list[torch.Tensor]] = {}
+        self.slots: KVSlots | None = None        # made once the host layers are known
         self.pos: dict[int, torch.Tensor] = {}
         self.device: torch.device | None = None
         self.copy_stream = self.write_stream = None
-        self.filled: dict[int, torch.cuda.Event] = {}
-        self.written: dict[int, torch.cuda.Event] = {}
+        self.filled, self.written = {}, {}      # layer -> event: its fill, its write-back
         self.begun: set[int] = set()             # this call: fills begun
         self.written_now: set[int] = set()       # this call: write-backs begun
         self.fill = copies.fill                  # the two copies (a test may wrap them)
@@ -71,6 +75,9 @@ class HostKV:
         self.call_lengths: dict[int, int] = {}   # the same, taken by this call's begin
         self.held: list = []                     # (event, host tensors) of write-backs
         self._written_hosts: list = []           # this call's written host tensors
+        # the next call's first fills, begun as this one ends (not under CUDA graphs)
+        self.next_call = NextCall(enabled=options.mode != "reduce-overhead")
+        self.ended = True                        # the last call reached its join
 
     def owner_of(self, t: torch.Tensor):
         """(layer, what) of a live host cache tensor of this runtime, else None (memory of
@@ -111,27 +118,14 @@ class HostKV:
                 self.pos[layer] = torch.zeros(1, dtype=torch.int64, device=keys.device)
 
     def views(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
-        """The slot of ``layer`` for caches shaped like ``keys``/``values``: (keys, values)
-        views into one zeroed device buffer (allocated on first use of the shape)."""
-        key = (tuple(keys.shape), tuple(values.shape), keys.dtype, keys.device)
-        flats = self._slots.get(key)
-        if flats is None:
-            size = keys.numel() + values.numel()
-            flats = [torch.zeros(size, dtype=keys.dtype, device=keys.device)
-                     for _ in range(min(self.num_slots, len(self.layers)))]
-            self._slots[key] = flats
-            self._idx[key] = [torch.zeros(keys.shape[2], dtype=torch.int64, device=keys.device)
-                              for _ in flats]
-            log.info("fx_offload: %s KV slots: %d x %.1f MiB on %s", self.model_name,
-                     len(flats), size * keys.element_size() / 2**20, keys.device)
-        flat = flats[self.slot_of(layer)]
-        n = keys.numel()
-        return flat[:n].view(keys.shape), flat[n:].view(values.shape), \
-            self._idx[key][self.slot_of(layer)]
+        """The slot of ``layer`` for caches shaped like ``keys``/``values``: its keys, values
+        and positions buffers (:mod:`.slots`)."""
+        if self.slots is None:
+            self.slots = KVSlots(self.model_name, min(self.num_slots, len(self.layers)))
+        return self.slots.views(self.slot_of(layer), keys, values)
 
     def slot_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for flats in self._slots.values()
-                   for t in flats)
+        return self.slots.nbytes() if self.slots is not None else 0
 
     # ------------------------------------------------------------------ a step
     def begin_call(self) -> None:
@@ -142,44 +136,61 @@ class HostKV:
         # the lengths the call hook read serve this call only (a call that skipped the hook,
         # model.forward called directly, reads them on the device)
         self.call_lengths, self.lengths = self.lengths, {}
+        self.next_call.begin_call()
+        ended, self.ended = self.ended, False
         if self.write_stream is not None and not torch.cuda.is_current_stream_capturing():
             current = torch.cuda.current_stream(self.device)
             current.wait_stream(self.write_stream)
-            current.wait_stream(self.copy_stream)
-            # host tensors of earlier calls, kept until their write-backs have landed (a
-            # cache dropped right after a call would otherwise return its page-locked
-            # memory to torch's allocator while the device still writes it)
+            if not ended:       # (after a join, the copy stream holds the fills begun ahead)
+                current.wait_stream(self.copy_stream)
+            # host tensors kept until their write-backs land (a cache dropped after a call
+            # would return its page-locked memory while the device still writes it)
             self.held = [(done, kept) for done, kept in self.held if not done.query()]
 
     def start(self, layer: int, keys, values, pos, previous: int | None = None) -> None:
         """Begin copying ``layer``'s valid blocks into its slot (``pos``: the tokens its
         cache holds, a device tensor).  ``previous``: the layer leaving the slot, whose
         write-back reads it."""
+        self.begun.add(layer)
+        if previous is None and self.next_call.found(self, layer, keys, values):
+            return                  # filled as the last call ended (.ahead)
         k_slot, v_slot, _ = self.views(layer, keys, values)
         mark = self.pos[layer]
         mark.copy_(pos.reshape(-1)[:1])          # in stream order: before this step's write
         if self.copy_stream is None:
             self.fill(keys, k_slot, mark, self.block)
             self.fill(values, v_slot, mark, self.block)
-        else:
-            ready = torch.cuda.Event()
-            ready.record()
-            known = None if torch.cuda.is_current_stream_capturing() else \
-                self.call_lengths.get(layer)
-            with torch.cuda.stream(self.copy_stream):
-                self.copy_stream.wait_event(ready)
-                if previous in self.written_now:
-                    self.copy_stream.wait_event(self.written[previous])
-                for host, slot in ((keys, k_slot), (values, v_slot)):
-                    pinned = self.pinned.get(host.data_ptr())
-                    pinned = pinned() if pinned is not None else None
-                    if known is None or pinned is None:     # the length on the device
-                        self.fill(host, slot, mark, self.block)
-                    else:       # known on the host: the copy engine, no SMs taken
-                        self.fill_known(pinned, slot, copies.rounded(known, self.block,
-                                                                     slot.shape[2]))
-                self.filled.setdefault(layer, torch.cuda.Event()).record(self.copy_stream)
-        self.begun.add(layer)
+            return
+        ready = torch.cuda.Event()
+        ready.record()
+        known = None if torch.cuda.is_current_stream_capturing() else \
+            self.call_lengths.get(layer)
+        known = None if known is None else copies.rounded(known, self.block, keys.shape[2])
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(ready)
+            if previous in self.written_now:
+                self.copy_stream.wait_event(self.written[previous])
+            if known is None or not self.fill_now(layer, keys, values, known):
+                self.fill(keys, k_slot, mark, self.block)     # the length on the device
+                self.fill(values, v_slot, mark, self.block)
+            self.filled.setdefault(layer, torch.cuda.Event()).record(self.copy_stream)
+
+    def fill_now(self, layer: int, keys, values, tokens: int) -> bool:
+        """Copy the first ``tokens`` of each row of ``layer``'s host keys and values into its
+        slot, on the current stream, the length known on the host: on a GPU by the copy
+        engine (no SMs taken) from the page-locked tensors; False where those are unknown."""
+        k_slot, v_slot, _ = self.views(layer, keys, values)
+        if self.copy_stream is None:        # a CPU run: the cache is the host tensor
+            for host, slot in ((keys, k_slot), (values, v_slot)):
+                self.fill(host, slot, torch.tensor([tokens]), self.block)
+            return True
+        pinned = [self.pinned.get(t.data_ptr()) for t in (keys, values)]
+        pinned = [None if p is None else p() for p in pinned]
+        if None in pinned:
+            return False
+        self.fill_known(pinned[0], k_slot, tokens)
+        self.fill_known(pinned[1], v_slot, tokens)
+        return True
 
     def update(self, layer: int, target: int, key, value, index, keys, values, nxt):
         """``layer``'s step: wait for its slot, write the step's tokens into it and back to
@@ -211,13 +222,17 @@ class HostKV:
                 self.written.setdefault(layer, torch.cuda.Event()).record(self.write_stream)
             self.written_now.add(layer)
             self._written_hosts += [keys, values]
+        self.next_call.note_update(layer, keys, values, index.numel())
         out = k_slot.clone(), v_slot.clone()
         if target >= 0:
             self.start(target, *nxt, previous=layer)
+        else:
+            self.next_call.last_in_slot(self, layer)
         return out
 
     def join(self) -> None:
-        """The end of a call: every write-back has landed before anything reads the host."""
+        """The end of a call: every write-back has landed before anything reads the host;
+        the next call's first fills begin (.ahead)."""
         if self.write_stream is not None and self.written_now:
             torch.cuda.current_stream(self.device).wait_stream(self.write_stream)
             if not torch.cuda.is_current_stream_capturing():
@@ -225,6 +240,8 @@ class HostKV:
                 done.record(self.write_stream)
                 self.held.append((done, self._written_hosts))
         self._written_hosts = []
+        self.next_call.prefetch(self)
+        self.ended = True
 
 
 def summary(kv) -> dict:
@@ -233,7 +250,9 @@ def summary(kv) -> dict:
     cache = kv.latest() if kv.latest is not None else None
     out = dict(layers=list(kv.layers), block=kv.block, slots=kv.num_slots,
                slot_bytes=kv.slot_bytes(), host_bytes=0, valid_tokens=0,
-               copied_per_step=0, written_per_step=0)
+               copied_per_step=0, written_per_step=0,
+               plan=kv.plan.describe() if kv.plan is not None and kv.budget is not None
+               else None)
     if cache is None or not kv.layers:
         return out
     per_token = []

@@ -95,7 +95,9 @@ class Report:
                             if self.copies_captured else ""))
         if self.planner is not None:
             lines.append(str(self.planner))
-        if self.kv:
+        if self.kv.get("plan"):
+            lines.append(f"  {self.kv['plan']}")
+        if self.kv.get("layers"):
             kv = self.kv
             lines.append(
                 f"  KV cache on the host: layers {kv['layers']}, {format_bytes(kv['host_bytes'])}"

@@ -230,6 +230,7 @@ class PlannerResult:
     cost_model: CostModel
     seconds: float                       # time the planner took
     fitting: list[Candidate] = dataclasses.field(default_factory=list, repr=False)
+    reserved: int = 0                    # of memory_budget, the KV cache's device bytes
 
     def best_for(self, tokens) -> Scored:
         """The plan this budget would get for another workload (``plan_tokens``)."""
@@ -243,7 +244,9 @@ class PlannerResult:
     def __str__(self) -> str:
         cm = self.cost_model
         toks = list(self.plan_tokens)
-        head = [f"planner: memory_budget {format_bytes(self.budget, as_option=True)} for "
+        kv = "" if not self.reserved else \
+            f" (after the KV cache's {format_bytes(self.reserved)} on the device)"
+        head = [f"planner: memory_budget {format_bytes(self.budget, as_option=True)}{kv} for "
                 f"{format_bytes(self.weights_bytes)} of weights (minimum "
                 f"{format_bytes(self.minimum_bytes)}); {self.considered} plans fit, chosen for "
                 f"{toks} token(s) in {self.seconds * 1e3:.0f} ms",
@@ -355,20 +358,28 @@ def candidates(model: nn.Module, stack: LayerStack, options: OffloadOptions,
 
 
 def plan(model: nn.Module, stack: LayerStack, options: OffloadOptions, costs: GraphCosts,
-         rates: DeviceRates, device: torch.device, runner_ups: int = 4) -> PlannerResult:
+         rates: DeviceRates, device: torch.device, runner_ups: int = 4,
+         reserved: int = 0) -> PlannerResult:
+    """``reserved``: device bytes of the budget the KV cache takes (fx_offload.kv.plan)."""
     started = time.perf_counter()
-    budget = options.memory_budget
+    budget = options.memory_budget - reserved
     all_plans, total, minimum = candidates(model, stack, options, device)
     if budget < minimum:
+        least = minimum + reserved
+        kv = "" if not reserved else (
+            f" and the KV cache's {format_bytes(reserved)} on the device (the layers it "
+            "keeps there and its slots: a shorter max_cache_len, a smaller batch or fewer "
+            "kv_slots make it smaller)")
         raise BudgetError(
-            f"option 'memory_budget' ({format_bytes(budget, as_option=True)}, {budget} bytes) "
-            f"is below the least this model can run in: {format_bytes(minimum, as_option=True)} "
-            f"({minimum} "
+            f"option 'memory_budget' ({format_bytes(options.memory_budget, as_option=True)}, "
+            f"{options.memory_budget} bytes) "
+            f"is below the least this model can run in: {format_bytes(least, as_option=True)} "
+            f"({least} "
             f"bytes) = the weights that stay on the device plus one slot buffer, with every "
             f"layer of {stack.path or '<root>'!r} offloaded"
             + ("" if options.offload_params is None else
                f" (parameters matching {list(options.offload_params)})")
-            + f"; raise memory_budget to at least {format_bytes(minimum, as_option=True)}")
+            + kv + f"; raise memory_budget to at least {format_bytes(least, as_option=True)}")
     fitting = [c for c in all_plans if c.weights_bytes <= budget]
     fraction = compression.copy_fraction(stack, options.compress)
     cost_model = CostModel(costs, rates, len(stack.modules), overlapped=device.type == "cuda",
@@ -381,7 +392,7 @@ def plan(model: nn.Module, stack: LayerStack, options: OffloadOptions, costs: Gr
     best = rank(fitting, total <= budget, cost_model, tokens)[:runner_ups + 1]
     result = PlannerResult(budget, total, minimum, tuple(tokens), best[0], best[1:],
                            len(fitting) + (total <= budget), cost_model,
-                           time.perf_counter() - started, fitting)
+                           time.perf_counter() - started, fitting, reserved)
     log.info("fx_offload: %s", result)
     return result
 
@@ -446,7 +457,8 @@ def _routed_layers(model, stack, options, costs) -> dict[int, tuple[int, int, in
 
 
 def plan_for(model: nn.Module, stack: LayerStack, options: OffloadOptions, graph,
-             layer_frame: bool, device: torch.device | None = None) -> PlannerResult:
+             layer_frame: bool, device: torch.device | None = None,
+             reserved: int = 0) -> PlannerResult:
     """The planner's result for ``model`` from its first graph ``(gm, graph_inputs)``:
     that graph's costs, the device's rates (measured once, or given as options).
     ``device``: where the model will run (``place``); by default, where its weights are."""
@@ -458,7 +470,7 @@ def plan_for(model: nn.Module, stack: LayerStack, options: OffloadOptions, graph
     costs = graph_costs(gm, gi, {stack.layer_path(i): i for i in range(len(stack.modules))},
                         whole_graph_layer=whole)
     rates = rates_for(device, dtype, {n: getattr(options, n) for n in RATE_NAMES})
-    return plan(model, stack, options, costs, rates, device)
+    return plan(model, stack, options, costs, rates, device, reserved=reserved)
 
 
 def _weights_device_and_dtype(stack: LayerStack, allow_meta: bool = False,

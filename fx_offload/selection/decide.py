@@ -13,6 +13,7 @@ from torch import nn
 
 from .. import registry
 from ..errors import META_REFUSED, OffloadError
+from .. import kv
 from ..options import OffloadOptions
 from ..schedule import Schedule
 from ..text import format_bytes
@@ -41,7 +42,8 @@ def choose(model: nn.Module, options: OffloadOptions, graph=None, layer_frame: b
         stack = in_run_order(stack, first_runs(stack, *graph))
     if options.planned:
         if planner is None:
-            planner = budget.plan_for(model, stack, options, graph, layer_frame)
+            planner = budget.plan_for(model, stack, options, graph, layer_frame,
+                                      reserved=kv.reserved(model))
         if not planner.offloads:
             return NothingOffloaded(type(model).__name__, options, stack, planner)
         chosen = planner.chosen.candidate

@@ -13,6 +13,9 @@ stopping criteria).  Rows:
   the device (as in the transformers row), Inductor inside;
 * ``host-offload``: the same with the default weight offloading (every second layer's
   weights cross the link too);
+* ``budget``: :func:`fx_offload.compile_forward` with default options and a
+  ``memory_budget`` (``--budget``; by default the weights plus half the cache, so the cache
+  does not fit beside them): the planner chooses what goes to the host;
 * ``host-graphs``: the same with ``mode="reduce-overhead"`` (CUDA graphs);
 * ``transformers``: ``cache_implementation="offloaded_static"`` (eager: the whole cache
   of the next layer is prefetched, in Python).
@@ -33,6 +36,7 @@ import torch
 
 from .. import compile_forward, report
 from ..text import format_bytes
+from ..selection.budget import weights_bytes
 from .bench import h2d_bandwidth
 from .generate_bench import build_random
 
@@ -44,9 +48,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--block", type=int, default=256, help="kv_block_size")
     parser.add_argument("--slots", type=int, default=2, help="kv_slots")
-    parser.add_argument("--methods", default="device,host,host-offload,host-graphs,transformers",
-                        help="comma-separated among device, host, host-offload, host-graphs, "
-                             "transformers")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile the host row's decode steps: how busy the link is")
+    parser.add_argument("--budget", default=None,
+                        help="memory_budget of the budget row (default: the weights plus half "
+                             "the cache)")
+    parser.add_argument("--methods",
+                        default="device,host,host-offload,budget,host-graphs,transformers",
+                        help="comma-separated among device, host, host-offload, budget, "
+                             "host-graphs, transformers")
 
 
 def _generate(model, prompt, new: int, **kwargs):
@@ -92,6 +102,9 @@ def _row(method, model, prompt, args, kept):
     if method == "device":
         model.forward = torch.compile(model.forward, dynamic=True)
         extra = lambda: dict(past_key_values=_fresh(kept, model, args))  # noqa: E731
+    elif method == "budget":
+        compile_forward(model, dynamic=True, memory_budget=args.budget)
+        extra = lambda: dict(past_key_values=_fresh(kept, model, args))  # noqa: E731
     elif method.startswith("host"):
         graphs = method == "host-graphs"    # one graph per shape there: a prefill's and a
         weights = {} if method == "host-offload" else RESIDENT      # decode step's
@@ -110,7 +123,22 @@ def _row(method, model, prompt, args, kept):
     start = time.perf_counter()
     _generate(model, prompt, 1, **extra())
     prefill = (time.perf_counter() - start) * 1e3
+    if args.profile and method == "host":
+        _profile(model, prompt, args, extra)
     return prefill, decode, out, torch.cuda.max_memory_allocated()
+
+
+def _profile(model, prompt, args, extra) -> None:
+    """The link's busy time and idle gaps over the decode steps of one generate (from the
+    second step: the prefill and the first decode step excluded)."""
+    from torch.profiler import ProfilerActivity, profile
+    from .profiling import link_gaps
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _generate(model, prompt, 6, **extra())
+    events = prof.events()
+    starts = sorted(ev.time_range.start for ev in events if ev.name == "fx_offload::kv_begin")
+    after = starts[2] if len(starts) > 2 else 0.0
+    print(f"  host, 4 decode steps profiled: {link_gaps(events, after)}", flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -122,16 +150,21 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     prompt = torch.randint(0, config.vocab_size, (args.batch, args.context), device="cuda")
     h2d = h2d_bandwidth(torch.device("cuda"))
-    kv_per_step = args.layers * 2 * args.batch * 8 * 128 * 2 * (args.context + args.new_tokens)
+    whole_cache = args.layers * 2 * args.batch * 8 * 128 * 2 * (args.context + args.new_tokens)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; {args.layers} layers "
           f"of Llama-3-8B shapes, batch {args.batch}, context {args.context}, "
-          f"{args.new_tokens} new tokens; the whole cache: {format_bytes(kv_per_step)}; "
+          f"{args.new_tokens} new tokens; the whole cache: {format_bytes(whole_cache)}; "
           f"pinned H2D {h2d / 1e9:.1f} GB/s", flush=True)
     rows, results, kept = {}, {}, {}
     for method in args.methods.split(","):
+        torch._dynamo.reset()       # each row compiles anew (and stays under Dynamo's limit)
         model = build_random(LlamaForCausalLM, config)
+        if method == "budget" and args.budget is None:
+            args.budget = weights_bytes(model, torch.device("cuda")) + whole_cache // 2
+            print(f"  budget: memory_budget {format_bytes(args.budget, as_option=True)} = the "
+                  "weights and half the cache", flush=True)
         rows[method] = _row(method, model, prompt, args, kept)
-        if method.startswith("host"):
+        if method.startswith("host") or method == "budget":
             rep = report(model)
             results[method] = rep.kv["copied_per_step"] + rep.offloaded_bytes
             results["kv"] = rep.kv

@@ -90,3 +90,21 @@ def copies_alone(model, chunked: bool = True, repeats: int = 3) -> float:
         torch.cuda.synchronize(state.device)
         times.append(time.perf_counter() - started)
     return statistics.median(times) * 1e3
+
+
+def link_gaps(events, after_us: float = 0.0, top: int = 4) -> str:
+    """How busy the link was from the first host-to-device copy that starts ``after_us``
+    (profiler time) to the last one: busy and idle ms, and the longest idle gaps, each
+    with where it began (ms after the first copy)."""
+    copies = [(ev.time_range.start, ev.time_range.end) for ev in events
+              if getattr(getattr(ev, "device_type", None), "name", "") == "CUDA"
+              and "Memcpy HtoD" in ev.name and ev.time_range.start >= after_us]
+    busy = _merge(copies)
+    if not busy:
+        return "no host-to-device copy in the trace"
+    first, last = busy[0][0], busy[-1][1]
+    gaps = sorted(((b[0] - a[1], a[1] - first) for a, b in zip(busy, busy[1:])), reverse=True)
+    busy_us = sum(e - s for s, e in busy)
+    longest = ", ".join(f"{g / 1e3:.2f} ms at {at / 1e3:.1f}" for g, at in gaps[:top])
+    return (f"link busy {busy_us / 1e3:.2f} of {(last - first) / 1e3:.2f} ms "
+            f"({busy_us / (last - first):.1%}); longest idle gaps: {longest or '-'}")

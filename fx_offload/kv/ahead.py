@@ -1,0 +1,163 @@
+"""The next call's first fills, begun as a call ends.
+
+A decode step's link time is its host layers' fills end to end.  Those of the first
+``kv_slots`` host layers would otherwise begin only when the next call's graph starts, after
+everything the caller does between two steps (``generate`` samples the token, checks its
+stopping criteria and waits for the device; Dynamo checks its guards), a gap the link would
+sit idle through.  So the update of each slot's last layer in a call begins the fill of the
+slot's first layer for the next call, queued on the copy stream behind the fills still to
+come, and the link runs on from the call's last fill into the next call's first::
+
+    compute stream            copy stream                 write-back stream
+    update C (slot 0's last)  fill D -> slot 1            C's tokens -> host
+                              wait C's update and write-back, A's write-back
+                              fill A -> slot 0 (len(A) + the call's tokens, in blocks)
+    update D (slot 1's last)  fill B -> slot 1 (likewise)
+    join: wait write-backs    keeps A's and B's fills if every host layer was updated
+    (the caller, between calls: the link works)
+    begin: A, B found filled  (no copy)
+    update A: wait fill A ...
+
+A slot that holds one layer only holds that layer's next prefix already (the update wrote
+the step's tokens into it): nothing is copied.  Where a slot's last layer began no fill (a
+graph that does not update it), the join begins it, after the call's reads and write-backs.
+
+What a slot then holds is recorded (the host tensors, autograd's version counters, the
+tokens covered), and the next call's begin takes the fill as its own only if it still holds:
+the same host tensors, unwritten since (any in-place write by the user, ``cache.reset()``
+among them, moves a version counter; the write-backs are the runtime's own kernels, which
+do not, and were recorded before), and no more valid tokens than were filled.  Otherwise the begin fills the slot anew,
+after the stale fill on the same copy stream.
+
+A call that raises leaves its begun fills unkept: the next call fills again, after waiting
+for them.  Not under CUDA graphs: a replay's captured fill would not be ordered after a fill
+begun outside it, nor would the replay of another graph see what the slot holds; a runtime
+that has seen a capture (``reduce-overhead``, or a user's ``torch.cuda.graph``) stops
+begun-ahead fills for good.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from . import copies
+
+log = logging.getLogger("fx_offload")
+
+
+@dataclasses.dataclass(frozen=True)
+class Filled:
+    """What a begun-ahead fill put in a layer's slot."""
+    keys: int           # the host tensors' addresses
+    values: int
+    versions: tuple[int, int]
+    tokens: int         # the prefix covered (whole blocks)
+    slot: int           # the slot buffer's address
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class NextCall:
+    """The begun-ahead fills of one host KV runtime."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled              # off for good once a capture is seen
+        self.updated: dict[int, tuple] = {}     # since the last join: layer -> (keys,
+        self.pending: dict[int, Filled] = {}    # values, tokens written); fills begun
+        self.filled: dict[int, Filled] = {}     # this call, and kept by its join;
+        self.taken: dict[int, Filled] = {}      # the latter, taken by this call's begin
+        self.skipped = 0                    # fills found done at a begin (tests, logging)
+
+    def begin_call(self) -> None:
+        if _capturing():
+            self.enabled = False
+            self.filled = {}
+        self.taken, self.filled, self.pending = self.filled, {}, {}
+
+    def note_update(self, layer: int, keys, values, tokens: int) -> None:
+        self.updated[layer] = (keys, values, tokens)
+
+    def found(self, runtime, layer: int, keys, values) -> bool:
+        """True when ``layer``'s slot already holds what this call's begin would fill."""
+        got = self.taken.pop(layer, None)
+        if got is None or _capturing():
+            return False
+        known = runtime.call_lengths.get(layer)
+        slot = runtime.views(layer, keys, values)[0]
+        now = Filled(keys.data_ptr(), values.data_ptr(), (keys._version, values._version),
+                     got.tokens, slot.data_ptr())
+        if known is None or known > got.tokens or now != got:
+            log.debug("fx_offload: host KV layer %d: the fill begun ahead is stale; filled "
+                      "again", layer)
+            return False
+        self.skipped += 1
+        return True
+
+    def last_in_slot(self, runtime, layer: int) -> None:
+        """``layer`` was its slot's last this call (its update begins no fill): begin the fill
+        of the slot's first layer for the next call now, queued behind the fills still to
+        come on the copy stream, so the link does not wait for the end of the call.  Where
+        the slot holds one layer only, it holds that layer's next-call prefix already."""
+        first = runtime.layers[runtime.slot_of(layer)]
+        got, known = self.updated.get(first), runtime.call_lengths.get(first)
+        if not self.enabled or _capturing() or got is None or known is None:
+            return
+        keys, values, written = got
+        tokens = known + written                    # what the slot holds, if it is first's
+        stream = runtime.copy_stream
+        if first != layer:
+            tokens = copies.rounded(tokens, runtime.block, keys.shape[2])
+            if stream is None:
+                runtime.fill_now(first, keys, values, tokens)
+            else:
+                slot_read = torch.cuda.Event()
+                slot_read.record()
+                with torch.cuda.stream(stream):
+                    stream.wait_event(slot_read)    # the layer's update has read the slot
+                    for done in (layer, first):     # their tokens are back on the host
+                        if done in runtime.written_now:
+                            stream.wait_event(runtime.written[done])
+                    if not runtime.fill_now(first, keys, values, tokens):
+                        return
+                    runtime.filled.setdefault(first, torch.cuda.Event()).record(stream)
+        self.pending[first] = Filled(keys.data_ptr(), values.data_ptr(),
+                                     (keys._version, values._version), tokens,
+                                     runtime.views(first, keys, values)[0].data_ptr())
+
+    def prefetch(self, runtime) -> None:
+        """At a join: keep the fills begun for the next call where this call updated every
+        host layer, and begin those of the slots whose last layer did not begin one."""
+        updated, self.updated = self.updated, {}
+        pending, self.pending = self.pending, {}
+        self.filled = {}
+        if not self.enabled or _capturing() or any(l not in updated for l in runtime.layers):
+            return
+        firsts = runtime.layers[:min(runtime.num_slots, len(runtime.layers))]
+        self.filled = {l: pending[l] for l in firsts if l in pending}
+        todo = [l for l in firsts if l not in pending]
+        if not todo or any(runtime.call_lengths.get(l) is None for l in todo):
+            return
+        stream = runtime.copy_stream
+        if stream is not None:
+            joined = torch.cuda.Event()
+            joined.record()
+            stream.wait_event(joined)               # every read of the slots
+            stream.wait_stream(runtime.write_stream)     # every write-back of the host
+        for layer in todo:
+            keys, values, written = updated[layer]
+            tokens = copies.rounded(runtime.call_lengths[layer] + written, runtime.block,
+                                    keys.shape[2])
+            k_slot, v_slot, _ = runtime.views(layer, keys, values)
+            if stream is None:
+                runtime.fill_now(layer, keys, values, tokens)
+            else:
+                with torch.cuda.stream(stream):
+                    runtime.fill_now(layer, keys, values, tokens)
+                    runtime.filled.setdefault(layer, torch.cuda.Event()).record(stream)
+            self.filled[layer] = Filled(keys.data_ptr(), values.data_ptr(),
+                                        (keys._version, values._version), tokens,
+                                        k_slot.data_ptr())

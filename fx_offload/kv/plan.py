@@ -1,0 +1,85 @@
+"""Under ``memory_budget``: which layers of a static cache live on the host.
+
+The budget holds the weights and the KV cache, the cache counted at its full length (its
+``max_cache_len``, what it takes however few tokens it holds yet).  Where both fit, the
+cache stays on the device.  Otherwise, under ``kv_cache="auto"`` (the default), host layers
+are chosen before any weight is offloaded: per byte of device memory it frees, a host KV
+layer moves at most as many bytes per decode step as an offloaded weight layer (its valid
+blocks: all of them only once the cache is full; a weight layer moves all of its bytes
+every step).  The fewest host layers whose freed bytes cover the excess are taken from the
+end of the cache (the layers computed before the first host layer hide its fill); each
+frees its bytes but the slots (``kv_slots``, one layer each) take theirs back, so fewer
+than ``kv_slots + 1`` host layers free nothing.  Where every movable layer on the host is
+not enough, all of them go and the weight planner offloads weights for the rest: it plans
+for ``memory_budget`` less the cache's device bytes (:func:`fx_offload.kv.reserved`).
+
+With ``kv_cache="host"`` the layers are the ones asked for (``kv_layers``, or all), with
+``"device"`` none; the budget counts the cache either way.  If the weights were planned
+first (the model ran without a cache before), the cache gets what their plan left.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from ..text import format_bytes
+
+log = logging.getLogger("fx_offload")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVPlan:
+    layers: tuple[int, ...]     # the host layers
+    layer_bytes: dict           # every cache layer's keys and values at full length
+    slots: int
+    budget: int | None          # None: no memory_budget (kv_cache="host" alone)
+    weights_bytes: int          # the device memory the weights take, or are taken to
+    weights_planned: bool       # True: the weights' plan was made before the cache's
+
+    @property
+    def slot_bytes(self) -> int:
+        if not self.layers:
+            return 0
+        return min(self.slots, len(self.layers)) * max(self.layer_bytes[i] for i in self.layers)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(self.layer_bytes[i] for i in self.layers)
+
+    @property
+    def device_bytes(self) -> int:
+        """The cache's device memory: the layers kept there and the slots."""
+        return sum(self.layer_bytes.values()) - self.host_bytes + self.slot_bytes
+
+    def describe(self) -> str:
+        whole = sum(self.layer_bytes.values())
+        where = ("every layer on the device" if not self.layers else
+                 f"layer(s) {list(self.layers)} on the host ({format_bytes(self.host_bytes)})")
+        weights = "planned first" if self.weights_planned else "resident"
+        return (f"KV cache {format_bytes(whole)} at full length: {where}, "
+                f"{format_bytes(self.device_bytes)} on the device with the slots, beside "
+                f"{format_bytes(self.weights_bytes)} of weights ({weights}); memory_budget "
+                f"{format_bytes(self.budget, as_option=True)}")
+
+
+def choose(layer_bytes: dict[int, int], movable: list[int], slots: int, budget: int,
+           weights: int, planned: bool) -> KVPlan:
+    """The fewest host layers, from the end of ``movable``, that make the weights and the
+    cache fit ``budget``; all of ``movable`` where nothing fewer does (none where moving
+    them frees nothing)."""
+    def plan(layers):
+        return KVPlan(tuple(sorted(layers)), dict(layer_bytes), slots, budget, weights,
+                      planned)
+
+    none = plan(())
+    if weights + none.device_bytes <= budget:
+        return none
+    best = none
+    for n in range(1, len(movable) + 1):
+        candidate = plan(movable[-n:])
+        if candidate.device_bytes < best.device_bytes:
+            best = candidate
+        if weights + candidate.device_bytes <= budget:
+            return candidate
+    return best
+
