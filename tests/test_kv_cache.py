@@ -82,11 +82,14 @@ def test_tokens_and_cache_equal_the_device_cache(device):
 
 def test_generate_own_cache_several_calls_and_a_longer_prompt():
     """generate() making its own static cache, called again with other prompt lengths (the
-    cache reset between calls, a prompt filling several blocks): the reference's tokens."""
+    cache reset between calls, a prompt filling several blocks): the reference's tokens,
+    and the slots of the caches that are gone freed."""
     reference, model = pair()
     for length in (5, 40, 16, 3):
         ids = torch.randint(0, 128, (1, length))
         assert torch.equal(generate(model, ids, new=8), generate(reference, ids, new=8))
+        # each generate made a cache of another length; the last one's slots alone remain
+        assert len(runtime_of(model).slots._flats) == 1
 
 
 @pytest.mark.parametrize("kv", [dict(kv_layers=[1, 3]), dict(kv_slots=1), dict(kv_slots=3),

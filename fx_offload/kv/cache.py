@@ -190,6 +190,7 @@ def prepare(kv, model, args, kwargs) -> None:
                 torch.empty(shape_k[:2] + (0, dk), dtype=dtype, device=device),
                 torch.empty(shape_v[:2] + (0, dv), dtype=dtype, device=device))
     first = layers[chosen[0]]
+    _drop_unused_slots(kv)
     kv.allocate(first.keys, first.values)
     kv.caches[cache] = total
     kv.latest = weakref.ref(cache)
@@ -219,6 +220,26 @@ def decide(kv, model, sizes: dict[int, int], movable: list[int], device) -> "KVP
         return plan.choose(sizes, movable, kv.num_slots, budget, weights, planned)
     layers = tuple(movable) if kv.mode == "host" else ()
     return plan.KVPlan(layers, sizes, kv.num_slots, budget, weights, planned)
+
+
+def _drop_unused_slots(kv) -> None:
+    """Return to the allocator the slots of shapes no live cache has (a ``generate`` per
+    prompt length leaves one shape behind each time); not once a CUDA graph may hold their
+    addresses (no begun-ahead fills either, then)."""
+    if kv.slots is None or not kv.next_call.enabled:
+        return
+    live = set()
+    for cache in list(kv.caches.keys()):
+        first = cache.layers[kv.layers[0]]
+        live.add(kv.slots.key(first.keys, first.values))
+    if kv.copy_stream is not None:      # the copies that may still use them come first
+        current = torch.cuda.current_stream(kv.device)
+        current.wait_stream(kv.copy_stream)
+        current.wait_stream(kv.write_stream)
+    freed = kv.slots.prune(live)
+    if freed:
+        log.info("fx_offload: %s KV slots of caches that are gone freed: %s", kv.model_name,
+                 format_bytes(freed))
 
 
 def _host_layer(kv, i, layer, shape_k, shape_v, dtype, device) -> int:

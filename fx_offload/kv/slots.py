@@ -1,5 +1,9 @@
 """The device slots of a host KV cache: per cache shape, ``kv_slots`` zeroed buffers, each
-one layer's keys and values, and each slot's buffer of the positions a step wrote."""
+one layer's keys and values, and each slot's buffer of the positions a step wrote.
+
+``generate`` makes a static cache per prompt length (its ``max_cache_len``), so the buffers
+of shapes no live cache has are dropped as a new shape's are made (:func:`.cache.prepare`):
+not once a CUDA graph may have captured their addresses."""
 from __future__ import annotations
 
 import logging
@@ -16,11 +20,23 @@ class KVSlots:
         self._flats: dict[tuple, list[torch.Tensor]] = {}
         self._idx: dict[tuple, list[torch.Tensor]] = {}
 
+    @staticmethod
+    def key(keys: torch.Tensor, values: torch.Tensor) -> tuple:
+        return tuple(keys.shape), tuple(values.shape), keys.dtype, keys.device
+
+    def prune(self, live: set) -> int:
+        """Drop the buffers of every shape not in ``live``; the bytes freed."""
+        freed = 0
+        for key in [k for k in self._flats if k not in live]:
+            freed += sum(t.numel() * t.element_size() for t in self._flats.pop(key))
+            del self._idx[key]
+        return freed
+
     def views(self, slot: int, keys: torch.Tensor, values: torch.Tensor):
         """Slot ``slot`` for caches shaped like ``keys``/``values``: (keys, values) views into
         one zeroed device buffer (allocated on first use of the shape), and its positions
         buffer."""
-        key = (tuple(keys.shape), tuple(values.shape), keys.dtype, keys.device)
+        key = self.key(keys, values)
         flats = self._flats.get(key)
         if flats is None:
             size = keys.numel() + values.numel()

@@ -49,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block", type=int, default=256, help="kv_block_size")
     parser.add_argument("--slots", type=int, default=2, help="kv_slots")
     parser.add_argument("--profile", action="store_true",
-                        help="profile the host row's decode steps: how busy the link is")
+                        help="profile the host, host-offload and budget rows' decode steps: "
+                             "how busy the link is")
     parser.add_argument("--budget", default=None,
                         help="memory_budget of the budget row (default: the weights plus half "
                              "the cache)")
@@ -123,12 +124,12 @@ def _row(method, model, prompt, args, kept):
     start = time.perf_counter()
     _generate(model, prompt, 1, **extra())
     prefill = (time.perf_counter() - start) * 1e3
-    if args.profile and method == "host":
-        _profile(model, prompt, args, extra)
+    if args.profile and method in ("host", "host-offload", "budget"):
+        _profile(method, model, prompt, extra)
     return prefill, decode, out, torch.cuda.max_memory_allocated()
 
 
-def _profile(model, prompt, args, extra) -> None:
+def _profile(method, model, prompt, extra) -> None:
     """The link's busy time and idle gaps over the decode steps of one generate (from the
     second step: the prefill and the first decode step excluded)."""
     from torch.profiler import ProfilerActivity, profile
@@ -138,7 +139,7 @@ def _profile(model, prompt, args, extra) -> None:
     events = prof.events()
     starts = sorted(ev.time_range.start for ev in events if ev.name == "fx_offload::kv_begin")
     after = starts[2] if len(starts) > 2 else 0.0
-    print(f"  host, 4 decode steps profiled: {link_gaps(events, after)}", flush=True)
+    print(f"  {method}, 4 decode steps profiled: {link_gaps(events, after)}", flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
