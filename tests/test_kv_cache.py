@@ -4,6 +4,7 @@ contents equal the same model with its cache on the device; bad options and cach
 clear errors; a copy that fails leaves the cache usable.  CPU here; the GPU cases carry the
 ``cuda`` marker."""
 import copy
+import weakref
 
 import pytest
 import torch
@@ -197,6 +198,17 @@ def test_fills_begun_ahead_are_taken_only_while_they_hold():
     assert ahead.skipped == 2 * 9 + 2 * 4
     step(1, ids[:, 6:7])
     assert ahead.skipped == 2 * 9 + 2 * 5
+    # a layer put back on the host at the address its freed memory had (beam search's
+    # reorder_cache, then the allocator handing the same block on): the address and the
+    # version counters match, the runtime's record of the tensor does not
+    runtime = runtime_of(model)
+    keys = caches[1][1].layers[0].keys
+    held = dict(runtime.owners)
+    alias = keys.view_as(keys)          # another tensor object at the same address
+    runtime.owners[keys.data_ptr()] = (0, "keys", weakref.ref(alias))
+    step(1, ids[:, 7:8])
+    assert ahead.skipped == 2 * 9 + 2 * 5 + 1          # layer 1's fill alone was taken
+    runtime.owners.update(held)
 
 
 @pytest.mark.parametrize("which", ["fill", "write_back"])

@@ -24,7 +24,8 @@ graph that does not update it), the join begins it, after the call's reads and w
 
 What a slot then holds is recorded (the host tensors, autograd's version counters, the
 tokens covered), and the next call's begin takes the fill as its own only if it still holds:
-the same host tensors, unwritten since (any in-place write by the user, ``cache.reset()``
+the same host tensors (the runtime's own records of them, not only their addresses, which
+freed memory may hand on), unwritten since (any in-place write by the user, ``cache.reset()``
 among them, moves a version counter; the write-backs are the runtime's own kernels, which
 do not, and were recorded before), and no more valid tokens than were filled.  Otherwise the begin fills the slot anew,
 after the stale fill on the same copy stream.
@@ -55,6 +56,16 @@ class Filled:
     versions: tuple[int, int]
     tokens: int         # the prefix covered (whole blocks)
     slot: int           # the slot buffer's address
+    # the runtime's records of the host tensors (weak references, compared by identity): a
+    # layer put back on the host (beam search's reorder_cache) may get the freed memory's
+    # address again, with a fresh version counter that can match the old one
+    owners: tuple = dataclasses.field(default=(), compare=False)
+
+
+def _filled(runtime, keys, values, tokens: int, slot) -> Filled:
+    owners = tuple(runtime.owners.get(t.data_ptr(), (None,) * 3)[2] for t in (keys, values))
+    return Filled(keys.data_ptr(), values.data_ptr(), (keys._version, values._version),
+                  tokens, slot.data_ptr(), owners)
 
 
 def _capturing() -> bool:
@@ -87,10 +98,10 @@ class NextCall:
         if got is None or _capturing():
             return False
         known = runtime.call_lengths.get(layer)
-        slot = runtime.views(layer, keys, values)[0]
-        now = Filled(keys.data_ptr(), values.data_ptr(), (keys._version, values._version),
-                     got.tokens, slot.data_ptr())
-        if known is None or known > got.tokens or now != got:
+        now = _filled(runtime, keys, values, got.tokens, runtime.views(layer, keys, values)[0])
+        same_owners = all(a is b and a is not None and a() is not None
+                          for a, b in zip(now.owners, got.owners))
+        if known is None or known > got.tokens or now != got or not same_owners:
             log.debug("fx_offload: host KV layer %d: the fill begun ahead is stale; filled "
                       "again", layer)
             return False
@@ -124,9 +135,8 @@ class NextCall:
                     if not runtime.fill_now(first, keys, values, tokens):
                         return
                     runtime.filled.setdefault(first, torch.cuda.Event()).record(stream)
-        self.pending[first] = Filled(keys.data_ptr(), values.data_ptr(),
-                                     (keys._version, values._version), tokens,
-                                     runtime.views(first, keys, values)[0].data_ptr())
+        self.pending[first] = _filled(runtime, keys, values, tokens,
+                                      runtime.views(first, keys, values)[0])
 
     def prefetch(self, runtime) -> None:
         """At a join: keep the fills begun for the next call where this call updated every
@@ -158,6 +168,4 @@ class NextCall:
                 with torch.cuda.stream(stream):
                     runtime.fill_now(layer, keys, values, tokens)
                     runtime.filled.setdefault(layer, torch.cuda.Event()).record(stream)
-            self.filled[layer] = Filled(keys.data_ptr(), values.data_ptr(),
-                                        (keys._version, values._version), tokens,
-                                        k_slot.data_ptr())
+            self.filled[layer] = _filled(runtime, keys, values, tokens, k_slot)
