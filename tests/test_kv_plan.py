@@ -99,6 +99,22 @@ def test_device_cache_counted_and_too_small_a_budget_says_so():
     assert isinstance(getattr(caught.value, "inner_exception", caught.value), BudgetError)
 
 
+def test_a_bigger_cache_after_the_plan_is_warned_about(caplog):
+    """The plan is made for the first cache; a later, longer one keeps its placement (the
+    compiled graphs are built for it) and gets a warning that the budget may be exceeded,
+    once."""
+    reference, model = _models(memory_budget=_resident() + 5 * PER_LAYER)
+    ids = torch.randint(0, 128, (1, 9))
+    _generate(model, ids)
+    assert runtime_of(model).layers == []
+    for _ in range(2):
+        cache = transformers.StaticCache(config=model.config, max_cache_len=3 * LENGTH)
+        with torch.no_grad(), caplog.at_level("WARNING", logger="fx_offload"):
+            model.generate(ids, max_new_tokens=2, do_sample=False, past_key_values=cache)
+    warned = [r for r in caplog.records if "more than the" in r.getMessage()]
+    assert len(warned) == 1 and "6.00 MiB" in warned[0].getMessage()
+
+
 def test_kv_options_that_do_not_apply_are_refused():
     with pytest.raises(OffloadError, match="kv_layers' only applies with kv_cache='host'"):
         fx_offload.parse_options({"kv_layers": [0], "memory_budget": "1GiB"})

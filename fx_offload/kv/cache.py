@@ -155,7 +155,7 @@ def prepare(kv, model, args, kwargs) -> None:
                             layer.keys.dtype, kv.device)
         _read_lengths(kv, cache)
         return
-    if kv.mode != "host" and (not is_static(cache) or (kv.plan is not None and not kv.layers)):
+    if kv.mode != "host" and not is_static(cache):
         return      # (the budget counts a static cache only: another grows as it fills)
     if kv.mode == "host":
         layers, chosen = _check_cache(cache, kv.wanted)
@@ -165,9 +165,9 @@ def prepare(kv, model, args, kwargs) -> None:
         chosen = [i for i, c in enumerate(layers)
                   if kv.mode == "auto" and not isinstance(c, sliding)]
     batch, heads, dk, dv, dtype, device = _dims(model, args, kwargs)
+    sizes = {i: batch * heads * layer.max_cache_len * (dk + dv) * dtype.itemsize
+             for i, layer in enumerate(layers)}
     if kv.plan is None:
-        sizes = {i: batch * heads * layer.max_cache_len * (dk + dv) * dtype.itemsize
-                 for i, layer in enumerate(layers)}
         kv.plan = decide(kv, model, sizes, chosen, device)
         kv.layers = list(kv.plan.layers)
         if kv.budget is not None:
@@ -175,7 +175,10 @@ def prepare(kv, model, args, kwargs) -> None:
     elif kv.mode == "host" and kv.layers != chosen:
         raise OffloadError(f"this cache's layers {chosen} differ from the first cache's "
                            f"{kv.layers}; give kv_layers", where=WHERE)
+    else:
+        plan.warn_if_over(kv, sizes)
     if not kv.layers:
+        kv.caches[cache] = 0
         return      # the whole cache on the device, as transformers makes it
     kv.use_device(device)
     kv.forget_dead()

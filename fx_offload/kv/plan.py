@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 
 from ..text import format_bytes
 
 log = logging.getLogger("fx_offload")
+_WARNED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()     # runtime -> sizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,3 +85,23 @@ def choose(layer_bytes: dict[int, int], movable: list[int], slots: int, budget: 
             return candidate
     return best
 
+
+def warn_if_over(runtime, layer_bytes: dict[int, int]) -> None:
+    """A cache after the first, bigger than the one the plan was made for (a longer
+    ``max_cache_len``, a bigger batch): its layers go where the plan put the first's, which
+    the compiled graphs are built for, so it may take more of the device than the budget
+    gave; said once per size."""
+    plan = runtime.plan
+    if plan is None or plan.budget is None:
+        return
+    now = dataclasses.replace(plan, layer_bytes=dict(layer_bytes))
+    key = tuple(sorted(layer_bytes.items()))
+    if now.device_bytes <= plan.device_bytes or key in _WARNED.setdefault(runtime, set()):
+        return
+    _WARNED[runtime].add(key)
+    log.warning(
+        "fx_offload: %s: this KV cache takes %s on the device, more than the %s that "
+        "memory_budget's plan gave the first one (made for that cache's size): the budget may "
+        "be exceeded. Pass the longest max_cache_len first (a StaticCache given to the first "
+        "call), or kv_cache='host' to keep every layer that can move on the host",
+        runtime.model_name, format_bytes(now.device_bytes), format_bytes(plan.device_bytes))
