@@ -260,3 +260,22 @@ def test_options_that_save_nothing_warn(options, warns, caplog):
                      options={"inner_backend": "eager", **options})
     assert ("the slots hold nearly all of it): lower prefetch_step (2 now)" in caplog.text) \
         == warns
+
+
+def test_report_names_dynamos_recompile_limit_when_a_compiled_forward_ran_uncompiled():
+    """Models of one class compiled one after another add entries to one code object; past
+    Dynamo's recompile limit it runs the next one uncompiled (nothing offloaded).  report
+    says so instead of only "compile it"."""
+    torch._dynamo.reset()
+    compiled = []
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for seed in range(2):
+            model, inputs = models.build_decoder(num_layers=4, seed=seed)
+            fx_offload.compile_forward(model, inner_backend="aot_eager", group_size=2,
+                                       num_in_group=1)
+            with torch.no_grad():
+                model(*inputs)
+            compiled.append(model)
+    fx_offload.report(compiled[0])          # the first was compiled and offloaded
+    with pytest.raises(fx_offload.errors.OffloadError, match="recompile_limit"):
+        fx_offload.report(compiled[1])

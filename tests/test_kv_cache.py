@@ -93,7 +93,7 @@ def test_generate_own_cache_several_calls_and_a_longer_prompt():
         assert len(runtime_of(model).slots._flats) == 1
 
 
-@pytest.mark.parametrize("kv", [dict(kv_layers=[1, 3]), dict(kv_slots=1), dict(kv_slots=3),
+@pytest.mark.parametrize("kv", [dict(kv_layers=[1, 3], kv_slots=1), dict(kv_slots=3),
                                 dict(kv_block_size=32, kv_slots=4)])
 def test_layer_subsets_and_slot_counts(kv):
     reference, model = pair(**kv)

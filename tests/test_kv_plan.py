@@ -61,8 +61,8 @@ def _generate(model, ids):
 
 @pytest.mark.parametrize("spare, host, weights_offloaded", [
     (4 * PER_LAYER, [], False),                 # weights and cache fit: nothing moves
-    (2 * PER_LAYER, [0, 1, 2, 3], False),       # the cache alone makes room
-    (3 * PER_LAYER // 2, [0, 1, 2, 3], True)])   # then weights go too
+    (7 * PER_LAYER // 2, [1, 2, 3], False),     # three layers make room (two hold nothing)
+    (3 * PER_LAYER // 2, [0, 1, 2, 3], True)])   # all four do not: weights go too
 def test_the_budget_counts_the_cache_and_moves_it_first(spare, host, weights_offloaded):
     """A budget of the weights plus ``spare``: the host layers are the planner's, tokens
     equal the unbudgeted model's, the weight planner plans for what the cache left, and
@@ -121,3 +121,4 @@ def test_kv_options_that_do_not_apply_are_refused():
     with pytest.raises(OffloadError, match="only apply where the KV cache may go to the host"):
         fx_offload.parse_options({"kv_slots": 3})
     assert fx_offload.parse_options({"kv_slots": 3, "memory_budget": "1GiB"}).kv_slots == 3
+

@@ -180,6 +180,7 @@ def prepare(kv, model, args, kwargs) -> None:
     if not kv.layers:
         kv.caches[cache] = 0
         return      # the whole cache on the device, as transformers makes it
+    chosen = kv.layers      # (under "auto" the plan's, fewer than the movable ones)
     kv.use_device(device)
     kv.forget_dead()
     total = 0

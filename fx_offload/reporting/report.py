@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 from torch import nn
 
 from .. import kv, registry
@@ -170,7 +171,17 @@ def _weights_report(model: nn.Module) -> Report:
                       refill_of={}, layer_bytes={}, pinned=False,
                       options=kept.options.describe(), planner=kept.planner)
     hint = ""
-    if callable(getattr(model, "generate", None)):
+    if hasattr(model.__dict__.get("forward"), "_torchdynamo_orig_callable"):
+        # its forward is compiled (compile_forward) and was called, yet never reached the
+        # backend: Dynamo gives up on a code object after config.recompile_limit entries,
+        # which each model of one class compiled in the process adds to, and runs it eagerly
+        hint = ("; its forward is compiled, so if it has run, Dynamo may have run it "
+                "uncompiled: every model of one class compiled in a process adds to the "
+                "compiled entries of one code object, and past torch._dynamo.config."
+                f"recompile_limit ({torch._dynamo.config.recompile_limit}) Dynamo stops "
+                "compiling it (its log says 'hit config.recompile_limit'). Call "
+                "torch._dynamo.reset() before compiling another model, or raise that limit")
+    elif callable(getattr(model, "generate", None)):
         hint = ("; `compiled.generate(...)` on a torch.compile wrapper runs the uncompiled "
                 "forward: compile the forward itself, fx_offload.compile_forward(model, ...)")
     raise OffloadError(
