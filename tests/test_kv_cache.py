@@ -93,8 +93,8 @@ def test_generate_own_cache_several_calls_and_a_longer_prompt():
         assert len(runtime_of(model).slots._flats) == 1
 
 
-@pytest.mark.parametrize("kv", [dict(kv_layers=[1, 3], kv_slots=1), dict(kv_slots=3),
-                                dict(kv_block_size=32, kv_slots=4)])
+@pytest.mark.parametrize("kv", [dict(kv_layers=[1, 3], kv_slots=1),
+                                dict(kv_block_size=32, kv_slots=3)])    # slots of 2, 1, 1
 def test_layer_subsets_and_slot_counts(kv):
     reference, model = pair(**kv)
     ids = torch.randint(0, 128, (2, 21))
@@ -158,11 +158,9 @@ def test_fills_begun_ahead_are_taken_only_while_they_hold():
     into a host layer between calls, cache.reset() and a new prefill, and two caches used
     in turn each make the begin fill again: the logits stay the reference's, bitwise."""
     reference, model = pair()
-    generate(model, torch.randint(0, 128, (1, 9)), new=2)          # compiled
-    ahead = runtime_of(model).next_call
-    ahead.skipped = 0
     ids = torch.randint(0, 128, (1, 40))
     assert torch.equal(generate(model, ids), generate(reference, ids))
+    ahead = runtime_of(model).next_call
     assert ahead.skipped == 2 * 9       # each decode step found slots 0 and 1 filled
 
     caches = [(static_cache(reference, 1, 64), static_cache(model, 1, 64)) for _ in range(2)]
