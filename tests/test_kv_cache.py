@@ -58,7 +58,8 @@ def static_cache(model, batch, length):
 def test_tokens_and_cache_equal_the_device_cache(device):
     """Batch 2, a prompt of 37 tokens (two full blocks of 16 and one ending mid-block), ten
     new tokens, three generates in a row: the tokens and every valid position of every
-    layer's keys and values equal the device cache's, bitwise (aot_eager both)."""
+    layer's keys and values equal the device cache's, bitwise (aot_eager both); report gives
+    the host bytes and what a step copies in and writes back."""
     reference, model = pair(device)
     ids = torch.randint(0, 128, (2, 37), device=device)
     for _ in range(3):
@@ -74,6 +75,13 @@ def test_tokens_and_cache_equal_the_device_cache(device):
                                theirs.values[:, :, :valid].cpu())
     runtime = runtime_of(model)
     assert runtime.layers == [0, 1, 2, 3]
+    rep = fx_offload.report(model)
+    per_token = 2 * 2 * 16 * next(model.parameters()).element_size()    # batch 2, 2 heads,
+    assert rep.kv["host_bytes"] == 4 * 64 * per_token * 2      # 16 dims; keys and values
+    assert rep.kv["valid_tokens"] == 46
+    assert rep.kv["copied_per_step"] == 4 * 48 * per_token * 2     # 3 blocks of 16
+    assert rep.kv["written_per_step"] == 4 * 1 * per_token * 2
+    assert "KV cache" in str(rep)
     if device == "cuda":        # the truth is host memory, seen through its mapped address
         host = cache.layers[0].keys
         assert host.device.type == "cuda"
@@ -275,19 +283,6 @@ def test_compiling_without_compile_forward_is_refused():
         layer.lazy_initialization(torch.zeros(1, 2, 0, 16), torch.zeros(1, 2, 0, 16))
     with pytest.raises(Exception, match="compile_forward"):
         generate(model, ids, new=2, past_key_values=cache)
-
-
-def test_report_gives_host_and_copied_bytes():
-    _, model = pair()
-    cache = static_cache(model, 2, 64)
-    generate(model, torch.randint(0, 128, (2, 37)), past_key_values=cache)
-    rep = fx_offload.report(model)
-    per_token = 2 * 2 * 16 * 4          # batch 2, 2 heads, 16 dims, 4 bytes; keys and values
-    assert rep.kv["host_bytes"] == 4 * 64 * per_token * 2
-    assert rep.kv["valid_tokens"] == 46
-    assert rep.kv["copied_per_step"] == 4 * 48 * per_token * 2     # 3 blocks of 16
-    assert rep.kv["written_per_step"] == 4 * 1 * per_token * 2
-    assert "KV cache" in str(rep)
 
 
 @pytest.mark.cuda
