@@ -43,6 +43,7 @@ import logging
 
 import torch
 
+from ..runtime.contents import capturing
 from . import copies
 
 log = logging.getLogger("fx_offload")
@@ -68,10 +69,6 @@ def _filled(runtime, keys, values, tokens: int, slot) -> Filled:
                   tokens, slot.data_ptr(), owners)
 
 
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 class NextCall:
     """The begun-ahead fills of one host KV runtime."""
 
@@ -84,7 +81,7 @@ class NextCall:
         self.skipped = 0                    # fills found done at a begin (tests, logging)
 
     def begin_call(self) -> None:
-        if _capturing():
+        if capturing():
             self.enabled = False
             self.filled = {}
         self.taken, self.filled, self.pending = self.filled, {}, {}
@@ -95,7 +92,7 @@ class NextCall:
     def found(self, runtime, layer: int, keys, values) -> bool:
         """True when ``layer``'s slot already holds what this call's begin would fill."""
         got = self.taken.pop(layer, None)
-        if got is None or _capturing():
+        if got is None or capturing():
             return False
         known = runtime.call_lengths.get(layer)
         now = _filled(runtime, keys, values, got.tokens, runtime.views(layer, keys, values)[0])
@@ -115,7 +112,7 @@ class NextCall:
         the slot holds one layer only, it holds that layer's next-call prefix already."""
         first = runtime.layers[runtime.slot_of(layer)]
         got, known = self.updated.get(first), runtime.call_lengths.get(first)
-        if not self.enabled or _capturing() or got is None or known is None:
+        if not self.enabled or capturing() or got is None or known is None:
             return
         keys, values, written = got
         tokens = known + written                    # what the slot holds, if it is first's
@@ -144,7 +141,7 @@ class NextCall:
         updated, self.updated = self.updated, {}
         pending, self.pending = self.pending, {}
         self.filled = {}
-        if not self.enabled or _capturing() or any(l not in updated for l in runtime.layers):
+        if not self.enabled or capturing() or any(l not in updated for l in runtime.layers):
             return
         firsts = runtime.layers[:min(runtime.num_slots, len(runtime.layers))]
         self.filled = {l: pending[l] for l in firsts if l in pending}
