@@ -6,6 +6,21 @@ import torch
 import torch._dynamo
 
 
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (the README's test command): a worker per core on a CPU machine, a few at
+    most; none on a GPU machine, whose tests time copies against compute and share one
+    device."""
+    if torch.cuda.is_available():
+        return 0
+    return max(1, min(os.cpu_count() or 1, 8))
+
+
+# each worker's share of the cores for torch's own threads, not every core each
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

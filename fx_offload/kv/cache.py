@@ -11,6 +11,7 @@ transformers would at their first update, so no graph allocates a cache.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import weakref
 
@@ -232,10 +233,14 @@ def _drop_unused_slots(kv) -> None:
     addresses (no begun-ahead fills either, then)."""
     if kv.slots is None or not kv.next_call.enabled:
         return
-    live = set()
-    for cache in list(kv.caches.keys()):
-        first = cache.layers[kv.layers[0]]
-        live.add(kv.slots.key(first.keys, first.values))
+    live = _live_shapes(kv)
+    if live and live != kv.slots.collected_for:
+        # Dynamo's compile of the previous call leaves its tracer in reference cycles that
+        # hold that call's cache (and its host blocks) until the next collection: without
+        # one here, every prompt length's slots stayed on the device as often as not. Once
+        # per set of shapes, so caches a user keeps do not cost a collection each call.
+        gc.collect()
+        live = kv.slots.collected_for = _live_shapes(kv)
     if kv.copy_stream is not None:      # the copies that may still use them come first
         current = torch.cuda.current_stream(kv.device)
         current.wait_stream(kv.copy_stream)
@@ -244,6 +249,14 @@ def _drop_unused_slots(kv) -> None:
     if freed:
         log.info("fx_offload: %s KV slots of caches that are gone freed: %s", kv.model_name,
                  format_bytes(freed))
+
+
+def _live_shapes(kv) -> frozenset:
+    shapes = set()
+    for cache in list(kv.caches.keys()):
+        first = cache.layers[kv.layers[0]]
+        shapes.add(kv.slots.key(first.keys, first.values))
+    return frozenset(shapes)
 
 
 def _host_layer(kv, i, layer, shape_k, shape_v, dtype, device) -> int:

@@ -19,6 +19,7 @@ class KVSlots:
         self.count = count
         self._flats: dict[tuple, list[torch.Tensor]] = {}
         self._idx: dict[tuple, list[torch.Tensor]] = {}
+        self.collected_for: frozenset = frozenset()     # shapes found live after a gc
 
     @staticmethod
     def key(keys: torch.Tensor, values: torch.Tensor) -> tuple:
