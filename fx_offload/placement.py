@@ -56,12 +56,23 @@ def place(model: nn.Module, device: str | torch.device = "cuda", *, checkpoint=N
     if registry.state_for_model(model) is not None:
         raise OffloadError(f"{type(model).__name__} is already offloaded; call "
                            "fx_offload.restore(model) first", where="fx_offload.place")
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise OffloadError(f"{device!r} is not a device torch knows ({err}); give 'cuda', "
+                           "'cuda:1' or 'cpu'", where="fx_offload.place") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise OffloadError("device 'cuda' (the default) asked for, but torch sees no CUDA "
+                           "device here: place(model, 'cpu') runs the offload on the host, as "
+                           "a simulation", where="fx_offload.place")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     source = None if checkpoint is None else Checkpoint.open(checkpoint)
     try:
-        return _place(model, device, opts, source, example_inputs)
+        # what is made here outlives the caller's inference_mode: plain tensors, which later
+        # calls under no_grad may write in place
+        with torch.inference_mode(False):
+            return _place(model, device, opts, source, example_inputs)
     finally:
         if source is not None:
             source.close()
@@ -202,24 +213,14 @@ def activate(state: OffloadState, model: nn.Module, hand_over: bool, fill=None,
              progress: _Progress | None = None) -> None:
     """Allocate and fill ``state``'s memory and hook it to ``model``."""
     state.materialize(hand_over, fill, None if progress is None else progress.layer)
-    strip_hooks(model)
+    hooks.strip_hooks(model)
     spec = (state.choice.options, str(state.device), layout.chunk_names(state.choice.layout))
     state.hooks = [model.register_forward_pre_hook(EnterCall(*spec), with_kwargs=True),
                    model.register_forward_hook(LeaveCall(), always_call=True)]
     state.hooks += hooks.install_layer_hooks(state)
 
 
-def strip_hooks(model: nn.Module) -> None:
-    """Remove our hooks from ``model``'s modules (those a copy brought along)."""
-    ours = hooks.OURS + (EnterCall, LeaveCall)
-    for module in model.modules():
-        for hook_dict in (module._forward_pre_hooks, module._forward_hooks,
-                          module._state_dict_hooks):
-            for key in [k for k, h in hook_dict.items() if isinstance(h, ours)]:
-                del hook_dict[key]
-                module._forward_hooks_always_called.pop(key, None)
-
-
+@torch.inference_mode(False)    # its tensors outlive a call under inference_mode
 def _offload_again(model: nn.Module, options: OffloadOptions, device: str,
                    chunks=None) -> OffloadState:
     choice = choose(model, options, device=torch.device(device))
@@ -235,7 +236,7 @@ def _offload_again(model: nn.Module, options: OffloadOptions, device: str,
     return state
 
 
-class EnterCall:
+class EnterCall(hooks.OurHook):
     """Forward pre-hook of an offloaded model's root: a call begins."""
 
     def __init__(self, options: OffloadOptions, device: str, chunks=None):
@@ -253,9 +254,9 @@ class EnterCall:
         try:
             state.enter(root=True, tokens=tokens)
         except ShapeChanged as changed:
-            log.warning("fx_offload: %s of %s changed (dtype, shape, or place in the layer "
-                        "stack); offloading the model again in its new form", changed,
-                        type(module).__name__)
+            log.warning("fx_offload: %s of %s changed (dtype, shape, place in the layer "
+                        "stack, or the modules holding it); offloading the model again in its "
+                        "new form", changed, type(module).__name__)
             state.detach()
             state = _offload_again(module, self.options, self.device, self.chunks)
             state.enter(root=True, tokens=tokens)
@@ -274,7 +275,7 @@ def call_tokens(args, kwargs) -> int | None:
     return None
 
 
-class LeaveCall:
+class LeaveCall(hooks.OurHook):
     """Forward hook (always called) of an offloaded model's root: the call has ended."""
 
     @torch._dynamo.disable

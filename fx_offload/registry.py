@@ -20,7 +20,8 @@ import uuid
 import weakref
 
 from torch import nn
-from torch.nn.modules.module import register_module_module_registration_hook
+from torch.nn.modules.module import (register_module_module_registration_hook,
+                                     register_module_parameter_registration_hook)
 
 from . import dtensor
 from .errors import OffloadError, StateGoneError
@@ -150,6 +151,13 @@ def state_for_op(handle: int):
         return active
     if schedule is not None and set(active.layers) <= set(schedule.layers):
         return _OnDemand(active)    # every layer it offloads has a wait in this graph
+    if compiled_for is None and handle in _RESTORED:
+        raise OffloadError(
+            f"a callable compiled before fx_offload.restore ran {active.model_name} after it "
+            f"was offloaded anew (now layers {active.layers} in {active.num_slots} slot(s)), "
+            "which its graph has no waits for: call what torch.compile returned after the "
+            "new offload, or torch._dynamo.reset() so that this callable compiles again",
+            where="fx_offload")
     raise OffloadError(
         f"a graph compiled for another offloaded {active.model_name} (offload state {handle}, "
         f"layers {list(schedule.layers) if schedule else '?'}) ran in a call of this one "
@@ -246,6 +254,7 @@ def register(state, model: nn.Module | None) -> None:
             del _BY_PARAM[key]
         if not _WATCH:
             _WATCH.append(register_module_module_registration_hook(_child_set))
+            _WATCH.append(register_module_parameter_registration_hook(_param_set))
 
 
 def _child_set(module, name, child):
@@ -255,7 +264,26 @@ def _child_set(module, name, child):
     state = None if ref is None else ref()
     if state is not None and any(m is module for layer in state.params
                                  for m in state.stack.modules[layer].modules()):
-        state.structure_changed = True
+        state.structure_changed = "a module inside an offloaded layer"
+
+
+def _param_set(module, name, param):
+    """A parameter was set on ``module`` (any module in the process): an offloaded one set
+    on a module other than its own (a weight tied after offloading) would be read, by a
+    layer the schedule does not load, from whatever its slot holds.  The next call offloads
+    the model anew, and a shared parameter stays resident."""
+    if param is None:
+        return
+    found = _BY_PARAM.get(id(param))
+    state = None if found is None else found[0]()
+    if state is not None and any((param is p.param or param is p.host) and p.owner is not module
+                                 for p in state.params.get(found[1], ())):
+        state.structure_changed = f"{_name_of(state, param)} (now held by another module too)"
+
+
+def _name_of(state, param) -> str:
+    return next((p.name for ps in state.params.values() for p in ps
+                 if param is p.param or param is p.host), "an offloaded parameter")
 
 
 def unregister(state, model: nn.Module | None) -> None:

@@ -209,6 +209,37 @@ def test_weights_changed_between_calls_are_what_the_next_call_gathers():
         assert torch.equal(p, q), n
 
 
+@pytest.mark.parametrize("case", ["routed_then_whole", "sizes_sharing_a_slot"])
+def test_an_update_reaches_every_chunk_a_slot_kept_from_earlier_calls(case):
+    """A slot may hold chunks of its first layer copied at different times: a refill skips
+    the chunks the slot holds.  After update_weights, each such chunk copied before the
+    update is reloaded, not only the layer's newest copy checked: chunks of attention kept
+    since a decode call (its experts gathered, not held) when the next call prefetches the
+    experts whole; the tail of an MoE layer that the smaller dense layer sharing its slot
+    never overwrites."""
+    if case == "routed_then_whole":
+        model, options, names = build("qwen3_moe").eval(), {}, "model.layers.1.self_attn."
+    else:
+        torch.manual_seed(0)
+        config = transformers.Qwen2MoeConfig(
+            **SMALL, experts_implementation="grouped_mm", moe_intermediate_size=32,
+            num_experts=16, num_experts_per_tok=2, shared_expert_intermediate_size=64,
+            mlp_only_layers=[3])
+        model = transformers.Qwen2MoeForCausalLM(config).eval()
+        options, names = {"experts": "whole", "circular_prefetch": "entry"}, "model.layers.1."
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload", options={
+        "inner_backend": "aot_eager", "group_size": 2, "num_in_group": 1, **options})
+    ref_fn = torch.compile(reference, backend="aot_eager")
+    _run_calls(model, compiled, ref_fn, "cpu", [(1, 8), (1, 1)])
+    assert fx_offload.report(model).num_slots == 1
+    with torch.no_grad():
+        new = {n: p * 2 for n, p in reference.named_parameters() if n.startswith(names)}
+    fx_offload.update_weights(model, new)
+    reference.load_state_dict(new, strict=False)
+    _run_calls(model, compiled, ref_fn, "cpu", [(1, 8), (1, 8), (1, 1)])
+
+
 @pytest.mark.cuda
 def test_routed_experts_inside_cuda_graphs():
     """reduce-overhead: the decode graph is captured with the gather in it; each replay

@@ -194,6 +194,54 @@ def test_an_exception_in_a_call_leaves_the_weights_and_the_next_call_right(monke
         assert torch.equal(model(x), reference(x))
 
 
+@pytest.mark.parametrize("route", ["compiled", "eager"])
+def test_ctrl_c_inside_a_call_ends_it_with_the_weights_on_the_truth(route):
+    """SIGINT while an offloaded layer runs (torch skips its always-called hooks for a
+    KeyboardInterrupt): the interrupt reaches the caller, and at once the parameters hold
+    the true weights again (named_parameters, deepcopy and load_state_dict act on them), the
+    handler that was there is back, another thread's call does not wait for ever, and the
+    next call is right."""
+    import signal
+    assert threading.current_thread() is threading.main_thread()    # signals come here
+    model, (x,) = models.build("mlp", num_layers=8)
+    reference = copy.deepcopy(model)
+    pressed = []
+
+    def ctrl_c(module, args, output):
+        if pressed:
+            signal.raise_signal(signal.SIGINT)
+    # in an offloaded layer; before the compile, which does not see hooks added later
+    model.layers[5].register_forward_hook(ctrl_c)
+    compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), reference(x))
+    call = compiled if route == "compiled" else model
+    before = signal.getsignal(signal.SIGINT)
+    pressed.append(True)
+    with torch.no_grad(), pytest.raises(KeyboardInterrupt):
+        call(x)
+    pressed.clear()
+    assert signal.getsignal(signal.SIGINT) == before
+    assert_weights(model, reference)                 # named_parameters: not slot contents
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        assert torch.equal(clone(x), reference(x))
+    other, _ = models.build("mlp", num_layers=8, seed=3)
+    model.load_state_dict(other.state_dict())        # into the truth, not into a slot
+    outputs = []
+    worker = threading.Thread(target=lambda: outputs.append(_no_grad_call(compiled, x)))
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive() and torch.equal(outputs[0], other(x).detach())
+    with torch.no_grad():
+        assert torch.equal(compiled(x), other(x))
+
+
+def _no_grad_call(fn, *args):
+    with torch.no_grad():
+        return fn(*args)
+
+
 @pytest.mark.parametrize("step", ["allocate", "first_fill"])
 def test_a_fault_while_offloading_loses_nothing(step, monkeypatch):
     model, (x,) = models.build("mlp", num_layers=8)
@@ -363,8 +411,43 @@ def test_place_then_compile():
     assert_weights(model, reference)
 
 
+def test_offloading_under_inference_mode_leaves_tensors_later_calls_can_write():
+    """A copy's first call, a dtype change taken up and place() from a checkpoint, each
+    under torch.inference_mode(): what they allocate (host blocks, slots, moved weights) is
+    made outside it, so later calls under no_grad (generate's) and load_state_dict work."""
+    model, compiled, reference, x = offloaded()
+    clone = copy.deepcopy(model)
+    with torch.inference_mode():
+        assert torch.equal(clone(x), reference(x))          # offloads the copy
+    model.double()
+    reference.double()
+    with torch.inference_mode():
+        assert torch.equal(compiled(x.double()), reference(x.double()))    # anew
+    with torch.no_grad():
+        assert torch.equal(clone(x), reference.float()(x))
+        assert torch.equal(compiled(x.double()), reference.double()(x.double()))
+    reference.float()
+    with fx_offload.empty_weights():
+        placed, _ = models.build("mlp", num_layers=8)
+    with torch.inference_mode():
+        fx_offload.place(placed, "cpu", checkpoint=reference.state_dict(), group_size=2,
+                         num_in_group=1)
+    placed.load_state_dict(reference.state_dict())
+    with torch.no_grad():
+        assert torch.equal(placed(x), reference(x))
+    assert_weights(placed, reference)
+
+
 def test_place_refuses_what_it_cannot_do():
     model, _ = models.build("mlp", num_layers=8)
+    with pytest.raises(fx_offload.OffloadError, match=r"'gpu' is not a device torch knows"):
+        fx_offload.place(model, "gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(fx_offload.OffloadError, match=r"torch sees no CUDA device here: "
+                                                          r"place\(model, 'cpu'\)"):
+            fx_offload.place(model)
+    with pytest.raises(fx_offload.OffloadError, match=r"expected a model .* got str"):
+        fx_offload.report("model")
     with pytest.raises(fx_offload.OffloadError, match=r"memory_budget weighs the model's "
                                                       r"graph: pass example_inputs=\(input_ids"):
         fx_offload.place(model, "cpu", memory_budget="1MiB")
@@ -476,6 +559,22 @@ def test_a_module_replaced_inside_an_offloaded_layer_is_offloaded_again():
     assert not state.structure_changed
 
 
+def test_an_offloaded_weight_tied_to_a_resident_layer_after_offloading_stays_resident():
+    """``layers[0].fc1.weight = layers[3].fc1.weight``, layer 0 resident and layer 3
+    offloaded: layer 0 would read the slot of layer 3, which holds whichever layer ran
+    last; the next call offloads the model anew, with the shared weight resident."""
+    model, compiled, reference, x = offloaded()
+    for m in (model, reference):
+        m.layers[0].fc1.weight = m.layers[3].fc1.weight
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(compiled(x), reference(x))
+            assert torch.equal(model(x), reference(x))
+    assert_weights(model, reference)
+    assert "fc1.weight" not in {n.split(".", 2)[-1] for n in fx_offload.report(model).params[3]}
+    assert model.layers[0].fc1.weight is model.layers[3].fc1.weight
+
+
 def test_an_eager_call_with_grad_enabled_is_refused():
     model, compiled, reference, x = offloaded()
     with pytest.raises(fx_offload.OffloadError, match="supports inference only"):
@@ -503,3 +602,30 @@ def test_restore_then_compile_with_other_options_offloads_anew():
         assert fx_offload.report(model).layers == [3, 7]
         assert torch.equal(first(x), reference(x))
     assert_weights(model, reference)
+    # offloaded anew into layers the first graph has no waits for: it says which callable
+    fx_offload.restore(model)
+    third = torch.compile(model, backend="prefetch_offload",
+                          options={**OPTIONS, "group_size": 1, "prefetch_step": 2})
+    with torch.no_grad():
+        assert torch.equal(third(x), reference(x))
+        with pytest.raises(Exception, match=r"a callable compiled before fx_offload.restore ran "
+                                            r"MLPStack after it was offloaded anew .*call what "
+                                            r"torch.compile returned after the new offload"):
+            first(x)
+        assert torch.equal(third(x), reference(x))
+    assert_weights(model, reference)
+
+
+def test_restore_of_a_copy_not_called_yet_says_what_it_is():
+    model, compiled, reference, x = offloaded()
+    clone = copy.deepcopy(model)
+    with pytest.raises(fx_offload.OffloadError, match="a copy of an offloaded model .* has not "
+                                                      "been called yet: .* restore it after that"):
+        fx_offload.restore(clone)
+    with torch.no_grad():
+        assert torch.equal(clone(x), reference(x))
+    fx_offload.restore(clone)
+    assert not fx_offload.runtime.hooks.carries_hooks(clone)
+    with torch.no_grad():
+        assert torch.equal(clone(x), reference(x))
+    assert_weights(clone, reference)

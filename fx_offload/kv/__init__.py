@@ -63,7 +63,8 @@ def install(model, options) -> HostKV:
     def prepare_cache(module, args, kwargs):
         live = ref()
         if live is not None:
-            cache.prepare(live, module, args, kwargs)
+            with torch.inference_mode(False):   # host layers and slots outlive the call
+                cache.prepare(live, module, args, kwargs)
 
     runtime.hook = model.register_forward_pre_hook(prepare_cache, with_kwargs=True)
     return runtime

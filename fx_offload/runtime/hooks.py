@@ -33,7 +33,11 @@ def refuse_grad(state, args) -> None:
             "or set requires_grad_(False) on its parameters and inputs")
 
 
-class LayerEnter:
+class OurHook:
+    """What every hook fx_offload installs is (so a copy's are found and removed)."""
+
+
+class LayerEnter(OurHook):
     """Forward pre-hook of an offloaded layer: called on its own, the layer begins a call
     (the parameters point at their slots); then it waits for (or loads) its weights.  It
     calls the op itself, so it is right both eagerly and when Dynamo traces it into a graph;
@@ -54,7 +58,7 @@ class LayerEnter:
         return None
 
 
-class LayerLeave:
+class LayerLeave(OurHook):
     """Forward hook (always called) of an offloaded layer: ends what :class:`LayerEnter`
     began."""
 
@@ -69,7 +73,7 @@ class LayerLeave:
         return None
 
 
-class TruthInStateDict:
+class TruthInStateDict(OurHook):
     """State-dict hook of a module owning offloaded parameters: while a call holds the slots
     (another thread's), ``state_dict`` still returns the true weights."""
 
@@ -89,7 +93,27 @@ class TruthInStateDict:
         return state_dict
 
 
-OURS = (LayerEnter, LayerLeave, TruthInStateDict)
+def strip_hooks(model: nn.Module) -> bool:
+    """Remove fx_offload's hooks from ``model``'s modules (those a copy brought along);
+    whether there were any."""
+    found = False
+    for module in model.modules():
+        for hook_dict in (module._forward_pre_hooks, module._forward_hooks,
+                          module._state_dict_hooks):
+            for key in [k for k, h in hook_dict.items() if isinstance(h, OurHook)]:
+                del hook_dict[key]
+                for flags in (module._forward_hooks_always_called,
+                              module._forward_pre_hooks_with_kwargs,
+                              module._forward_hooks_with_kwargs):
+                    flags.pop(key, None)
+                found = True
+    return found
+
+
+def carries_hooks(model: nn.Module) -> bool:
+    """``model`` has the call hook of an offloaded model: a copy of one, or one unpickled,
+    which offloads itself at its first call."""
+    return any(isinstance(h, OurHook) for h in model._forward_pre_hooks.values())
 
 
 def install_layer_hooks(state) -> list:

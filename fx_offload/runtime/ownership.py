@@ -16,8 +16,10 @@ import threading
 
 import torch
 
-from .. import dtensor, registry
+from .. import registry
 from .fingerprint import Fingerprint
+from .interrupts import InterruptGuard
+from .versions import ParamVersions
 
 log = logging.getLogger("fx_offload")
 
@@ -27,23 +29,28 @@ class ShapeChanged(Exception):
     slots no longer fit, and the model must be offloaded anew."""
 
 
-class Ownership:
+class Ownership(ParamVersions):
     """Call-by-call ownership of an offloaded model's weights (a mixin)."""
 
     def _init_ownership(self) -> None:
         self.swapped_in = False          # the parameters point at their slots
         self.depth = 0                   # nested enters of the calling thread
         self.entered = False             # a call has begun through the hooks
-        self.structure_changed = False   # a child module set inside an offloaded layer
+        self.structure_changed = ""      # what changed: a child module set inside an
+        #   offloaded layer, an offloaded parameter set on another module
         self.watched: list[int] = []     # ids of the modules inside offloaded layers
         self._lock = threading.Lock()
         self._holder: int | None = None  # the thread in a call
-        self._copied: dict[int, tuple] = {}      # layer -> its parameters' versions, copied
+        # (layer, chunk) -> the layer's parameters' versions when that chunk was copied: a
+        # slot may hold chunks of one layer copied at different times (a refill skips those
+        # it holds), so each is checked on its own
+        self._copied: dict[tuple[int, int], tuple] = {}
         self._handover: dict[str, tuple] = {}    # name -> (data_ptr, version) of the tensor
         #   a parameter held when the truth was copied from it; taken over without a copy
         self._dtensor_params: list | None = None  # (owner, attr) of DTensor parameters
         self._fingerprint: Fingerprint | None = None  # of the last full look, if one applies
         self._call_versions: dict[int, tuple] | None = None   # during a call: _versions's
+        self._interrupts = InterruptGuard(self._end_interrupted_call)
 
     # ---- calls -------------------------------------------------------------------------
     def enter(self, root: bool, tokens: int | None = None) -> None:
@@ -57,27 +64,32 @@ class Ownership:
             if not root:
                 self.depth += 1          # a layer inside this thread's call
                 return
-            # This thread is still in a call: KeyboardInterrupt skipped the hooks that end
-            # one (they run on Exception only).  The weights are intact; start afresh.
+            # This thread is still in a call: a KeyboardInterrupt raised by code (Ctrl-C's
+            # signal ends the call at once, .interrupts) skipped the hooks that end one
+            # (they run on Exception only).  The weights are intact; start afresh.
             self.depth = 0
+            registry.end_call(self)
         else:
             self._lock.acquire()
             self._holder = me
-        try:
-            self._call_versions = {}
-            if root:    # first: the copy stream works while the rest runs; a layer whose
-                self.begin_entry_refills(tokens)    # weights changed: reloaded when taken up
-            self._take_up_changes()
-            self.after_take_up(root)
-            self._point_at(truth=False)
-            registry.begin_call(self)
-            self.entered = True
-        except BaseException:
-            self._call_versions = None
-            self._holder = None
-            self._lock.release()
-            raise
-        self.depth = 1
+        self._interrupts.arm()
+        with self._interrupts.holding():    # Ctrl-C waits until the parameters are pointed
+            try:
+                self._call_versions = {}
+                if root:    # first: the copy stream works while the rest runs; a layer
+                    self.begin_entry_refills(tokens)   # changed: reloaded when taken up
+                self._take_up_changes()
+                self.after_take_up(root)
+                self._point_at(truth=False)
+                registry.begin_call(self)
+                self.entered = True
+            except BaseException:
+                self._call_versions = None
+                self._holder = None
+                self._interrupts.disarm()
+                self._lock.release()
+                raise
+            self.depth = 1
 
     def leave(self) -> None:
         """The call that :meth:`enter` began has ended (or raised): the parameters point at
@@ -87,13 +99,22 @@ class Ownership:
         self.depth -= 1
         if self.depth > 0:
             return
-        try:
-            self._point_at(truth=True)
-        finally:
-            self._call_versions = None
-            registry.end_call(self)
-            self._holder = None
-            self._lock.release()
+        with self._interrupts.holding():    # Ctrl-C waits until the parameters are back
+            try:
+                self._point_at(truth=True)
+            finally:
+                self._call_versions = None
+                registry.end_call(self)
+                self._holder = None
+                self._interrupts.disarm()
+                self._lock.release()
+
+    def _end_interrupted_call(self) -> None:
+        """Ctrl-C stopped this thread's call (:mod:`.interrupts`): end it as the hook that
+        torch skips would have."""
+        if self._holder == threading.get_ident():
+            self.depth = 1
+            self.leave()
 
     @property
     def holder(self) -> int | None:
@@ -124,38 +145,6 @@ class Ownership:
     def truth_of(self, layer: int, p) -> torch.Tensor:
         """The true value of ``layer``'s offloaded parameter ``p``: its host block's."""
         return p.value_in(self.buffers.masters[layer])
-
-    def _versions(self, layer: int) -> tuple:
-        """The version counters of ``layer``'s parameters.  Inside a call they are read once
-        (each start and load of a chunk records them: for a quantized layer that is a walk
-        of every inner tensor): nothing writes the parameters while the graph runs, and a
-        call's look at what the user changed begins the memo afresh."""
-        if (memo := self._call_versions) is None:
-            return self._read_versions(layer)
-        if layer not in memo:
-            memo[layer] = self._read_versions(layer)
-        return memo[layer]
-
-    def _read_versions(self, layer: int) -> tuple:
-        if not self.dtensor_params:          # every call: plain parameters stay cheap
-            return tuple(p.versions() for p in self.params[layer])
-        # a DTensor parameter's own counter too: a write through it leaves its shard's alone
-        return tuple((p.versions(), dtensor.version(p.owner, p.attr))
-                     for p in self.params[layer])
-
-    @property
-    def dtensor_params(self) -> list:
-        """(owner, attribute) of the offloaded DTensor parameters, found once."""
-        if self._dtensor_params is None:
-            self._dtensor_params = [
-                (p.owner, p.attr) for ps in self.params.values() for p in ps
-                if dtensor.is_dtensor(p.owner._parameters.get(p.attr))]
-        return self._dtensor_params
-
-    def rewrap(self) -> None:
-        """DTensor parameters describe their shards' storage again (see ``dtensor``)."""
-        for owner, attr in self.dtensor_params:
-            dtensor.rewrap(owner, attr)
 
     def _take_up_changes(self, restoring: bool = False) -> None:
         """What the user did to the offloaded parameters since the last call: new storage
@@ -211,18 +200,22 @@ class Ownership:
             p.point_at(masters)
         if moved:
             self.rewrap()
-        stale |= {layer for layer in self.layers
-                  if layer in self._copied and self._versions(layer) != self._copied[layer]}
         if not restoring:   # compressed copies follow; a slot holding one is stale
             stale |= self.buffers.recompress_changed(self._versions, moved, self.synchronize)
-        for layer in stale:
-            log.debug("fx_offload: layer %d changed since it was copied; reloading", layer)
-            if self.contents.holds(layer):
-                self._load_now(layer)
-            else:
-                self._copied.pop(layer, None)
+        self._reload_stale(stale)
         if Fingerprint.applies(self.params, bool(self._handover or self.dtensor_params)):
             self._fingerprint = Fingerprint(self.params)
+
+    def _reload_stale(self, layers: set[int]) -> None:
+        """Reload every chunk a slot holds that was copied before its layer last changed
+        (or of ``layers``, whose every chunk changed), as the call begins."""
+        for key in [k for k in self._copied if k not in self.contents.slot(k[0])]:
+            del self._copied[key]           # overwritten since: its next copy is fresh
+        for (layer, index), seen in list(self._copied.items()):
+            if layer in layers or seen != self._versions(layer):
+                log.debug("fx_offload: layer %d changed since its chunk %d was copied; "
+                          "reloading it", layer, index)
+                self._load_now(layer, self.contents.chunks(layer, index)[0])
 
     def holding_slots(self):
         """Hold the slots as a call does (for restore), unless this thread is in a call."""
@@ -234,7 +227,7 @@ def _check_stack(state) -> None:
     replaced, inserted, deleted or reordered changes which weights each index reads), and no
     child module inside an offloaded layer was set (``layers[3].fc1 = new``)."""
     if state.structure_changed:
-        raise ShapeChanged("a module inside an offloaded layer")
+        raise ShapeChanged(state.structure_changed)
     model = state.model_ref()
     if model is None:
         return

@@ -97,6 +97,7 @@ class OffloadState(Ownership, RoutedWait, HookCopies):
         return {} if self.buffers is None else self.buffers.masters
 
     # ---- setup and teardown ------------------------------------------------------------
+    @torch.inference_mode(False)    # host blocks and slots outlive the call that made them
     def materialize(self, hand_over: bool, fill=None, placed=None) -> None:
         """Copy the offloaded weights into their host blocks (the truth from now on),
         allocate the slots and fill them for the first call.
@@ -213,7 +214,7 @@ class OffloadState(Ownership, RoutedWait, HookCopies):
                 continue    # a routed chunk: its wait_routed copies what the router picks
             if c.index == 0:
                 self.stats["prefetches"] += 1       # refills begun, whole or in chunks
-            self._copied[refill] = self._versions(refill)
+            self._copied[(refill, c.index)] = self._versions(refill)
             if self.copy_stream is None:
                 self.buffers.copy_in(refill, c)
                 self.contents.fill(refill, c, None)
@@ -249,7 +250,7 @@ class OffloadState(Ownership, RoutedWait, HookCopies):
         for c in chunks:
             self.buffers.copy_in(layer, c, non_blocking=self.copy_stream is not None)
             self.contents.fill(layer, c, None)
-        self._copied[layer] = self._versions(layer)
+            self._copied[(layer, c.index)] = self._versions(layer)
         self.stats["sync_loads"] += 1
         log.debug("fx_offload: loaded layer %d (chunk %s) synchronously", layer, chunk)
 

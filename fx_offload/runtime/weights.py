@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .. import registry, subclass
+from . import hooks
 from ..errors import OffloadError
 
 
@@ -32,8 +33,16 @@ def restore(model: nn.Module) -> None:
     On a model whose ``memory_budget`` plan offloaded nothing it forgets that plan, so the
     model may be compiled again with other options."""
     model = registry.model_of(model)
-    if registry.state_for_model(model) is None and registry.forget_nothing_offloaded(model):
-        return
+    if registry.state_for_model(model) is None:
+        if registry.forget_nothing_offloaded(model):
+            return
+        if hooks.carries_hooks(model):
+            raise OffloadError(
+                f"this {type(model).__name__} is a copy of an offloaded model (deepcopy, "
+                "pickle, torch.load) that has not been called yet: it holds its weights on "
+                "the host and offloads itself, with the original's options, at its first "
+                "call. For a plain model restore it after that call, or restore the "
+                "original before copying it", where="fx_offload.restore")
     _state(model, "fx_offload.restore").restore()
 
 

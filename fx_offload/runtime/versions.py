@@ -1,0 +1,43 @@
+"""What the offloaded parameters' version counters say: autograd moves a tensor's counter at
+every in-place write, so a layer whose counters moved since its copy holds stale bytes in
+its slot.  A mixin of :class:`~.ownership.Ownership`, which sets ``_call_versions`` (the
+memo of one call) and ``_dtensor_params``."""
+from __future__ import annotations
+
+from .. import dtensor
+
+
+class ParamVersions:
+    """The version counters of each offloaded layer's parameters (a mixin)."""
+
+    def _versions(self, layer: int) -> tuple:
+        """The version counters of ``layer``'s parameters.  Inside a call they are read once
+        (each start and load of a chunk records them: for a quantized layer that is a walk
+        of every inner tensor): nothing writes the parameters while the graph runs, and a
+        call's look at what the user changed begins the memo afresh."""
+        if (memo := self._call_versions) is None:
+            return self._read_versions(layer)
+        if layer not in memo:
+            memo[layer] = self._read_versions(layer)
+        return memo[layer]
+
+    def _read_versions(self, layer: int) -> tuple:
+        if not self.dtensor_params:          # every call: plain parameters stay cheap
+            return tuple(p.versions() for p in self.params[layer])
+        # a DTensor parameter's own counter too: a write through it leaves its shard's alone
+        return tuple((p.versions(), dtensor.version(p.owner, p.attr))
+                     for p in self.params[layer])
+
+    @property
+    def dtensor_params(self) -> list:
+        """(owner, attribute) of the offloaded DTensor parameters, found once."""
+        if self._dtensor_params is None:
+            self._dtensor_params = [
+                (p.owner, p.attr) for ps in self.params.values() for p in ps
+                if dtensor.is_dtensor(p.owner._parameters.get(p.attr))]
+        return self._dtensor_params
+
+    def rewrap(self) -> None:
+        """DTensor parameters describe their shards' storage again (see ``dtensor``)."""
+        for owner, attr in self.dtensor_params:
+            dtensor.rewrap(owner, attr)
