@@ -41,8 +41,13 @@ def prefetch_offload(gm: fx.GraphModule, example_inputs, options: Mapping[str, A
     """Dynamo backend: ``torch.compile(model, backend="prefetch_offload", options={...})``."""
     if unexpected:
         raise OffloadError(f"got unexpected arguments {sorted(unexpected)}")
-    return compile_graph(gm, example_inputs, parse_options(options, mode=mode),
-                         given=tuple(options or ()))
+    opts = parse_options(options, mode=mode)
+    return compile_graph(gm, example_inputs, opts, given=_given(options))
+
+
+def _given(options) -> tuple[str, ...]:
+    """The options the user set (one given as None is left at its default)."""
+    return tuple(k for k, v in (options or {}).items() if v is not None)
 
 
 class PrefetchOffloadBackend:
@@ -62,7 +67,7 @@ class PrefetchOffloadBackend:
                 "fx_offload.backend(...) is already configured; give its options to "
                 "fx_offload.backend(...), not to torch.compile(options=...)")
         opts = self.options if mode is None else parse_options(self._raw, mode=mode)
-        return compile_graph(gm, example_inputs, opts, given=tuple(self._raw))
+        return compile_graph(gm, example_inputs, opts, given=_given(self._raw))
 
     def __repr__(self) -> str:
         return f"fx_offload.backend({self.options.describe()})"

@@ -36,10 +36,14 @@ def compile_forward(model: nn.Module, *, dynamic: bool | None = None, mode: str 
                            where="fx_offload.compile_forward")
     current = module.__dict__.get("forward")
     if current is not None and hasattr(current, "_torchdynamo_orig_callable"):
+        offloaded = registry.state_for_model(module) is not None or \
+            registry.nothing_offloaded(module) is not None
         raise OffloadError(
-            f"{type(module).__name__}.forward is compiled already; call "
-            "fx_offload.restore(model) and `del model.forward` before compiling it again "
-            "with other options", where="fx_offload.compile_forward")
+            f"{type(module).__name__}.forward is compiled already; "
+            + ("call fx_offload.restore(model) and `del model.forward`" if offloaded
+               else "`del model.forward` (it is not offloaded yet)")
+            + " before compiling it again with other options",
+            where="fx_offload.compile_forward")
     configured = backend(**options)      # options checked here, before anything changes
     parsed = parse_options(options)
     if parsed.kv_cache == "host" or parsed.memory_budget is not None:

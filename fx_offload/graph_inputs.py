@@ -113,6 +113,21 @@ def _is_forward_frame(root: nn.Module, f_code) -> bool:
     return False
 
 
+def describe_node(node: fx.Node) -> str:
+    """A node as a user can find it: its name, its op and the line of the model's code that
+    made it (Dynamo's stack trace), not FX's repr of its arguments."""
+    target = node.target
+    op = target if isinstance(target, str) else getattr(target, "__name__", str(target))
+    lines = (node.meta.get("stack_trace") or "").strip().splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        found = re.match(r'\s*File "(.+)", line (\d+)', lines[i])
+        if found:
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            where = f"{found.group(1).rsplit('/', 1)[-1]}:{found.group(2)}"
+            return f"{node.name} ({op}, at {where}" + (f": `{code}`)" if code else ")")
+    return f"{node.name} ({op})"
+
+
 def value_of(node: fx.Node):
     """The example value a node carries: ``example_value`` in a Dynamo graph, ``val`` in an
     ATen graph (nodes the pass inserts carry both)."""

@@ -131,14 +131,15 @@ PLACEMENT_KEYS = HAND_PICKED_KEYS + ("offload_params", "layers", "copy_chunks",
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e\+?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
 def parse_size(name: str, value: Any) -> int:
-    """Bytes from an int or a string such as ``"40GiB"``, ``"512 MiB"``, ``"1.5e9"``."""
-    if isinstance(value, bool):
-        value = None
-    if isinstance(value, int) and value >= 1:
+    """Bytes from an int (or a whole float, ``40e9``) or a string such as ``"40GiB"``,
+    ``"512 MiB"``, ``"1.5e9"``."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
         return value
     if isinstance(value, str):
         match = _SIZE.match(value)
@@ -233,13 +234,16 @@ def _check_offload_params(value: Any) -> tuple[str, ...] | None:
 def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None = None,
                   ) -> OffloadOptions:
     """Validate user options (and torch.compile's own ``mode=``) into :class:`OffloadOptions`."""
+    if options is not None and not isinstance(options, Mapping):
+        raise OffloadError(f"options must be a dict of option names to values, such as "
+                           f"{{'group_size': 4}}, got {type(options).__name__} {options!r}")
     options = dict(options or {})
-    if not isinstance(options, dict):
-        raise OffloadError("options must be a dict")
     unknown = sorted(set(options) - set(VALID_KEYS))
     if unknown:
         raise OffloadError(
             f"unknown option(s) {unknown}; valid options are {list(VALID_KEYS)}")
+    # an option given as None is left at its default, as for every option alike
+    options = {k: v for k, v in options.items() if v is not None}
     if mode is not None and options.get("mode") not in (None, mode):
         raise OffloadError(
             f"got mode={mode!r} from torch.compile and "
@@ -259,7 +263,6 @@ def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None 
     circular = _check_choice("circular_prefetch", options.get("circular_prefetch", "auto"),
                              CIRCULAR_PREFETCH)
     compress = options.get("compress", "none")
-    compress = "none" if compress is None else compress
     _check_meaning("compress", compress, COMPRESS,
                    "'lossless': bfloat16 weights cross the link compressed and are decoded on "
                    "the device, bitwise the same")

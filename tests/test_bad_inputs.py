@@ -122,6 +122,11 @@ ROWS = [
     ("budget_malformed", mlp, {"memory_budget": "40 gigs"}, {},
      r"'memory_budget' must be a positive number of bytes \(an int\) or a string such as "
      r"'40GiB'"),
+    ("budget_bool", mlp, {"memory_budget": True}, {},
+     r"'memory_budget' must be a positive number of bytes .*, got True"),
+    ("options_not_a_mapping", mlp, "group_size=2", {},
+     r"options must be a dict of option names to values, such as \{'group_size': 4\}, got "
+     r"str 'group_size=2'"),
     ("budget_and_hand_picked", mlp, {"memory_budget": "1GiB", "prefetch_step": 2}, {},
      r"options \['prefetch_step'\] and 'memory_budget' both decide what is offloaded"),
     ("planner_option_alone", mlp, {"h2d_bandwidth": 5e10}, {},
@@ -151,6 +156,17 @@ def test_bad_input_row(row):
     assert isinstance(inner, fx_offload.OffloadError), repr(inner)
     assert str(inner).startswith("prefetch_offload: "), str(inner)
     assert fx_offload.registry.state_for_model(model) is None
+
+
+def test_an_option_given_as_none_takes_its_default_and_sizes_take_their_spellings():
+    """None leaves any option at its default (as compress=None always did), and is not
+    counted as given; a whole float and an exponent with its sign are sizes too."""
+    assert fx_offload.backend(group_size=None, compress=None, kv_layers=None,
+                              memory_budget=None).options == fx_offload.OffloadOptions()
+    from fx_offload.options import parse_size
+    assert parse_size("memory_budget", 40e9) == parse_size("memory_budget", "1e+9") * 40
+    with pytest.raises(fx_offload.OffloadError, match="got 2.5"):
+        parse_size("memory_budget", 2.5)
 
 
 def test_grad_mode_row():
@@ -223,7 +239,8 @@ def test_layer_output_viewing_an_offloaded_weight_row():
 
     model = Stack().eval()
     with torch.no_grad(), pytest.raises(Exception, match=r"returns a view of the offloaded "
-                                                         r"weight .*exclude that parameter"):
+                                                         r"weight layers\.1\.fc1\.weight, .*"
+                                                         r"exclude that parameter"):
         torch.compile(model, backend="prefetch_offload",
                       options={"inner_backend": "eager"})(torch.randn(2, 8))
     assert fx_offload.registry.state_for_model(model) is None
@@ -241,8 +258,12 @@ def test_layer_weight_read_outside_the_layer_row():
             return x + self.layers[1].fc1.bias     # reads an offloaded weight outside it
 
     model = Peeking().eval()
-    with torch.no_grad(), pytest.raises(Exception, match=r"reads a weight of offloaded layer "
-                                                         r"layers\.1 outside"):
+    # the node named as the user can find it: its op and the line of code that made it
+    with torch.no_grad(), pytest.raises(Exception, match=r"node add_4 \(add, at test_bad_inputs"
+                                                         r"\.py:\d+: `return x \+ self\.layers"
+                                                         r"\[1\]\.fc1\.bias.*`\) reads "
+                                                         r"layers\.1\.fc1\.bias of offloaded "
+                                                         r"layer layers\.1 outside"):
         torch.compile(model, backend="prefetch_offload",
                       options={"inner_backend": "eager"})(torch.randn(2, 8))
     assert fx_offload.registry.state_for_model(model) is None

@@ -119,8 +119,8 @@ def test_hugging_face_from_save_pretrained_generates(tmp_path, tie, planned):
     ids = torch.randint(0, 256, (1, 6))
     if planned:
         weights = sum(p.numel() * p.element_size() for p in reference.parameters())
-        options = dict(memory_budget=weights // 2, example_inputs={"input_ids": ids,
-                                                                    "use_cache": False}, **RATES)
+        # ids alone, as the model is called: the trace leaves the KV cache out by itself
+        options = dict(memory_budget=weights // 2, example_inputs=(ids,), **RATES)
     else:
         options = dict(group_size=2, num_in_group=1, prefetch_step=1)
     fx_offload.place(model, "cpu", checkpoint=tmp_path, **options)
@@ -285,10 +285,12 @@ def _decoder_on_meta():
     ("not_tensors", r"checkpoint mapping values must be tensors; \['layers.0.fc1.weight'\]"),
     ("budget_trace_fails", r"memory_budget plans from a trace of MLPStack on the meta device, "
                            r"and that trace failed \(.*\). Give example_inputs the model runs "
-                           r"with on the meta device \(a Hugging Face model: add use_cache"),
+                           r"with on the meta device, or give group_size"),
+    ("budget_too_small", r"option 'memory_budget' \(1000B, 1000 bytes\) is below the least "
+                         r"this model can run in: .*raise memory_budget to at least"),
 ])
 def test_place_errors_say_what_to_change(case, pattern, tmp_path):
-    """docs/errors.md rows 35-39: each bad input to place() names the fix, and the model is
+    """docs/errors.md rows 28, 35-39: each bad input to place() names the fix, and the model is
     left as it was (nothing placed, nothing registered)."""
     reference, (x,) = models.build("mlp", num_layers=4)
     with empty_weights():
@@ -305,6 +307,7 @@ def test_place_errors_say_what_to_change(case, pattern, tmp_path):
         "no_such_path": str(tmp_path / "nowhere"),
         "not_tensors": {**sd, "layers.0.fc1.weight": "w"},
         "budget_trace_fails": sd,
+        "budget_too_small": sd,
     }[case]
     if case == "not_safetensors":
         torch.save(sd, checkpoint)
@@ -313,6 +316,8 @@ def test_place_errors_say_what_to_change(case, pattern, tmp_path):
     if case == "meta_buffers":
         model = _decoder_on_meta()
         checkpoint = {k: torch.zeros(v.shape) for k, v in model.state_dict().items()}
+    if case == "budget_too_small":      # the planner's own error, not a failed trace
+        options = dict(memory_budget=1000, example_inputs=(x,), **RATES)
     if case == "budget_trace_fails":
         options = dict(memory_budget="1MiB", example_inputs=(x, x), **RATES)  # one too many
     before = {k: v.device for k, v in model.state_dict().items()}

@@ -400,8 +400,16 @@ def test_compile_forward_makes_generate_run_offloaded():
     assert_same_greedy_tokens(model, reference, ids)
     state = fx_offload.registry.state_for_model(model)
     assert state.layers == [1, 3] and state.stats["prefetches"] > 0
-    with pytest.raises(fx_offload.OffloadError, match="compiled already"):
+    with pytest.raises(fx_offload.OffloadError, match="compiled already; call "
+                                                      "fx_offload.restore"):
         fx_offload.compile_forward(model, **OPTIONS)
+    fresh = _llama()        # compiled, never called: following the advice works
+    fx_offload.compile_forward(fresh, **OPTIONS)
+    with pytest.raises(fx_offload.OffloadError, match=r"compiled already; `del model.forward` "
+                                                      r"\(it is not offloaded yet\)"):
+        fx_offload.compile_forward(fresh, **OPTIONS)
+    del fresh.forward
+    fx_offload.compile_forward(fresh, **OPTIONS)
     with pytest.raises(fx_offload.OffloadError, match="group_size"):
         fx_offload.compile_forward(_llama(), group_size=0)       # checked before compiling
 

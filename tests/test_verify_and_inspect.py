@@ -188,7 +188,9 @@ def test_inspect_cli_builtin_and_file_targets(tmp_path, capsys):
     assert ">>> wait_prefetch(layer 1 chunk 0)" in out.stdout and "(ATen)" in out.stdout
     factory = tmp_path / "my_model.py"
     factory.write_text("from fx_offload.tools.models import build_decoder\n"
-                       "def make():\n    return build_decoder(num_layers=4)\n")
+                       "def make():\n    return build_decoder(num_layers=4)\n"
+                       "def keywords():\n    model, (x,) = build_decoder(num_layers=4)\n"
+                       "    return model, {'x': x}\n")
     out = subprocess.run([sys.executable, "-m", "fx_offload", "inspect", f"{factory}:make",
                           "--group-size", "4", "--num-in-group", "2"],
                          capture_output=True, text=True, cwd=ROOT)
@@ -198,7 +200,14 @@ def test_inspect_cli_builtin_and_file_targets(tmp_path, capsys):
     from fx_offload.tools.cli import main
     for bad, message in (["nope"], "unknown target 'nope'"), (
             [f"{factory}:missing"], "has no callable 'missing'"), (
-            ["mlp", "--group-size", "0"], "'group_size' must be >= 1"):
+            ["mlp", "--group-size", "0"], "'group_size' must be >= 1"), (
+            [f"{factory}:keywords"], "returned keyword inputs (a dict); inspect calls the model "
+                                     "with positional inputs"), (
+            ["mlp", "--plan-tokens", "5"], "--plan-tokens applies with --memory-budget only"), (
+            ["mlp", "--memory-budget", "1MiB", "--plan-tokens", "1,x"],
+            "--plan-tokens must be comma-separated token counts"), (
+            ["mlp", "--memory-budget", "1MiB", "--group-size", "3"],
+            "--group-size and --memory-budget both decide what is offloaded"):
         assert main(["inspect", *bad]) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, err[-2000:]

@@ -36,7 +36,7 @@ from torch import fx
 
 from .. import dtensor
 from ..errors import PlanError
-from ..graph_inputs import GraphInputs, layers_of_nodes, storage_of, value_of
+from ..graph_inputs import GraphInputs, describe_node, layers_of_nodes, storage_of, value_of
 from ..layout import chunk_of_suffix
 from ..selection.choice import Choice
 from .routing import route
@@ -131,15 +131,13 @@ def plan_graph(gm: fx.GraphModule, gi: GraphInputs, choice: Choice, handle: int)
                       for s in [storage_of(n)] if s is not None}
     weight_storages = {storage_of(n): n for ws in weights.values() for n in ws}
     weight_storages.pop(None, None)
-    param_nodes = set(gi.params)
-
-    names = {node: name for node, (name, _) in gi.params.items()}
+    param_nodes = {node: name for node, (name, _) in gi.params.items()}    # -> its name
     plans = []
     for layer in sorted(weights):
         plan = _plan_layer(layer, weights[layer], nodes_of[layer], order, choice,
                            param_nodes, input_storages, weight_storages)
         if plan is not None:
-            plan.routed = route(layer, weights[layer], names, plan.members, choice)
+            plan.routed = route(layer, weights[layer], param_nodes, plan.members, choice)
             plans.append(plan)
 
     _check_not_interleaved(plans, order, choice)
@@ -188,7 +186,7 @@ def _check_not_interleaved(plans: list[LayerPlan], order, choice: Choice) -> Non
             path = choice.stack.layer_path(lp.layer)
             raise PlanError(
                 f"offloaded layer {path} runs again (or still runs) after offloaded layer "
-                f"{choice.stack.layer_path(nxt.layer)} has begun ({lp.last_node.format_node()} "
+                f"{choice.stack.layer_path(nxt.layer)} has begun ({describe_node(lp.last_node)} "
                 "follows it): a layer called more than once per forward cannot give up its "
                 "slot in between. Keep it resident: offload other layers (group_size / "
                 "num_in_group, or a layers= stack without it)")
@@ -238,8 +236,9 @@ def _plan_layer(layer, weights: dict[fx.Node, int], layer_nodes, order, choice, 
     members = set(layer_nodes)
     for user in users:
         if user not in members:
+            read = [param_nodes.get(a, a.name) for a in user.all_input_nodes if a in weights]
             raise PlanError(
-                f"node {user.format_node()} reads a weight of offloaded layer "
+                f"node {describe_node(user)} reads {', '.join(read)} of offloaded layer "
                 f"{name} outside that layer's forward, where its slot may already hold another "
                 "layer; exclude that parameter with offload_params or move the read into the "
                 "layer")
@@ -261,9 +260,9 @@ def _plan_layer(layer, weights: dict[fx.Node, int], layer_nodes, order, choice, 
         w = weight_storages.get(storage_of(out))
         if w is not None:
             raise PlanError(
-                f"{out.format_node()} of offloaded layer {name} returns a view "
-                f"of the offloaded weight {w.name}, which would be read after its slot is "
-                "refilled; exclude that parameter with offload_params")
+                f"{describe_node(out)} of offloaded layer {name} returns a view "
+                f"of the offloaded weight {param_nodes.get(w, w.name)}, which would be read "
+                "after its slot is refilled; exclude that parameter with offload_params")
     start_acts, start_reads = _split_mutable(outputs, input_storages)
     refill = choice.schedule.refill_in_call(layer)
     starts = []

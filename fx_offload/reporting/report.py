@@ -86,8 +86,9 @@ class Report:
                      f"{self.device}; device memory saved: {format_bytes(self.saved_bytes)}")
         if self.compressed:
             raw, moved = sum(self.layer_bytes.values()), sum(self.call_bytes.values())
-            lines.append(f"  compressed (lossless): each layer's copy moves "
-                         f"{format_bytes(moved)} of {format_bytes(raw)} ({moved / raw:.3f}); "
+            lines.append(f"  compressed (lossless): the offloaded layers' copies move "
+                         f"{format_bytes(moved)} of their {format_bytes(raw)} ({moved / raw:.3f}"
+                         "; call_bytes has each layer's); "
                          f"the compressed copies take {format_bytes(self.compressed_host_bytes)}"
                          " of host memory besides the weights")
         if self.copied_bytes_last_call:
@@ -139,6 +140,9 @@ def experts_moved(choice, routed=None) -> dict[int, str]:
 def report(model: nn.Module) -> Report:
     """What is offloaded of ``model`` (or of the module ``torch.compile`` wrapped)."""
     model = registry.model_of(model)
+    if not isinstance(model, nn.Module):
+        raise OffloadError(f"expected a model (an nn.Module, or what torch.compile returned "
+                           f"for one), got {type(model).__name__}", where="fx_offload.report")
     weights = _weights_report(model)
     runtime = kv.runtime_of(model)
     return weights if runtime is None else dataclasses.replace(weights, kv=kv.summary(runtime))

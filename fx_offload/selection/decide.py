@@ -74,12 +74,12 @@ def _warn_if_little_saved(choice: Choice) -> None:
     if offloaded - slots > LITTLE_SAVED * offloaded:
         return
     n, k = len(choice.layers), choice.schedule.num_slots
+    lower = f"lower prefetch_step ({k} now) or " if k > 1 else ""
     log.warning(
         "fx_offload: %s: %d offloaded layer(s) in %d slot(s) save %s of the %s offloaded "
-        "(the slots hold nearly all of it): lower prefetch_step (%d now) or offload more "
-        "layers (group_size/num_in_group), or give memory_budget and let the planner choose",
-        choice.model_name, n, k, format_bytes(max(offloaded - slots, 0)),
-        format_bytes(offloaded), k)
+        "(the slots hold nearly all of it): %soffload more layers (group_size/num_in_group), "
+        "or give memory_budget and let the planner choose", choice.model_name, n, k,
+        format_bytes(max(offloaded - slots, 0)), format_bytes(offloaded), lower)
 
 
 def _check_count(params, num_slots: int, options: OffloadOptions, stack: LayerStack) -> None:

@@ -11,6 +11,7 @@ and the graph's structure only; the model is not touched and nothing runs on a d
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 
 import torch
@@ -25,6 +26,24 @@ from .stack import find_layer_stack, first_runs, in_run_order
 
 log = logging.getLogger("fx_offload")
 REASON_CHARS = 300              # of the failed trace's message
+
+
+def _takes(model: nn.Module, name: str) -> bool:
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _offload_error_in(err: BaseException) -> OffloadError | None:
+    """The OffloadError that ``err`` wraps, if any (its cause, or Dynamo's inner one)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, OffloadError):
+            return err
+        seen.add(id(err))
+        err = getattr(err, "inner_exception", None) or err.__cause__
+    return None
 
 
 def meta_twin(model: nn.Module) -> nn.Module:
@@ -50,6 +69,9 @@ def plan_from_example(model: nn.Module, options: OffloadOptions, example_inputs,
             "so that place() can trace it", where="fx_offload.place")
     args, kwargs = ((), dict(example_inputs)) if isinstance(example_inputs, dict) \
         else (tuple(example_inputs), {})
+    if "use_cache" not in kwargs and _takes(model, "use_cache"):
+        # a KV cache made on the meta device fails the trace; the plan weighs the weights
+        kwargs["use_cache"] = False
     twin = meta_twin(model)
     found = []
 
@@ -73,12 +95,15 @@ def plan_from_example(model: nn.Module, options: OffloadOptions, example_inputs,
     except OffloadError:
         raise
     except Exception as err:
+        ours = _offload_error_in(err)       # the planner's own (a budget too small), which
+        if ours is not None:                # Dynamo wraps as the backend's failure
+            raise ours.with_traceback(None) from None
         reason = (str(err).strip().splitlines() or [""])[0][:REASON_CHARS]
         raise OffloadError(
             f"memory_budget plans from a trace of {type(model).__name__} on the meta device, "
             f"and that trace failed ({type(err).__name__}: {reason}). Give example_inputs the "
-            "model runs with on the meta device (a Hugging Face model: add use_cache=False), "
-            "or give group_size/num_in_group/prefetch_step instead", where="fx_offload.place"
+            "model runs with on the meta device, or give group_size/num_in_group/prefetch_step "
+            "instead", where="fx_offload.place"
         ) from err
     if not found:
         raise OffloadError(

@@ -16,9 +16,23 @@ from .. import report, restore
 from .models import build
 
 
+def _at_least(minimum: int, what: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{what}: an int >= {minimum}, got {text!r}")
+        return value
+    return parse
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="decoder", choices=["decoder", "mlp", "moe"])
-    parser.add_argument("--layers", type=int, default=8, help="number of layers")
+    parser.add_argument("--layers", type=_at_least(2, "the built-in model's layer count (a "
+                                                      "stack needs two)"), default=8,
+                        help="number of layers")
     parser.add_argument("--device", default=None,
                         help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--group-size", type=int, default=2)
@@ -26,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefetch-step", type=int, default=1)
     parser.add_argument("--inner-backend", default="inductor",
                         choices=["inductor", "aot_eager", "eager"])
-    parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--calls", type=_at_least(1, "calls checked"), default=5)
     parser.add_argument("-v", "--verbose", action="store_true", help="log the compile summary")
 
 

@@ -18,9 +18,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("target", help=f"a built-in model ({', '.join(sorted(BUILDERS))}), or "
                         "path/to/file.py:factory or package.module:factory, where factory() "
                         "returns (model, example_inputs)")
-    parser.add_argument("--group-size", type=int, default=2)
-    parser.add_argument("--num-in-group", type=int, default=1)
-    parser.add_argument("--prefetch-step", type=int, default=1)
+    # None: not given (the defaults 2, 1, 1 apply; memory_budget refuses them given)
+    parser.add_argument("--group-size", type=int, default=None, help="default 2")
+    parser.add_argument("--num-in-group", type=int, default=None, help="default 1")
+    parser.add_argument("--prefetch-step", type=int, default=None, help="default 1")
     parser.add_argument("--offload-params", default=None,
                         help="comma-separated parameter-name segments, e.g. w13_weight,w2_weight")
     parser.add_argument("--layers", default=None, help="dotted path of the layer list")
@@ -63,28 +64,50 @@ def load_target(target: str):
         raise TargetError(f"{target} must return (model, example_inputs), got "
                           f"{type(result).__name__}")
     model, inputs = result
+    if isinstance(inputs, dict):
+        raise TargetError(f"{target} returned keyword inputs (a dict); inspect calls the model "
+                          "with positional inputs: return (model, (input_ids,))")
     return model, tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)
+
+
+def _options(args) -> dict:
+    """The backend's options from the command line; TargetError for a bad combination."""
+    hand = {"group_size": args.group_size, "num_in_group": args.num_in_group,
+            "prefetch_step": args.prefetch_step}
+    options = {"layers": args.layers}
+    if args.memory_budget is None:
+        if args.plan_tokens:
+            raise TargetError("--plan-tokens applies with --memory-budget only")
+        defaults = {"group_size": 2, "num_in_group": 1, "prefetch_step": 1}
+        options.update({k: defaults[k] if v is None else v for k, v in hand.items()})
+    else:
+        given = [f"--{k.replace('_', '-')}" for k, v in hand.items() if v is not None]
+        if given:
+            raise TargetError(f"{', '.join(given)} and --memory-budget both decide what is "
+                              "offloaded: give one or the other")
+        budget = args.memory_budget
+        options["memory_budget"] = int(budget) if budget.isdigit() else budget
+        if args.plan_tokens:
+            try:
+                options["plan_tokens"] = [int(t) for t in args.plan_tokens.split(",")
+                                          if t.strip()]
+            except ValueError:
+                raise TargetError("--plan-tokens must be comma-separated token counts, such "
+                                  f"as 1,512, got {args.plan_tokens!r}") from None
+    if args.offload_params:
+        options["offload_params"] = [p.strip() for p in args.offload_params.split(",")
+                                     if p.strip()]
+    return options
 
 
 def run(args: argparse.Namespace) -> int:
     import sys
     try:
+        options = _options(args)
         model, inputs = load_target(args.target)
     except TargetError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    options = {"layers": args.layers}
-    if args.memory_budget is not None:
-        budget = args.memory_budget
-        options["memory_budget"] = int(budget) if budget.isdigit() else budget
-        if args.plan_tokens:
-            options["plan_tokens"] = [int(t) for t in args.plan_tokens.split(",") if t.strip()]
-    else:
-        options.update(group_size=args.group_size, num_in_group=args.num_in_group,
-                       prefetch_step=args.prefetch_step)
-    if args.offload_params:
-        options["offload_params"] = [p.strip() for p in args.offload_params.split(",")
-                                     if p.strip()]
     try:
         explanation = explain(model.eval(), *inputs, aten=args.aten,
                               dynamic=True if args.dynamic else None, **options)

@@ -106,7 +106,7 @@ def _llama(args, mesh, device, dtype):
 
 
 MODELS = {"mlp": _mlp, "llama": _llama}
-DEFAULT_SHAPE = {"mlp": (4096, 28672)}
+DEFAULT_SHAPE = {"mlp": (4096, 28672), "cpu": (64, 256)}      # (hidden, inner)
 
 
 def _norm(a, b) -> float:
@@ -170,9 +170,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="mlp", choices=sorted(MODELS))
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=None,
-                    help="hidden size (default: mlp 4096, llama Llama-3-8B's)")
+                    help="hidden size (default: mlp 4096, llama Llama-3-8B's; 64 on cpu)")
     ap.add_argument("--inner", type=int, default=None,
-                    help="MLP inner size (default: mlp 28672, llama Llama-3-8B's)")
+                    help="MLP inner size (default: mlp 28672, llama Llama-3-8B's; 256 on "
+                         "cpu)")
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--device", default=None, help="cuda (NCCL; default with a GPU) or cpu "
                                                    "(gloo: a smoke run)")
@@ -192,10 +193,13 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="torchrun ... -m fx_offload.tools.tp_run")
     add_arguments(ap)
     args = ap.parse_args(argv)
-    if args.model == "mlp":
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cpu":    # a smoke run: the GPU shapes would take 30 GB of host memory
+        hidden, inner = DEFAULT_SHAPE["cpu"]
+        args.hidden, args.inner = args.hidden or hidden, args.inner or inner
+    elif args.model == "mlp":
         hidden, inner = DEFAULT_SHAPE["mlp"]
         args.hidden, args.inner = args.hidden or hidden, args.inner or inner
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -262,8 +266,9 @@ def _run(args, rank, world, device) -> bool:
         offloaded_ms = _time(run, args.reps, device)
         resident_ms = _time(lambda: call(expected, *inputs), args.reps, device)
         traced = _trace(run, args.trace, rank, device) if args.trace else None
-    compared = ("bf16 rounding: within 1% of the norm, or twice the reference's eager-to-"
-                "Inductor spread" if args.inner_backend == "inductor" else "bitwise")
+    compared = (f"{str(dtype).removeprefix('torch.')} rounding: within 1% of the norm, or "
+                "twice the reference's eager-to-Inductor spread"
+                if args.inner_backend == "inductor" else "bitwise")
     line = (f"rank {rank}: outputs {'match' if equal else 'DIFFER'} (largest difference "
             f"{max_diff:.3g}, {compared}, later calls "
             f"{'the same' if replays_same else 'DIFFER'}); "
