@@ -19,6 +19,7 @@ import threading
 import uuid
 import weakref
 
+import torch
 from torch import nn
 from torch.nn.modules.module import (register_module_module_registration_hook,
                                      register_module_parameter_registration_hook)
@@ -136,8 +137,10 @@ def state_for_op(handle: int):
     if compiled_for is not None and (compiled_for.holder == threading.get_ident()
                                      or not compiled_for.entered):
         return compiled_for     # its own model's call (the first one runs before any hook)
-    calls = getattr(_ACTIVE, "calls", None)
-    active = calls[-1] if calls else None
+    # (an entry of a call whose hold another thread ended, runtime.turns, may be left)
+    me = threading.get_ident()
+    active = next((s for s in reversed(getattr(_ACTIVE, "calls", ()) or ())
+                   if s.holder == me), None)
     if active is None:
         # a state's own calls always begin through its hooks on the calling thread: this is
         # another model's call, and that model is not offloaded
@@ -260,6 +263,12 @@ def register(state, model: nn.Module | None) -> None:
 def _child_set(module, name, child):
     """A child module was set on ``module`` (any module in the process): if it is inside an
     offloaded layer, that layer's parameters may have changed; the next call re-checks."""
+    if torch.compiler.is_compiling():
+        # A forward that builds a module list (transformers slices ``self.layers[:n]``) runs
+        # this hook while Dynamo traces it: traced, its lookups of the registry (which the
+        # backend fills between a trace and its restart) made Dynamo's restarted analysis
+        # diverge. Users set modules outside the forward, where this runs.
+        return
     ref = _BY_SUBMODULE.get(id(module))
     state = None if ref is None else ref()
     if state is not None and any(m is module for layer in state.params
@@ -272,7 +281,7 @@ def _param_set(module, name, param):
     on a module other than its own (a weight tied after offloading) would be read, by a
     layer the schedule does not load, from whatever its slot holds.  The next call offloads
     the model anew, and a shared parameter stays resident."""
-    if param is None:
+    if param is None or torch.compiler.is_compiling():     # (as _child_set)
         return
     found = _BY_PARAM.get(id(param))
     state = None if found is None else found[0]()

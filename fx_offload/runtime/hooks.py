@@ -93,14 +93,44 @@ class TruthInStateDict(OurHook):
         return state_dict
 
 
+class LoadTakesTurn(OurHook):
+    """Load-state-dict pre-hook of a module owning offloaded parameters: the values must
+    land in the host blocks, not in a slot another thread's call is using, so the load waits
+    for that call to end and holds the slots until :class:`LoadGivesBack` (the module's
+    post-hook, after its children's loads)."""
+
+    def __init__(self, token: str):
+        self.token = token
+
+    def __call__(self, module, *args):
+        state = registry.state_for_token(self.token)
+        if state is not None:
+            state.turns.begin_load()
+
+
+class LoadGivesBack(OurHook):
+    """Load-state-dict post-hook: ends what :class:`LoadTakesTurn` began."""
+
+    def __init__(self, token: str):
+        self.token = token
+
+    def __call__(self, module, incompatible_keys):
+        state = registry.state_for_token(self.token)
+        if state is not None:
+            state.turns.end_load()
+
+
 def strip_hooks(model: nn.Module) -> bool:
     """Remove fx_offload's hooks from ``model``'s modules (those a copy brought along);
     whether there were any."""
     found = False
     for module in model.modules():
         for hook_dict in (module._forward_pre_hooks, module._forward_hooks,
-                          module._state_dict_hooks):
-            for key in [k for k, h in hook_dict.items() if isinstance(h, OurHook)]:
+                          module._state_dict_hooks, module._load_state_dict_pre_hooks,
+                          module._load_state_dict_post_hooks):
+            # (torch wraps a load pre-hook in an object holding it as .hook)
+            for key in [k for k, h in hook_dict.items()
+                        if isinstance(getattr(h, "hook", h), OurHook)]:
                 del hook_dict[key]
                 for flags in (module._forward_hooks_always_called,
                               module._forward_pre_hooks_with_kwargs,
@@ -127,5 +157,9 @@ def install_layer_hooks(state) -> list:
         handles.append(module.register_forward_hook(LayerLeave(state.token), always_call=True))
         for p in state.params[layer]:
             owners[id(p.owner)] = p.owner
-    handles += [m._register_state_dict_hook(TruthInStateDict()) for m in owners.values()]
+    for m in owners.values():
+        handles += [m._register_state_dict_hook(TruthInStateDict()),
+                    m._register_load_state_dict_pre_hook(LoadTakesTurn(state.token),
+                                                         with_module=True),
+                    m.register_load_state_dict_post_hook(LoadGivesBack(state.token))]
     return handles

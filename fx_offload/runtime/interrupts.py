@@ -47,7 +47,11 @@ class InterruptGuard:
             _signal.signal(_signal.SIGINT, self._handle)
 
     def disarm(self) -> None:
-        """The call gave the slots back: the handler that was there is back."""
+        """The call gave the slots back: the handler that was there is back (by the main
+        thread; a guard left armed forwards every signal, and the next call there disarms
+        it)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
         previous, self._previous = self._previous, None
         if previous is not None and _signal.getsignal(_signal.SIGINT) == self._handle:
             _signal.signal(_signal.SIGINT, previous)

@@ -19,6 +19,7 @@ import torch
 from .. import registry
 from .fingerprint import Fingerprint
 from .interrupts import InterruptGuard
+from .turns import Turns
 from .versions import ParamVersions
 
 log = logging.getLogger("fx_offload")
@@ -34,13 +35,11 @@ class Ownership(ParamVersions):
 
     def _init_ownership(self) -> None:
         self.swapped_in = False          # the parameters point at their slots
-        self.depth = 0                   # nested enters of the calling thread
         self.entered = False             # a call has begun through the hooks
         self.structure_changed = ""      # what changed: a child module set inside an
         #   offloaded layer, an offloaded parameter set on another module
         self.watched: list[int] = []     # ids of the modules inside offloaded layers
-        self._lock = threading.Lock()
-        self._holder: int | None = None  # the thread in a call
+        self.turns = Turns(self.model_name, self._end_left_call)    # who holds the slots
         # (layer, chunk) -> the layer's parameters' versions when that chunk was copied: a
         # slot may hold chunks of one layer copied at different times (a refill skips those
         # it holds), so each is checked on its own
@@ -59,19 +58,19 @@ class Ownership(ParamVersions):
         their slots.  Raises :class:`ShapeChanged` where the slots no longer fit."""
         if self.restored:
             return
-        me = threading.get_ident()
-        if self._holder == me:
+        turns = self.turns
+        if turns.holder == threading.get_ident() and not turns.loads:
             if not root:
-                self.depth += 1          # a layer inside this thread's call
+                turns.depth += 1         # a layer inside this thread's call
                 return
-            # This thread is still in a call: a KeyboardInterrupt raised by code (Ctrl-C's
+            # This thread is still in a call: a BaseException raised by code (Ctrl-C's
             # signal ends the call at once, .interrupts) skipped the hooks that end one
             # (they run on Exception only).  The weights are intact; start afresh.
-            self.depth = 0
             registry.end_call(self)
         else:
-            self._lock.acquire()
-            self._holder = me
+            if turns.holder == threading.get_ident():
+                turns.give_back()        # a load's hold that its post-hook did not end
+            turns.take()
         self._interrupts.arm()
         with self._interrupts.holding():    # Ctrl-C waits until the parameters are pointed
             try:
@@ -85,19 +84,19 @@ class Ownership(ParamVersions):
                 self.entered = True
             except BaseException:
                 self._call_versions = None
-                self._holder = None
                 self._interrupts.disarm()
-                self._lock.release()
+                turns.give_back()
                 raise
-            self.depth = 1
+            turns.depth = 1
 
     def leave(self) -> None:
         """The call that :meth:`enter` began has ended (or raised): the parameters point at
         the truth again, and another thread may call."""
-        if self._holder != threading.get_ident():
+        turns = self.turns
+        if turns.holder != threading.get_ident() or turns.loads:
             return                       # an enter that failed, or another thread's call
-        self.depth -= 1
-        if self.depth > 0:
+        turns.depth -= 1
+        if turns.depth > 0:
             return
         with self._interrupts.holding():    # Ctrl-C waits until the parameters are back
             try:
@@ -105,21 +104,26 @@ class Ownership(ParamVersions):
             finally:
                 self._call_versions = None
                 registry.end_call(self)
-                self._holder = None
                 self._interrupts.disarm()
-                self._lock.release()
+                turns.give_back()
 
     def _end_interrupted_call(self) -> None:
         """Ctrl-C stopped this thread's call (:mod:`.interrupts`): end it as the hook that
         torch skips would have."""
-        if self._holder == threading.get_ident():
-            self.depth = 1
+        if self.turns.holder == threading.get_ident() and not self.turns.loads:
+            self.turns.depth = 1
             self.leave()
+
+    def _end_left_call(self) -> None:
+        """A hold left behind (:mod:`.turns`) ends: the parameters on the truth again."""
+        self._call_versions = None
+        if self.swapped_in:
+            self._point_at(truth=True)
 
     @property
     def holder(self) -> int | None:
         """The thread whose call holds the slots, if any."""
-        return self._holder
+        return self.turns.holder
 
     def _point_at(self, truth: bool) -> None:
         with torch.no_grad():
@@ -138,7 +142,7 @@ class Ownership(ParamVersions):
     def settle(self) -> None:
         """Outside a call: parameters still holding the storage the truth was copied from
         (the first call's) let it go and hold the truth."""
-        if self._handover and not self.swapped_in and self._holder is None:
+        if self._handover and not self.swapped_in and self.turns.holder is None:
             with self.holding_slots():
                 self._take_up_changes()
 
@@ -248,11 +252,14 @@ class _Hold:
         self.state = state
 
     def __enter__(self):
-        self.mine = self.state.holder != threading.get_ident()
+        turns = self.state.turns
+        if turns.left_here():               # a call this thread left behind ends first
+            turns.end_left(threading.get_ident())
+        self.mine = turns.holder != threading.get_ident()
         if self.mine:
-            self.state._lock.acquire()
+            turns.take_plain()
 
     def __exit__(self, *exc):
         if self.mine:
-            self.state._lock.release()
+            self.state.turns.release()
 
