@@ -18,6 +18,7 @@ with the same options; so is one whose offloaded parameters changed dtype or sha
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -210,14 +211,18 @@ class _Progress:
 
 
 def activate(state: OffloadState, model: nn.Module, hand_over: bool, fill=None,
-             progress: _Progress | None = None) -> None:
-    """Allocate and fill ``state``'s memory and hook it to ``model``."""
+             progress: _Progress | None = None, keep_call_hooks: bool = False) -> None:
+    """Allocate and fill ``state``'s memory and hook it to ``model`` (``keep_call_hooks``:
+    the call hooks ``model`` has stay, see :func:`hooks.call_hooks`)."""
     state.materialize(hand_over, fill, None if progress is None else progress.layer)
-    hooks.strip_hooks(model)
-    spec = (state.choice.options, str(state.device), layout.chunk_names(state.choice.layout))
-    state.hooks = [model.register_forward_pre_hook(EnterCall(*spec), with_kwargs=True),
-                   model.register_forward_hook(LeaveCall(), always_call=True)]
-    state.hooks += hooks.install_layer_hooks(state)
+    kept = hooks.call_hooks(model) if keep_call_hooks else []
+    hooks.strip_hooks(model, keep=kept)
+    if not kept:
+        spec = (state.choice.options, str(state.device),
+                layout.chunk_names(state.choice.layout))
+        kept = [model.register_forward_pre_hook(EnterCall(*spec), with_kwargs=True),
+                model.register_forward_hook(LeaveCall(), always_call=True)]
+    state.hooks = kept + hooks.install_layer_hooks(state)
 
 
 @torch.inference_mode(False)    # its tensors outlive a call under inference_mode
@@ -230,14 +235,19 @@ def _offload_again(model: nn.Module, options: OffloadOptions, device: str,
     # then fits this state's slots
     layout.arrange(choice, like=chunks)
     state = OffloadState(model, choice)
-    activate(state, model, hand_over=True)
+    activate(state, model, hand_over=True, keep_call_hooks=True)
     offloaded = {id(p.param) for ps in choice.params.values() for p in ps}
     _move_the_rest(model, offloaded, choice.device)
     return state
 
 
+_OFFLOADING = threading.Lock()     # a model offloaded anew by its call hook: one at a time
+
+
 class EnterCall(hooks.OurHook):
     """Forward pre-hook of an offloaded model's root: a call begins."""
+
+    at_root = True
 
     def __init__(self, options: OffloadOptions, device: str, chunks=None):
         self.options, self.device, self.chunks = options, device, chunks
@@ -247,20 +257,42 @@ class EnterCall(hooks.OurHook):
         state = registry.state_for_model(module)
         tokens = call_tokens(args, kwargs or {})
         if state is None:
-            log.info("fx_offload: %s carries offload hooks but no offload state (a copy, or "
-                     "unpickled): offloading it again", type(module).__name__)
-            state = _offload_again(module, self.options, self.device, self.chunks)
+            state = self._offload_once(module, None)
         hooks.refuse_grad(state, args)
-        try:
-            state.enter(root=True, tokens=tokens)
-        except ShapeChanged as changed:
-            log.warning("fx_offload: %s of %s changed (dtype, shape, place in the layer "
-                        "stack, or the modules holding it); offloading the model again in its "
-                        "new form", changed, type(module).__name__)
-            state.detach()
-            state = _offload_again(module, self.options, self.device, self.chunks)
-            state.enter(root=True, tokens=tokens)
-        return None
+        while True:
+            try:
+                state.enter(root=True, tokens=tokens)
+            except ShapeChanged as changed:
+                state = self._offload_once(module, state, changed)
+                continue
+            if not state.restored:
+                return None
+            # dropped while this call waited for its turn: another thread's call offloads
+            # the model anew (enter that state once it is made), or it was restored (a
+            # plain model now)
+            with _OFFLOADING:
+                state = registry.state_for_model(module)
+            if state is None:
+                return None
+
+    def _offload_once(self, module, old, changed=None) -> OffloadState:
+        """Offload ``module`` anew (a copy's first call: ``old`` is None; a change that the
+        slots cannot fit: ``old`` is its state), once: threads making such a call at the
+        same time take turns, and each after the first finds the new state."""
+        with _OFFLOADING:
+            state = registry.state_for_model(module)
+            if state is not None and state is not old:
+                return state                # another thread's call offloaded it
+            if old is None:
+                log.info("fx_offload: %s carries offload hooks but no offload state (a copy, "
+                         "or unpickled): offloading it again", type(module).__name__)
+            else:
+                log.warning("fx_offload: %s of %s changed (dtype, shape, place in the layer "
+                            "stack, or the modules holding it); offloading the model again "
+                            "in its new form", changed, type(module).__name__)
+                with old.holding_slots():   # no call of the old state runs meanwhile
+                    old.detach(keep_call_hooks=True)
+            return _offload_again(module, self.options, self.device, self.chunks)
 
 
 def call_tokens(args, kwargs) -> int | None:
@@ -277,6 +309,8 @@ def call_tokens(args, kwargs) -> int | None:
 
 class LeaveCall(hooks.OurHook):
     """Forward hook (always called) of an offloaded model's root: the call has ended."""
+
+    at_root = True
 
     @torch._dynamo.disable
     def __call__(self, module, args, output):

@@ -8,6 +8,7 @@ import gc
 import io
 import pickle
 import threading
+import time
 import weakref
 
 import pytest
@@ -353,6 +354,39 @@ def test_threads_calling_one_compiled_model_get_their_own_right_outputs():
     for t in threads:
         t.join()
     assert wrong == []
+    assert_weights(model, reference)
+
+
+def test_a_call_begun_while_another_thread_offloads_the_model_anew_waits_for_it(monkeypatch):
+    """After ``.double()`` a call offloads the model anew (its slots no longer fit).  Another
+    thread's call begun meanwhile must meet the call hook and wait for the new state: with
+    the hooks off the model for that while, it ran the compiled graph on no state's turn
+    and computed with whatever the parameters held (3 of 4 such threads got wrong outputs)."""
+    from fx_offload import placement
+    model, compiled, reference, x = offloaded()
+    model.double()
+    reference.double()
+    x = x.double()
+    with torch.no_grad():
+        want = reference(x)
+    inside, results = threading.Event(), {}
+    offload_again = placement._offload_again
+
+    def slow_offload_again(*args, **kwargs):
+        inside.set()
+        time.sleep(0.3)         # the other thread's call begins in this window
+        return offload_again(*args, **kwargs)
+    monkeypatch.setattr(placement, "_offload_again", slow_offload_again)
+
+    def worker(name):
+        with torch.no_grad():
+            results[name] = torch.equal(compiled(x), want)
+    first = threading.Thread(target=worker, args=("offloads anew",))
+    first.start()
+    assert inside.wait(60)
+    worker("begun meanwhile")
+    first.join()
+    assert results == {"offloads anew": True, "begun meanwhile": True}
     assert_weights(model, reference)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .. import dtensor, registry
 from ..errors import GradModeError
@@ -35,6 +36,8 @@ def refuse_grad(state, args) -> None:
 
 class OurHook:
     """What every hook fx_offload installs is (so a copy's are found and removed)."""
+
+    at_root = False     # the model's call hooks (placement.EnterCall, LeaveCall)
 
 
 class LayerEnter(OurHook):
@@ -105,7 +108,7 @@ class LoadTakesTurn(OurHook):
     def __call__(self, module, *args):
         state = registry.state_for_token(self.token)
         if state is not None:
-            state.turns.begin_load()
+            state.turns.begin_load(module)
 
 
 class LoadGivesBack(OurHook):
@@ -117,12 +120,37 @@ class LoadGivesBack(OurHook):
     def __call__(self, module, incompatible_keys):
         state = registry.state_for_token(self.token)
         if state is not None:
-            state.turns.end_load()
+            state.turns.end_load(module)
 
 
-def strip_hooks(model: nn.Module) -> bool:
-    """Remove fx_offload's hooks from ``model``'s modules (those a copy brought along);
-    whether there were any."""
+def call_hooks(model: nn.Module) -> list[RemovableHandle]:
+    """Handles of the call hooks on ``model``'s root, if both are there.  A model offloaded
+    anew keeps them in place: another thread's call begun meanwhile must meet them (without
+    them it would run the compiled graph on no state's turn), and they look their state up
+    at each call, so they serve the new state as they did the old one."""
+    found = []
+    for hook_dict, extra in ((model._forward_pre_hooks, [model._forward_pre_hooks_with_kwargs]),
+                             (model._forward_hooks, [model._forward_hooks_with_kwargs,
+                                                     model._forward_hooks_always_called])):
+        for key, hook in hook_dict.items():
+            if isinstance(hook, OurHook) and hook.at_root:
+                handle = RemovableHandle(hook_dict, extra_dict=extra)
+                handle.id = key
+                found.append(handle)
+    return found if len(found) == 2 else []
+
+
+def is_call_hook(handle: RemovableHandle) -> bool:
+    """``handle`` is one of a model's call hooks (:func:`call_hooks`)."""
+    hook_dict = handle.hooks_dict_ref()
+    return getattr(hook_dict.get(handle.id) if hook_dict is not None else None,
+                   "at_root", False)
+
+
+def strip_hooks(model: nn.Module, keep=()) -> bool:
+    """Remove fx_offload's hooks from ``model``'s modules (those a copy brought along), but
+    those of the handles ``keep``; whether there were any."""
+    kept = {handle.id for handle in keep}
     found = False
     for module in model.modules():
         for hook_dict in (module._forward_pre_hooks, module._forward_hooks,
@@ -130,7 +158,7 @@ def strip_hooks(model: nn.Module) -> bool:
                           module._load_state_dict_post_hooks):
             # (torch wraps a load pre-hook in an object holding it as .hook)
             for key in [k for k, h in hook_dict.items()
-                        if isinstance(getattr(h, "hook", h), OurHook)]:
+                        if isinstance(getattr(h, "hook", h), OurHook) and k not in kept]:
                 del hook_dict[key]
                 for flags in (module._forward_hooks_always_called,
                               module._forward_pre_hooks_with_kwargs,

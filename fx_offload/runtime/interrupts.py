@@ -3,19 +3,22 @@
 torch runs a module's always-called forward hooks on ``Exception`` only, so a
 ``KeyboardInterrupt`` raised inside a call skips the hook that ends it: the parameters would
 stay pointed at their slots (``load_state_dict`` would then write into a slot, ``deepcopy``
-copy one) and the call's lock stay taken (another thread's call would wait for ever).  While
-a call holds the slots in the main thread, :class:`InterruptGuard` stands in front of the
-SIGINT handler that was there::
+copy one) and the slots stay held (another thread's call would wait).  While calls of
+offloaded models hold slots in the main thread, the process's one :data:`GUARD` stands in
+front of the SIGINT handler that was there::
 
-    SIGINT in the call's body          the handler that was there runs; if it raises (Python's
-                                       default raises KeyboardInterrupt), the call is ended
-                                       first (parameters on the truth, the lock free)
-    SIGINT while the call begins or    held until the parameters are all pointed one way,
-    ends (parameters half pointed)     then handled as above
+    SIGINT in a call's body          the handler that was there runs; if it raises (Python's
+                                     default raises KeyboardInterrupt), every call of the
+                                     main thread is ended first, innermost first
+                                     (parameters on the truth, the slots free)
+    SIGINT in a section held         waits for the section's end (the slots being taken or
+    (GUARD.holding())                given back, parameters being pointed one way or the
+                                     other), then as above
 
-A handler that does not raise (one that only records the signal) leaves the call running.
-Only the main thread receives signals; a ``KeyboardInterrupt`` raised by code rather than by
-the signal is caught up with at that thread's next call (:meth:`.Ownership.enter`).
+A handler that does not raise (one that only records the signal) leaves the calls running.
+One guard for the process, so that nested calls of two offloaded models give the handler
+back as they found it.  Only the main thread receives signals; a ``KeyboardInterrupt``
+raised by code rather than by the signal leaves its hold behind (:mod:`.turns`).
 """
 from __future__ import annotations
 
@@ -25,40 +28,49 @@ import _signal
 import threading
 
 
-class InterruptGuard:
-    """SIGINT while one model's call holds the slots (see the module's docstring)."""
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
 
-    def __init__(self, end_call):
-        self._end_call = end_call       # ends the call that holds the slots, if any
+
+class InterruptGuard:
+    """SIGINT while calls hold slots in the main thread (see the module's docstring)."""
+
+    def __init__(self):
         self._previous = None           # the handler ours stands in front of, while armed
+        self._calls: list = []          # how to end each call of the main thread, in order
         self._held = 0                  # depth of sections in which a signal waits
         self._pending = None            # (signum, frame) that arrived in such a section
 
-    def arm(self) -> None:
-        """A call took the slots: stand in front of the SIGINT handler (main thread only;
-        not where SIGINT is ignored or left to its default action, which ends the
-        process)."""
-        if self._previous is not None or \
-                threading.current_thread() is not threading.main_thread():
+    def arm(self, end_call) -> None:
+        """A call of the main thread took the slots; ``end_call()`` ends it."""
+        if not _main_thread():
             return
-        current = _signal.getsignal(_signal.SIGINT)
-        if callable(current) and current != self._handle:
-            self._previous = current
-            _signal.signal(_signal.SIGINT, self._handle)
+        if end_call in self._calls:     # a call left behind by a BaseException raised by
+            self._calls.remove(end_call)    # code, ended since by another thread
+        self._calls.append(end_call)
+        if self._previous is None:
+            current = _signal.getsignal(_signal.SIGINT)
+            # not where SIGINT is ignored or left to its default (the process ends)
+            if callable(current) and current != self._handle:
+                self._previous = current
+                _signal.signal(_signal.SIGINT, self._handle)
 
-    def disarm(self) -> None:
-        """The call gave the slots back: the handler that was there is back (by the main
-        thread; a guard left armed forwards every signal, and the next call there disarms
-        it)."""
-        if threading.current_thread() is not threading.main_thread():
+    def disarm(self, end_call) -> None:
+        """That call gave the slots back; with the last one, the handler that was there is
+        back."""
+        if not _main_thread():
             return
-        previous, self._previous = self._previous, None
-        if previous is not None and _signal.getsignal(_signal.SIGINT) == self._handle:
-            _signal.signal(_signal.SIGINT, previous)
+        for i in range(len(self._calls) - 1, -1, -1):
+            if self._calls[i] == end_call:
+                del self._calls[i]
+                break
+        if not self._calls and self._previous is not None:
+            previous, self._previous = self._previous, None
+            if _signal.getsignal(_signal.SIGINT) == self._handle:
+                _signal.signal(_signal.SIGINT, previous)
 
     def holding(self) -> "_Holding":
-        """A section in which a signal waits for the section's end (the parameters are being
-        pointed at their slots or back)."""
+        """A section in which a signal waits for the section's end (main thread only)."""
         return _Holding(self)
 
     def _handle(self, signum, frame) -> None:
@@ -73,23 +85,31 @@ class InterruptGuard:
         try:
             handler(signum, frame)
         except BaseException:
-            self._end_call()
+            for end_call in reversed(list(self._calls)):
+                end_call()
             raise
 
 
 class _Holding:
     def __init__(self, guard: InterruptGuard):
         self.guard = guard
+        self.main = _main_thread()
 
     def __enter__(self) -> None:
-        self.guard._held += 1
+        if self.main:
+            self.guard._held += 1
 
     def __exit__(self, *exc) -> None:
         guard = self.guard
+        if not self.main:
+            return
         guard._held -= 1
         if guard._held or guard._pending is None:
             return
         (signum, frame), guard._pending = guard._pending, None
-        # disarmed in the section (the call ended): the handler that is back takes it
+        # disarmed in the section (the last call ended): the handler that is back takes it
         handler = guard._previous or _signal.getsignal(_signal.SIGINT)
         guard._deliver(handler, signum, frame)
+
+
+GUARD = InterruptGuard()

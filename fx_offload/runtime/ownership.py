@@ -11,14 +11,16 @@ a call's entry), and points the parameters at their slots.
 """
 from __future__ import annotations
 
+import functools
 import logging
+import sys
 import threading
 
 import torch
 
 from .. import registry
 from .fingerprint import Fingerprint
-from .interrupts import InterruptGuard
+from .interrupts import GUARD
 from .turns import Turns
 from .versions import ParamVersions
 
@@ -39,7 +41,8 @@ class Ownership(ParamVersions):
         self.structure_changed = ""      # what changed: a child module set inside an
         #   offloaded layer, an offloaded parameter set on another module
         self.watched: list[int] = []     # ids of the modules inside offloaded layers
-        self.turns = Turns(self.model_name, self._end_left_call)    # who holds the slots
+        self.turns = Turns(self.model_name, self._end_left_call,
+                           functools.partial(_runs_model, self))
         # (layer, chunk) -> the layer's parameters' versions when that chunk was copied: a
         # slot may hold chunks of one layer copied at different times (a refill skips those
         # it holds), so each is checked on its own
@@ -49,7 +52,6 @@ class Ownership(ParamVersions):
         self._dtensor_params: list | None = None  # (owner, attr) of DTensor parameters
         self._fingerprint: Fingerprint | None = None  # of the last full look, if one applies
         self._call_versions: dict[int, tuple] | None = None   # during a call: _versions's
-        self._interrupts = InterruptGuard(self._end_interrupted_call)
 
     # ---- calls -------------------------------------------------------------------------
     def enter(self, root: bool, tokens: int | None = None) -> None:
@@ -58,8 +60,8 @@ class Ownership(ParamVersions):
         their slots.  Raises :class:`ShapeChanged` where the slots no longer fit."""
         if self.restored:
             return
-        turns = self.turns
-        if turns.holder == threading.get_ident() and not turns.loads:
+        turns, me = self.turns, threading.get_ident()
+        if turns.holder == me and turns.kind == "call":
             if not root:
                 turns.depth += 1         # a layer inside this thread's call
                 return
@@ -67,13 +69,15 @@ class Ownership(ParamVersions):
             # signal ends the call at once, .interrupts) skipped the hooks that end one
             # (they run on Exception only).  The weights are intact; start afresh.
             registry.end_call(self)
-        else:
-            if turns.holder == threading.get_ident():
-                turns.give_back()        # a load's hold that its post-hook did not end
-            turns.take()
-        self._interrupts.arm()
-        with self._interrupts.holding():    # Ctrl-C waits until the parameters are pointed
-            try:
+        elif turns.holder == me:
+            turns.give_back()            # a load's hold that its post-hook did not end
+        GUARD.arm(self._end_interrupted_call)
+        try:
+            if turns.holder != me:
+                turns.take("call")
+            if self.restored:            # restored while this call waited: a plain model
+                raise _Restored
+            with GUARD.holding():        # Ctrl-C waits until the parameters are pointed
                 self._call_versions = {}
                 if root:    # first: the copy stream works while the rest runs; a layer
                     self.begin_entry_refills(tokens)   # changed: reloaded when taken up
@@ -82,35 +86,36 @@ class Ownership(ParamVersions):
                 self._point_at(truth=False)
                 registry.begin_call(self)
                 self.entered = True
-            except BaseException:
-                self._call_versions = None
-                self._interrupts.disarm()
-                turns.give_back()
+                turns.depth = 1
+        except BaseException as error:
+            self._call_versions = None
+            turns.give_back()
+            GUARD.disarm(self._end_interrupted_call)
+            if not isinstance(error, _Restored):
                 raise
-            turns.depth = 1
 
     def leave(self) -> None:
         """The call that :meth:`enter` began has ended (or raised): the parameters point at
         the truth again, and another thread may call."""
         turns = self.turns
-        if turns.holder != threading.get_ident() or turns.loads:
+        if turns.holder != threading.get_ident() or turns.kind != "call":
             return                       # an enter that failed, or another thread's call
         turns.depth -= 1
         if turns.depth > 0:
             return
-        with self._interrupts.holding():    # Ctrl-C waits until the parameters are back
+        with GUARD.holding():            # Ctrl-C waits until the parameters are back
             try:
                 self._point_at(truth=True)
             finally:
                 self._call_versions = None
                 registry.end_call(self)
-                self._interrupts.disarm()
                 turns.give_back()
+                GUARD.disarm(self._end_interrupted_call)
 
     def _end_interrupted_call(self) -> None:
         """Ctrl-C stopped this thread's call (:mod:`.interrupts`): end it as the hook that
         torch skips would have."""
-        if self.turns.holder == threading.get_ident() and not self.turns.loads:
+        if self.turns.holder == threading.get_ident() and self.turns.kind == "call":
             self.turns.depth = 1
             self.leave()
 
@@ -223,7 +228,15 @@ class Ownership(ParamVersions):
 
     def holding_slots(self):
         """Hold the slots as a call does (for restore), unless this thread is in a call."""
-        return _Hold(self)
+        return _Hold(self, sys._getframe(1).f_code)     # the hold lasts while that runs
+
+
+def _runs_model(state, module) -> bool:
+    """``module`` is the model, a torch.compile wrapper of it, or one of its layers: a frame
+    calling it is a call of this model (:mod:`.turns`)."""
+    model = state.model_ref()
+    return module is not None and (module is model or getattr(module, "_orig_mod", None)
+                                   is model or any(module is m for m in state.stack.modules))
 
 
 def _check_stack(state) -> None:
@@ -248,18 +261,22 @@ def _check_stack(state) -> None:
 class _Hold:
     """:meth:`Ownership.holding_slots`'s context."""
 
-    def __init__(self, state):
-        self.state = state
+    def __init__(self, state, code):
+        self.state, self.code = state, code
 
     def __enter__(self):
         turns = self.state.turns
-        if turns.left_here():               # a call this thread left behind ends first
+        if turns.left_here():               # a hold this thread left behind ends first
             turns.end_left(threading.get_ident())
         self.mine = turns.holder != threading.get_ident()
         if self.mine:
-            turns.take_plain()
+            turns.take(self.code)
 
     def __exit__(self, *exc):
         if self.mine:
-            self.state.turns.release()
+            self.state.turns.give_back()
+
+
+class _Restored(Exception):
+    """The model was restored while a call waited for its turn."""
 

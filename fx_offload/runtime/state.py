@@ -47,6 +47,7 @@ from ..schedule import Schedule
 from .circular import CircularStart
 from .contents import Pending, SlotContents
 from .contents import capturing as _capturing
+from . import hooks
 from .hook_copies import HookCopies
 from .ownership import Ownership, ShapeChanged
 from .routed import RoutedExperts, RoutedWait
@@ -72,9 +73,7 @@ class OffloadState(Ownership, RoutedWait, HookCopies):
         self.buffers: SlotBuffers | None = None
         self.contents = SlotContents(choice.layout, self.schedule.slot_of, self.num_slots)
         self._events: dict[tuple[int, int], tuple] = {}   # (layer, chunk) -> (fork, done)
-        self.copy_stream = None
-        self.materialized = False
-        self.restored = False
+        self.copy_stream, self.materialized, self.restored = None, False, False
         self.hooks: list = []
         self.stats = {"prefetches": 0, "sync_loads": 0}
         # the refills the call hook begins, worked out once rather than on every call
@@ -161,13 +160,14 @@ class OffloadState(Ownership, RoutedWait, HookCopies):
             self.swapped_in = False
             self.detach()
 
-    def detach(self) -> None:
-        """Forget the model: remove the hooks, free the slots and host blocks; the
-        parameters keep whatever they hold now."""
+    def detach(self, keep_call_hooks: bool = False) -> None:
+        """Forget the model: remove the hooks (``keep_call_hooks``: but the model's call
+        hooks, for its next state), free the slots and host blocks."""
         self.synchronize()          # no copy may still read a host block or fill a slot
         _untwin_unchanged(self.params, self.masters)
         for hook in self.hooks:
-            hook.remove()
+            if not (keep_call_hooks and hooks.is_call_hook(hook)):
+                hook.remove()
         self.hooks.clear()
         if self.buffers is not None:
             self.buffers.release()
@@ -215,6 +215,7 @@ class OffloadState(Ownership, RoutedWait, HookCopies):
             if c.index == 0:
                 self.stats["prefetches"] += 1       # refills begun, whole or in chunks
             self._copied[(refill, c.index)] = self._versions(refill)
+            self.contents.forget(refill, c)     # until recorded: cut short, it names nothing
             if self.copy_stream is None:
                 self.buffers.copy_in(refill, c)
                 self.contents.fill(refill, c, None)
@@ -248,6 +249,7 @@ class OffloadState(Ownership, RoutedWait, HookCopies):
         chunks = self.contents.chunks(layer) if chunk is None else (chunk,)
         self.contents.settle_over(layer, chunks, self._wait_for)
         for c in chunks:
+            self.contents.forget(layer, c)          # (as in start)
             self.buffers.copy_in(layer, c, non_blocking=self.copy_stream is not None)
             self.contents.fill(layer, c, None)
             self._copied[(layer, c.index)] = self._versions(layer)
