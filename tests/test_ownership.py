@@ -238,6 +238,113 @@ def test_ctrl_c_inside_a_call_ends_it_with_the_weights_on_the_truth(route):
         assert torch.equal(compiled(x), other(x))
 
 
+def test_ctrl_c_between_two_tensors_of_a_slot_copy_leaves_the_next_call_right():
+    """Ctrl-C lands while a layer is copied into its slot, after its first tensor: the slot
+    holds half of the new layer and half of the old, so the old layer's record must be gone
+    (before, the next call read the slot as holding the old layer: an output off by 1.05)."""
+    import signal
+    import sys
+    from fx_offload.runtime.slots import SlotBuffers
+    model, compiled, reference, x = offloaded()
+    with torch.no_grad():
+        want = reference(x)
+    copy_in, copies = SlotBuffers.copy_in.__code__, []
+
+    def ctrl_c_at_second_copy(frame, event, arg):
+        if (event == "c_call" and frame.f_code is copy_in
+                and getattr(arg, "__name__", "") == "copy_"):
+            copies.append(1)
+            if len(copies) == 2:
+                signal.raise_signal(signal.SIGINT)
+    sys.setprofile(ctrl_c_at_second_copy)
+    try:
+        with torch.no_grad(), pytest.raises(KeyboardInterrupt):
+            compiled(x)
+    finally:
+        sys.setprofile(None)
+    assert len(copies) >= 2
+    assert_weights(model, reference)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(compiled(x), want)
+
+
+def test_ctrl_c_in_a_model_called_inside_another_leaves_no_handler_behind():
+    """Ctrl-C inside model B, called from a layer of model A (both offloaded): both calls
+    end, Python's handler is back (before, A's guard stayed installed for good) and A's
+    offload state is freed once the user drops A."""
+    import signal
+    a, (x,) = models.build("mlp", num_layers=8)
+    b, (xb,) = models.build("decoder", seed=3)
+    reference_a, reference_b = copy.deepcopy(a), copy.deepcopy(b)
+    pressed = []
+
+    def ctrl_c_in_b(module, args, output):
+        if pressed:
+            pressed.clear()
+            signal.raise_signal(signal.SIGINT)
+
+    def call_b(module, args, output):
+        b(xb)
+        return output
+    b.layers[3].register_forward_hook(ctrl_c_in_b)
+    a.layers[3].register_forward_hook(call_b)
+    for model, inputs, reference in ((b, xb, reference_b), (a, x, reference_a)):
+        compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+        with torch.no_grad():
+            assert torch.equal(compiled(inputs), reference(inputs))
+    del compiled, model, reference      # the user holds a, b and their references
+    before = signal.getsignal(signal.SIGINT)
+    pressed.append(True)
+    with torch.no_grad(), pytest.raises(KeyboardInterrupt):
+        a(x)
+    assert signal.getsignal(signal.SIGINT) is before
+    assert_weights(a, reference_a)
+    assert_weights(b, reference_b)
+    state = weakref.ref(fx_offload.registry.state_for_model(a))
+    del a
+    gc.collect()
+    assert state() is None
+
+
+@pytest.mark.parametrize("first_waiter", ["call", "restore"])
+def test_restore_while_calls_wait_leaves_a_plain_model_and_right_outputs(first_waiter):
+    """restore() from one thread while a call holds the slots and another waits its turn:
+    restore waits too; the waiting call then runs the plain model (or the offloaded one,
+    whichever got the turn first), every output is right and the weights are the originals."""
+    model, compiled, reference, x = offloaded()
+    with torch.no_grad():
+        want = reference(x)
+    entered, go, results = threading.Event(), threading.Event(), {}
+
+    def hold(module, args):
+        if threading.current_thread().name == "first":
+            entered.set()
+            go.wait(30)
+    model.layers[3].register_forward_pre_hook(hold)     # eager calls run it
+
+    def call(name):
+        with torch.no_grad():
+            results[name] = torch.equal(model(x), want)
+    first = threading.Thread(target=call, args=("first",), name="first")
+    first.start()
+    assert entered.wait(30)
+    second = threading.Thread(target=call, args=("second",))
+    restorer = threading.Thread(target=fx_offload.restore, args=(model,))
+    for t in (second, restorer) if first_waiter == "call" else (restorer, second):
+        t.start()
+        time.sleep(0.3)
+    go.set()
+    for t in (first, second, restorer):
+        t.join(60)
+        assert not t.is_alive()
+    assert results == {"first": True, "second": True}
+    assert fx_offload.registry.state_for_model(model) is None
+    assert_weights(model, reference)
+    with torch.no_grad():
+        assert torch.equal(model(x), want) and torch.equal(compiled(x), want)
+
+
 def test_load_state_dict_from_another_thread_waits_for_the_call_it_meets():
     """A weight-sync thread's load_state_dict while another thread's call holds the slots
     (the parameters point at them then): it waits for that call to end, so the values land
@@ -388,6 +495,40 @@ def test_a_call_begun_while_another_thread_offloads_the_model_anew_waits_for_it(
     first.join()
     assert results == {"offloads anew": True, "begun meanwhile": True}
     assert_weights(model, reference)
+
+
+def test_a_copys_first_calls_from_several_threads_offload_it_once(monkeypatch):
+    """A deep copy offloads itself at its first call; here four threads make that call at
+    once: one offloads it, the others use that state (before, each offloaded it again from
+    parameters the previous one had already handed to its host blocks, and the copy's
+    weights were lost)."""
+    model, compiled, reference, x = offloaded()
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        want = reference(x)
+    barrier, results = threading.Barrier(4), {}
+    from fx_offload import placement
+    offload_again = placement._offload_again
+
+    def slow_offload_again(*args, **kwargs):
+        time.sleep(0.2)         # every thread's call meets the copy not offloaded yet
+        return offload_again(*args, **kwargs)
+    monkeypatch.setattr(placement, "_offload_again", slow_offload_again)
+
+    def worker(i):
+        barrier.wait()
+        with torch.no_grad():
+            results[i] = torch.equal(clone(x), want)
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == {i: True for i in range(4)}
+    assert_weights(clone, reference)
+    assert_weights(model, reference)
+    fx_offload.restore(clone)
+    assert_weights(clone, reference)
 
 
 @pytest.mark.parametrize("how", ["pickle", "torch.save"])
