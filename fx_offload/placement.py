@@ -18,7 +18,6 @@ with the same options; so is one whose offloaded parameters changed dtype or sha
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Any
 
@@ -241,9 +240,6 @@ def _offload_again(model: nn.Module, options: OffloadOptions, device: str,
     return state
 
 
-_OFFLOADING = threading.Lock()     # a model offloaded anew by its call hook: one at a time
-
-
 class EnterCall(hooks.OurHook):
     """Forward pre-hook of an offloaded model's root: a call begins."""
 
@@ -264,22 +260,24 @@ class EnterCall(hooks.OurHook):
                 state.enter(root=True, tokens=tokens)
             except ShapeChanged as changed:
                 state = self._offload_once(module, state, changed)
+                if state is None:
+                    return None         # restored meanwhile: a plain model now
                 continue
             if not state.restored:
                 return None
             # dropped while this call waited for its turn: another thread's call offloads
             # the model anew (enter that state once it is made), or it was restored (a
             # plain model now)
-            with _OFFLOADING:
+            with registry.offloading(module):
                 state = registry.state_for_model(module)
             if state is None:
                 return None
 
-    def _offload_once(self, module, old, changed=None) -> OffloadState:
+    def _offload_once(self, module, old, changed=None) -> OffloadState | None:
         """Offload ``module`` anew (a copy's first call: ``old`` is None; a change that the
         slots cannot fit: ``old`` is its state), once: threads making such a call at the
         same time take turns, and each after the first finds the new state."""
-        with _OFFLOADING:
+        with registry.offloading(module):
             state = registry.state_for_model(module)
             if state is not None and state is not old:
                 return state                # another thread's call offloaded it
@@ -291,6 +289,8 @@ class EnterCall(hooks.OurHook):
                             "stack, or the modules holding it); offloading the model again "
                             "in its new form", changed, type(module).__name__)
                 with old.holding_slots():   # no call of the old state runs meanwhile
+                    if old.restored:
+                        return None         # fx_offload.restore got there first
                     old.detach(keep_call_hooks=True)
             return _offload_again(module, self.options, self.device, self.chunks)
 

@@ -43,6 +43,8 @@ _BY_SUBMODULE: dict[int, "weakref.ref"] = {}  # id of a module inside an offload
 #   Dynamo finds objects through a global dict keyed by them and names them by that path.
 _WATCH: list = []                             # the global module-registration hook, once
 _ACTIVE = threading.local()                   # .calls: the states in a call on this thread
+_OFFLOADING: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # model -> lock
+_OFFLOADING_LOCK = threading.Lock()
 _NEXT_HANDLE = itertools.count(1)
 _LOCK = threading.Lock()
 
@@ -193,6 +195,19 @@ def _warn_shared_graph(compiled_for) -> None:
         "fx_offload.place(model, device, <the same options>) before calling it, or call "
         "torch._dynamo.reset() before compiling it", compiled_for.model_name,
         compiled_for.model_name)
+
+
+def offloading(model: nn.Module) -> threading.Lock:
+    """The lock held while a call hook offloads ``model`` anew (its old state dropped, the
+    new one not registered yet), and by whoever must see one state or the other
+    (``restore``), never that gap.  One per model: a call of one model may offload another
+    (called inside it) anew meanwhile."""
+    model = model_of(model)
+    with _OFFLOADING_LOCK:
+        lock = _OFFLOADING.get(model)
+        if lock is None:
+            lock = _OFFLOADING[model] = threading.Lock()
+        return lock
 
 
 def state_for_model(model: nn.Module):

@@ -464,11 +464,10 @@ def test_threads_calling_one_compiled_model_get_their_own_right_outputs():
     assert_weights(model, reference)
 
 
-def test_a_call_begun_while_another_thread_offloads_the_model_anew_waits_for_it(monkeypatch):
-    """After ``.double()`` a call offloads the model anew (its slots no longer fit).  Another
-    thread's call begun meanwhile must meet the call hook and wait for the new state: with
-    the hooks off the model for that while, it ran the compiled graph on no state's turn
-    and computed with whatever the parameters held (3 of 4 such threads got wrong outputs)."""
+def doubled_and_offloading_slowly(monkeypatch):
+    """An offloaded model converted with ``.double()`` (its next call offloads it anew),
+    whose offloading anew sets ``inside`` and then takes 0.3 s: what another thread does in
+    that window is the test."""
     from fx_offload import placement
     model, compiled, reference, x = offloaded()
     model.double()
@@ -476,14 +475,24 @@ def test_a_call_begun_while_another_thread_offloads_the_model_anew_waits_for_it(
     x = x.double()
     with torch.no_grad():
         want = reference(x)
-    inside, results = threading.Event(), {}
+    inside = threading.Event()
     offload_again = placement._offload_again
 
     def slow_offload_again(*args, **kwargs):
         inside.set()
-        time.sleep(0.3)         # the other thread's call begins in this window
+        time.sleep(0.3)
         return offload_again(*args, **kwargs)
     monkeypatch.setattr(placement, "_offload_again", slow_offload_again)
+    return model, compiled, reference, x, want, inside
+
+
+def test_a_call_begun_while_another_thread_offloads_the_model_anew_waits_for_it(monkeypatch):
+    """After ``.double()`` a call offloads the model anew (its slots no longer fit).  Another
+    thread's call begun meanwhile must meet the call hook and wait for the new state: with
+    the hooks off the model for that while, it ran the compiled graph on no state's turn
+    and computed with whatever the parameters held (3 of 4 such threads got wrong outputs)."""
+    model, compiled, reference, x, want, inside = doubled_and_offloading_slowly(monkeypatch)
+    results = {}
 
     def worker(name):
         with torch.no_grad():
@@ -495,6 +504,29 @@ def test_a_call_begun_while_another_thread_offloads_the_model_anew_waits_for_it(
     first.join()
     assert results == {"offloads anew": True, "begun meanwhile": True}
     assert_weights(model, reference)
+
+
+def test_restore_while_a_call_offloads_the_model_anew_restores_the_new_state(monkeypatch):
+    """restore() from another thread while a call offloads the model anew after
+    ``.double()``: it waits for the new state and restores that one (in the gap between the
+    two states it found none and refused the model as a copy not called yet)."""
+    model, compiled, reference, x, want, inside = doubled_and_offloading_slowly(monkeypatch)
+    results = {}
+
+    def worker():
+        with torch.no_grad():
+            results["call"] = torch.equal(compiled(x), want)
+    thread = threading.Thread(target=worker)
+    thread.start()
+    assert inside.wait(60)
+    fx_offload.restore(model)
+    thread.join(60)
+    assert results == {"call": True}
+    assert fx_offload.registry.state_for_model(model) is None
+    assert_weights(model, reference)
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
 
 
 def test_a_copys_first_calls_from_several_threads_offload_it_once(monkeypatch):

@@ -138,10 +138,10 @@ class OffloadState(Ownership, RoutedWait, HookCopies):
 
     def restore(self) -> None:
         """Return every offloaded weight to the device, bitwise, and detach."""
-        if self.restored:
-            return
-        self.synchronize()
         with self.holding_slots():
+            if self.restored:       # another thread's restore, or an offload anew, was first
+                return
+            self.synchronize()
             try:
                 self._take_up_changes(restoring=True)
             except ShapeChanged:

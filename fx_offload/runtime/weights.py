@@ -33,7 +33,9 @@ def restore(model: nn.Module) -> None:
     On a model whose ``memory_budget`` plan offloaded nothing it forgets that plan, so the
     model may be compiled again with other options."""
     model = registry.model_of(model)
-    if registry.state_for_model(model) is None:
+    with registry.offloading(model):       # a call offloading it anew: the state it makes
+        state = registry.state_for_model(model)
+    if state is None:
         if registry.forget_nothing_offloaded(model):
             return
         if hooks.carries_hooks(model):
@@ -43,7 +45,8 @@ def restore(model: nn.Module) -> None:
                 "the host and offloads itself, with the original's options, at its first "
                 "call. For a plain model restore it after that call, or restore the "
                 "original before copying it", where="fx_offload.restore")
-    _state(model, "fx_offload.restore").restore()
+        _state(model, "fx_offload.restore")       # raises: nothing offloaded
+    state.restore()
 
 
 def named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
