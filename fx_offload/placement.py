@@ -291,7 +291,7 @@ class EnterCall(hooks.OurHook):
                 with old.holding_slots():   # no call of the old state runs meanwhile
                     if old.restored:
                         return None         # fx_offload.restore got there first
-                    old.detach(keep_call_hooks=True)
+                    old.detach(anew=True)
             return _offload_again(module, self.options, self.device, self.chunks)
 
 

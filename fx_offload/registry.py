@@ -36,6 +36,7 @@ _BY_PARAM: dict[int, tuple] = {}             # id of a Parameter -> (weakref to 
 #   one, which nn.Module._apply (model.to, .half) does to quantized weights; and the state
 #   holds its parameters, so a strong reference would keep both alive forever.
 _BY_TOKEN: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+_MODEL_OF_TOKEN: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 _NOTHING_OFFLOADED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _RESTORED: dict[int, tuple] = {}              # handle -> (the schedule, the chunks) it had
 _BY_SUBMODULE: dict[int, "weakref.ref"] = {}  # id of a module inside an offloaded layer ->
@@ -61,6 +62,18 @@ def state_for_token(token: str):
     """The live offload state a hook names, or None (a hook copied with its model, or
     unpickled in another process)."""
     return _BY_TOKEN.get(token)
+
+
+def state_for_load(token: str):
+    """The live state a load hook names: its own, or, where its model was offloaded anew
+    since (a model offloaded anew keeps the old hooks until the new ones are on, so a load
+    begun meanwhile meets one), the model's state once that offload has registered it."""
+    state = _BY_TOKEN.get(token)
+    model = _MODEL_OF_TOKEN.get(token) if state is None else None
+    if model is None:
+        return state
+    with offloading(model):
+        return state_for_model(model)
 
 
 class _Restored:
@@ -197,6 +210,16 @@ def _warn_shared_graph(compiled_for) -> None:
         compiled_for.model_name)
 
 
+def live_state(state):
+    """The state ``state``'s model has now: ``state`` was dropped (its model offloaded anew,
+    or restored) while the caller waited for its turn; the new one, or None."""
+    model = state.model_ref()
+    if model is None:
+        return None
+    with offloading(model):
+        return state_for_model(model)
+
+
 def offloading(model: nn.Module) -> threading.Lock:
     """The lock held while a call hook offloads ``model`` anew (its old state dropped, the
     new one not registered yet), and by whoever must see one state or the other
@@ -257,6 +280,7 @@ def register(state, model: nn.Module | None) -> None:
         _BY_TOKEN[state.token] = state
         if model is not None:
             _BY_MODEL[model] = state
+            _MODEL_OF_TOKEN[state.token] = model
         for layer, ps in state.params.items():
             for p in ps:
                 for held in (p.param, p.host):      # a quantized weight's host twin too

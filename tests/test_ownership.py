@@ -374,6 +374,32 @@ def test_load_state_dict_from_another_thread_waits_for_the_call_it_meets():
         assert torch.equal(compiled(x), other(x))
 
 
+def test_a_call_sees_a_models_load_state_dict_whole():
+    """Loads of the whole model from one thread while another thread calls: each call sees
+    all of one state dict (before, the load took the turn per module owning offloaded
+    weights, and a call between two of them read the resident layers already loaded with
+    the offloaded ones not yet: an output of neither)."""
+    model, compiled, reference, x = offloaded()
+    other, _ = models.build("mlp", num_layers=8, seed=5)
+    dicts = [copy.deepcopy(reference.state_dict()), copy.deepcopy(other.state_dict())]
+    with torch.no_grad():
+        wants = [reference(x), other(x)]
+    outputs, done = [], threading.Event()
+
+    def caller():
+        while not done.is_set():
+            outputs.append(_no_grad_call(compiled, x))
+    thread = threading.Thread(target=caller)
+    thread.start()
+    for i in range(40):
+        model.load_state_dict(dicts[(i + 1) % 2])
+        time.sleep(0.002)
+    done.set()
+    thread.join(60)
+    assert outputs and all(any(torch.equal(y, w) for w in wants) for y in outputs)
+    assert_weights(model, reference)
+
+
 def test_a_call_ended_by_a_base_exception_raised_by_code_is_caught_up_with(monkeypatch):
     """A KeyboardInterrupt raised by code inside a call (not Ctrl-C's signal) skips the
     hooks that end a call: another thread's call waits for the turn until it finds the
@@ -527,6 +553,34 @@ def test_restore_while_a_call_offloads_the_model_anew_restores_the_new_state(mon
     assert {p.dtype for p in model.parameters()} == {torch.float64}
     with torch.no_grad():
         assert torch.equal(model(x), want)
+
+
+@pytest.mark.parametrize("how", ["update_weights", "load_state_dict"])
+def test_new_weights_given_while_a_call_offloads_the_model_anew_are_kept(how, monkeypatch):
+    """New weights given from another thread while a call offloads the model anew after
+    ``.double()`` land in the new state's truth (update_weights refused the model as not
+    offloaded in the gap between the two states; a load met no hook there and its values
+    could be copied over by the new host blocks' fill)."""
+    model, compiled, reference, x, want, inside = doubled_and_offloading_slowly(monkeypatch)
+    other, _ = models.build("mlp", num_layers=8, seed=5)
+    other.double()
+    new = other.state_dict()
+    with torch.no_grad():
+        want_new = other(x)
+    outputs = []
+    thread = threading.Thread(target=lambda: outputs.append(_no_grad_call(compiled, x)))
+    thread.start()
+    assert inside.wait(60)
+    if how == "update_weights":
+        fx_offload.update_weights(model, new)
+    else:
+        model.load_state_dict(new)
+    thread.join(60)
+    if how == "update_weights":     # one step: the call saw the old weights or the new
+        assert torch.equal(outputs[0], want) or torch.equal(outputs[0], want_new)
+    assert_weights(model, other)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), want_new)
 
 
 def test_a_copys_first_calls_from_several_threads_offload_it_once(monkeypatch):

@@ -106,9 +106,15 @@ class LoadTakesTurn(OurHook):
         self.token = token
 
     def __call__(self, module, *args):
-        state = registry.state_for_token(self.token)
-        if state is not None:
+        state = registry.state_for_load(self.token)
+        while state is not None:
             state.turns.begin_load(module)
+            if not state.restored:
+                return
+            # offloaded anew while this waited: the new state's turn (its post-hook, on
+            # the module by then, gives it back), or none for a restored model
+            state.turns.end_load(module)
+            state = registry.live_state(state)
 
 
 class LoadGivesBack(OurHook):
@@ -118,7 +124,7 @@ class LoadGivesBack(OurHook):
         self.token = token
 
     def __call__(self, module, incompatible_keys):
-        state = registry.state_for_token(self.token)
+        state = registry.state_for_load(self.token)
         if state is not None:
             state.turns.end_load(module)
 
@@ -138,13 +144,6 @@ def call_hooks(model: nn.Module) -> list[RemovableHandle]:
                 handle.id = key
                 found.append(handle)
     return found if len(found) == 2 else []
-
-
-def is_call_hook(handle: RemovableHandle) -> bool:
-    """``handle`` is one of a model's call hooks (:func:`call_hooks`)."""
-    hook_dict = handle.hooks_dict_ref()
-    return getattr(hook_dict.get(handle.id) if hook_dict is not None else None,
-                   "at_root", False)
 
 
 def strip_hooks(model: nn.Module, keep=()) -> bool:
@@ -185,9 +184,14 @@ def install_layer_hooks(state) -> list:
         handles.append(module.register_forward_hook(LayerLeave(state.token), always_call=True))
         for p in state.params[layer]:
             owners[id(p.owner)] = p.owner
-    for m in owners.values():
-        handles += [m._register_state_dict_hook(TruthInStateDict()),
-                    m._register_load_state_dict_pre_hook(LoadTakesTurn(state.token),
+    handles += [m._register_state_dict_hook(TruthInStateDict()) for m in owners.values()]
+    # the model's own load takes the turn once for all of it: a call then sees all the new
+    # weights or none (a load into a submodule takes it for that submodule's owners)
+    model = state.model_ref()
+    loaders = ([model] if model is not None else []) + [
+        m for m in owners.values() if m is not model]
+    for m in loaders:
+        handles += [m._register_load_state_dict_pre_hook(LoadTakesTurn(state.token),
                                                          with_module=True),
                     m.register_load_state_dict_post_hook(LoadGivesBack(state.token))]
     return handles

@@ -35,6 +35,7 @@ capture, on external events a capture can wait for.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import weakref
@@ -47,7 +48,6 @@ from ..schedule import Schedule
 from .circular import CircularStart
 from .contents import Pending, SlotContents
 from .contents import capturing as _capturing
-from . import hooks
 from .hook_copies import HookCopies
 from .ownership import Ownership, ShapeChanged
 from .routed import RoutedExperts, RoutedWait
@@ -136,16 +136,15 @@ class OffloadState(Ownership, RoutedWait, HookCopies):
         registry.register(self, self.model_ref())
         self.materialized = True
 
-    def restore(self) -> None:
-        """Return every offloaded weight to the device, bitwise, and detach."""
+    def restore(self) -> bool:
+        """Return every offloaded weight to the device, bitwise, and detach; False where
+        another thread's restore, or an offload anew, dropped this state first."""
         with self.holding_slots():
-            if self.restored:       # another thread's restore, or an offload anew, was first
-                return
+            if self.restored:
+                return False
             self.synchronize()
-            try:
+            with contextlib.suppress(ShapeChanged):     # the user's new values stay
                 self._take_up_changes(restoring=True)
-            except ShapeChanged:
-                pass        # the parameters hold the user's new values: they stay
             if self.swapped_in:
                 self._point_at(truth=True)
             with torch.no_grad():
@@ -159,15 +158,15 @@ class OffloadState(Ownership, RoutedWait, HookCopies):
             self.rewrap()
             self.swapped_in = False
             self.detach()
+        return True
 
-    def detach(self, keep_call_hooks: bool = False) -> None:
-        """Forget the model: remove the hooks (``keep_call_hooks``: but the model's call
-        hooks, for its next state), free the slots and host blocks."""
+    def detach(self, anew: bool = False) -> None:
+        """Forget the model: remove the hooks (``anew``: the model is being offloaded anew,
+        whose :func:`placement.activate` replaces them), free the slots and host blocks."""
         self.synchronize()          # no copy may still read a host block or fill a slot
         _untwin_unchanged(self.params, self.masters)
-        for hook in self.hooks:
-            if not (keep_call_hooks and hooks.is_call_hook(hook)):
-                hook.remove()
+        for hook in self.hooks if not anew else ():
+            hook.remove()
         self.hooks.clear()
         if self.buffers is not None:
             self.buffers.release()

@@ -46,7 +46,8 @@ def restore(model: nn.Module) -> None:
                 "call. For a plain model restore it after that call, or restore the "
                 "original before copying it", where="fx_offload.restore")
         _state(model, "fx_offload.restore")       # raises: nothing offloaded
-    state.restore()
+    while state is not None and not state.restore():
+        state = registry.live_state(state)  # offloaded anew while restore waited: that one
 
 
 def named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -67,7 +68,8 @@ def update_weights(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> Non
     it was."""
     model = registry.model_of(model)
     where = "fx_offload.update_weights"
-    state = _state(model, where)
+    with registry.offloading(model):       # a call offloading it anew: the state it makes
+        state = _state(model, where)
     if not isinstance(weights, Mapping):
         raise OffloadError(f"weights must be a mapping of names to tensors (a state dict), "
                            f"got {type(weights).__name__}", where=where)
@@ -77,9 +79,21 @@ def update_weights(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> Non
     # Everything checked and converted: write.  Between calls the parameters are the
     # truth; an in-place copy moves their version, so the next call reloads any slot
     # holding them.
-    with state.holding_slots(), torch.no_grad():
-        for target, value in staged:
-            target.copy_(value)
+    while state is not None:
+        with state.holding_slots():
+            if not state.restored:
+                _write(staged)
+                return
+        # offloaded anew while this waited (the parameters may point at the new state's
+        # slots in another thread's call): its turn, or none for a restored model
+        state = registry.live_state(state)
+    _write(staged)
+
+
+@torch.no_grad()
+def _write(staged) -> None:
+    for target, value in staged:
+        target.copy_(value)
 
 
 def _staged(name, value, targets, model, where: str) -> tuple[torch.Tensor, torch.Tensor]:
