@@ -70,10 +70,7 @@ def state_for_load(token: str):
     begun meanwhile meets one), the model's state once that offload has registered it."""
     state = _BY_TOKEN.get(token)
     model = _MODEL_OF_TOKEN.get(token) if state is None else None
-    if model is None:
-        return state
-    with offloading(model):
-        return state_for_model(model)
+    return state if model is None else settled_state(model)
 
 
 class _Restored:
@@ -214,8 +211,16 @@ def live_state(state):
     """The state ``state``'s model has now: ``state`` was dropped (its model offloaded anew,
     or restored) while the caller waited for its turn; the new one, or None."""
     model = state.model_ref()
-    if model is None:
-        return None
+    return None if model is None else settled_state(model)
+
+
+def settled_state(model: nn.Module):
+    """:func:`state_for_model`, never in the gap of an offload anew (it waits for that to
+    end), unless this thread holds the state's turn: the offload anew waits for that hold
+    to end, so waiting for it would wait for ever (a weight update inside a call)."""
+    state = state_for_model(model)
+    if state is not None and state.turns.holder == threading.get_ident():
+        return state
     with offloading(model):
         return state_for_model(model)
 

@@ -19,12 +19,9 @@ from . import hooks
 from ..errors import OffloadError
 
 
-def _state(model: nn.Module, where: str):
-    state = registry.state_for_model(model)
-    if state is None:
-        raise OffloadError(f"{type(registry.model_of(model)).__name__} has no offloaded "
-                           "weights", where=where)
-    return state
+def _not_offloaded(model: nn.Module, where: str) -> OffloadError:
+    return OffloadError(f"{type(registry.model_of(model)).__name__} has no offloaded "
+                        "weights", where=where)
 
 
 def restore(model: nn.Module) -> None:
@@ -33,8 +30,7 @@ def restore(model: nn.Module) -> None:
     On a model whose ``memory_budget`` plan offloaded nothing it forgets that plan, so the
     model may be compiled again with other options."""
     model = registry.model_of(model)
-    with registry.offloading(model):       # a call offloading it anew: the state it makes
-        state = registry.state_for_model(model)
+    state = registry.settled_state(model)  # a call offloading it anew: the state it makes
     if state is None:
         if registry.forget_nothing_offloaded(model):
             return
@@ -45,7 +41,7 @@ def restore(model: nn.Module) -> None:
                 "the host and offloads itself, with the original's options, at its first "
                 "call. For a plain model restore it after that call, or restore the "
                 "original before copying it", where="fx_offload.restore")
-        _state(model, "fx_offload.restore")       # raises: nothing offloaded
+        raise _not_offloaded(model, "fx_offload.restore")
     while state is not None and not state.restore():
         state = registry.live_state(state)  # offloaded anew while restore waited: that one
 
@@ -68,8 +64,9 @@ def update_weights(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> Non
     it was."""
     model = registry.model_of(model)
     where = "fx_offload.update_weights"
-    with registry.offloading(model):       # a call offloading it anew: the state it makes
-        state = _state(model, where)
+    state = registry.settled_state(model)  # a call offloading it anew: the state it makes
+    if state is None:
+        raise _not_offloaded(model, where)
     if not isinstance(weights, Mapping):
         raise OffloadError(f"weights must be a mapping of names to tensors (a state dict), "
                            f"got {type(weights).__name__}", where=where)
