@@ -268,8 +268,7 @@ class EnterCall(hooks.OurHook):
             # dropped while this call waited for its turn: another thread's call offloads
             # the model anew (enter that state once it is made), or it was restored (a
             # plain model now)
-            with registry.offloading(module):
-                state = registry.state_for_model(module)
+            state = registry.live_state(state)
             if state is None:
                 return None
 
