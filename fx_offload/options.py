@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from typing import Any, Iterable, Mapping
 
@@ -39,6 +40,9 @@ class OffloadOptions:
     copy_chunks: int = 8        # a layer's copy is split into at most this many chunks
     circular_prefetch: str = "auto"     # where each slot's first layer is copied back in
     compress: str = "none"      # "lossless": bf16 weights cross the link compressed
+    # where compressed layers' uncompressed weights live: "auto" (in a file in the temporary
+    # folder where that is on a disk), "memory", or a folder (runtime.file_backed)
+    uncompressed_weights: str = "auto"
     experts: str = "routed"     # an MoE layer's experts: only those its tokens picked move
     # the planner (used instead of group_size/num_in_group/prefetch_step)
     memory_budget: int | None = None
@@ -85,7 +89,8 @@ class OffloadOptions:
         part of it, so one model may be compiled by several inner backends."""
         return (self.group_size, self.num_in_group, self.prefetch_step,
                 self.offload_params, self.layers, self.copy_chunks,
-                self.circular_prefetch, self.compress, self.experts) + tuple(
+                self.circular_prefetch, self.compress, self.uncompressed_weights,
+                self.experts) + tuple(
                     getattr(self, name) for name in PLANNER_KEYS)
 
     def describe(self, placement_only: bool = False) -> str:
@@ -107,6 +112,8 @@ class OffloadOptions:
             parts.append(f"circular_prefetch={self.circular_prefetch!r}")
         if self.compress != OffloadOptions.compress:
             parts.append(f"compress={self.compress!r}")
+        if self.uncompressed_weights != OffloadOptions.uncompressed_weights:
+            parts.append(f"uncompressed_weights={self.uncompressed_weights!r}")
         if self.experts != OffloadOptions.experts:
             parts.append(f"experts={self.experts!r}")
         if self.kv_cache != OffloadOptions.kv_cache:
@@ -127,7 +134,8 @@ PLANNER_KEYS = ("memory_budget", "plan_tokens", "flop_rate", "memory_bandwidth",
                 "h2d_bandwidth", "launch_overhead")
 HAND_PICKED_KEYS = ("group_size", "num_in_group", "prefetch_step")
 PLACEMENT_KEYS = HAND_PICKED_KEYS + ("offload_params", "layers", "copy_chunks",
-                                     "circular_prefetch", "compress", "experts") + PLANNER_KEYS
+                                     "circular_prefetch", "compress", "uncompressed_weights",
+                                     "experts") + PLANNER_KEYS
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -205,6 +213,25 @@ def _check_meaning(name: str, value: Any, choices: tuple[str, ...], meaning: str
                            f"got {value!r}")
 
 
+def _check_uncompressed(value: Any) -> str:
+    """``uncompressed_weights``: "auto", "memory" or a folder that exists and takes files
+    (as a str or a path), returned as its absolute path."""
+    if value in ("auto", "memory"):
+        return value
+    what = ("option 'uncompressed_weights' says where compress='lossless' keeps the "
+            "uncompressed weights: 'auto' (a file in the temporary folder, where that is on "
+            "a disk), 'memory', or a folder on a disk")
+    if not isinstance(value, (str, os.PathLike)) or not str(value):
+        raise OffloadError(f"{what}; got {value!r}")
+    folder = os.path.abspath(os.fspath(value))
+    if not os.path.isdir(folder):
+        raise OffloadError(f"{what}; {folder} is not a folder: create it, or give another")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise OffloadError(f"{what}; {folder} cannot be written to: give a folder you may "
+                           "write in")
+    return folder
+
+
 def _check_offload_params(value: Any) -> tuple[str, ...] | None:
     if value is None:
         return None
@@ -266,6 +293,12 @@ def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None 
     _check_meaning("compress", compress, COMPRESS,
                    "'lossless': bfloat16 weights cross the link compressed and are decoded on "
                    "the device, bitwise the same")
+    uncompressed = _check_uncompressed(options.get("uncompressed_weights", "auto"))
+    if uncompressed != "auto" and compress != "lossless":
+        raise OffloadError(
+            f"option 'uncompressed_weights' ({uncompressed!r}) applies with "
+            "compress='lossless' only: uncompressed layers are copied from their weights, "
+            "which stay in page-locked host memory. Add compress='lossless' or drop it")
     experts = options.get("experts", "routed")
     _check_meaning("experts", experts, EXPERTS,
                    "'routed': an MoE layer's expert tensors move only the experts its tokens "
@@ -296,6 +329,7 @@ def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None 
         copy_chunks=copy_chunks,
         circular_prefetch=circular,
         compress=compress,
+        uncompressed_weights=uncompressed,
         experts=experts,
         **planner,
         **_check_kv_options(options),

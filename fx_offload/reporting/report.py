@@ -35,6 +35,9 @@ class Report:
     # chunks' records, the rest raw), and the host memory its compressed copy takes
     call_bytes: dict[int, int] = dataclasses.field(default_factory=dict)
     compressed_host_bytes: int = 0
+    # of the offloaded bytes, those kept in files rather than in host memory (compressed
+    # layers' uncompressed weights: option uncompressed_weights)
+    uncompressed_in_file_bytes: int = 0
     # bytes the copies begun since the most recent call began moved (counted in Python: a
     # CUDA graph's replay copies what its capture did, uncounted)
     copied_bytes_last_call: int = 0
@@ -81,6 +84,9 @@ class Report:
             lines.append("  circular prefetch (each slot's first layer, for the next call): "
                          + self.circular_text)
         host = "pinned host memory" if self.pinned else "host memory"
+        in_file = self.uncompressed_in_file_bytes
+        if in_file:
+            host += " and files"
         lines.append(f"  offloaded to {host}: {format_bytes(self.offloaded_bytes)}; "
                      f"{self.num_slots} slot buffer(s): {format_bytes(self.buffer_bytes)} on "
                      f"{self.device}; device memory saved: {format_bytes(self.saved_bytes)}")
@@ -90,7 +96,11 @@ class Report:
                          f"{format_bytes(moved)} of their {format_bytes(raw)} ({moved / raw:.3f}"
                          "; call_bytes has each layer's); "
                          f"the compressed copies take {format_bytes(self.compressed_host_bytes)}"
-                         " of host memory besides the weights")
+                         " of host memory"
+                         + (f"; of the uncompressed weights, {format_bytes(in_file)} are kept in "
+                            "files (read from disk only when you read the weights) and "
+                            f"{format_bytes(raw - in_file)} in host memory" if in_file
+                            else " besides the weights"))
         if self.copied_bytes_last_call:
             lines.append(f"  the last call copied {format_bytes(self.copied_bytes_last_call)}"
                          + (" outside CUDA graphs (a replay's own copies are not counted)"
@@ -164,6 +174,7 @@ def _weights_report(model: nn.Module) -> Report:
             circular=choice.schedule.circular, circular_text=state.circular.describe(),
             call_bytes=state.buffers.call_bytes() if state.buffers else {},
             compressed_host_bytes=state.buffers.compressed_host_bytes if state.buffers else 0,
+            uncompressed_in_file_bytes=state.buffers.in_file_bytes if state.buffers else 0,
             copied_bytes_last_call=_copied(state),
             copies_captured=bool(state.buffers and state.buffers.captured),
             experts=experts_moved(choice, getattr(state, "routed", None)))

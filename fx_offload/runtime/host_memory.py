@@ -106,6 +106,7 @@ class HostBlock:
         buffer = torch.empty(max(total, 1), dtype=torch.uint8)
         _zero_gaps(buffer, self.layout, total)
         self.registered = self.pinned = False
+        self.mapping = None             # the file mapping holding the block (file_backed)
         if pin:
             buffer, self.registered, self.pinned = _page_lock(buffer)
         self.buffer = buffer
@@ -119,6 +120,36 @@ class HostBlock:
     @property
     def nbytes(self) -> int:
         return self.buffer.numel()
+
+    @property
+    def in_file(self) -> bool:
+        return self.mapping is not None
+
+    def pin(self) -> None:
+        """Page-lock a block made with ``pin=False`` (in place, or as a pinned copy: take
+        ``views`` anew)."""
+        if not self.pinned:
+            self.buffer, self.registered, self.pinned = _page_lock(self.buffer)
+            self.views = views_into(self.buffer, self.layout, own_storage=True)
+
+    def lock_in_place(self) -> None:
+        """Page-lock the block where it is, or leave it pageable (never a copy: the
+        parameters view it)."""
+        if self.pinned:
+            return
+        try:
+            rc = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), self.nbytes, 0)
+            torch.cuda.check_error(rc)
+            self.registered = self.pinned = True
+        except Exception as err:      # copies from it are then slower, still right
+            log.info("fx_offload: a host block stays pageable (%s)", err)
+
+    def to_file(self, folder: str) -> None:
+        """Move an unpinned block into a file in ``folder`` (:mod:`.file_backed`): take
+        ``views`` anew.  Raises ``OSError`` with the block as it was."""
+        from .file_backed import to_file
+        self.buffer, self.mapping = to_file(self.buffer, folder)
+        self.views = views_into(self.buffer, self.layout, own_storage=True)
 
     def release(self) -> None:
         """Unlock the memory; the views must not be used for copies afterwards."""

@@ -26,13 +26,15 @@ import os
 
 import torch
 
-from .compressed import CompressedBlock, StagedCopies
+from . import file_backed
+from .compressed import StagedCopies
+from .compressed_layers import CompressedLayers
 from .host_memory import HostBlock, align_for, layout_of, views_into
 
 log = logging.getLogger("fx_offload")
 
 
-class SlotBuffers:
+class SlotBuffers(CompressedLayers):
     """Masters and slots for a :class:`~fx_offload.selection.Choice`."""
 
     # One copy per chunk from a packed host block into its slot, rather than one copy per
@@ -58,13 +60,18 @@ class SlotBuffers:
         self.views = {layer: views_into(self.flat[slot_of[layer]], layouts[layer][0])
                       for layer in self.params}
         self.masters: dict[int, dict[str, torch.Tensor]] = {}
-        self.compressed: dict[int, CompressedBlock] = {}
+        self.compressed: dict = {}          # layer -> CompressedBlock (compressed_layers)
         self.layout, self.model_name = choice.layout, choice.model_name
         self.compress = choice.compress == "lossless" and self.packed
+        self.experts = choice.experts
+        # compressed layers' uncompressed weights: in files here (runtime.file_backed)
+        self.raw_folder = file_backed.folder_for(choice.uncompressed_weights,
+                                                 self.model_name) if self.compress else None
         for layer, ps in self.params.items():
             self.masters[layer] = self._make_masters(layer, ps, fill)
             if self.compress:
                 self._compress(layer, ps)
+                self._place_raw(layer)
             if hand_over is not None:
                 hand_over(layer, self.masters[layer])
         if self.compress and not any(c.meta for c in self.compressed.values()):
@@ -90,63 +97,17 @@ class SlotBuffers:
         staged = 0 if self.staging is None else self.staging.numel() + self.staged.nbytes
         return sum(flat.numel() for flat in self.flat) + staged
 
-    def _compress(self, layer: int, ps) -> None:
-        """Encode ``layer``'s chunks of bf16 weights (``compress="lossless"``)."""
-        dtypes = {p.suffix: {t.dtype for t in p.parts().values()} for p in ps}
-
-        def compressible(chunk) -> bool:
-            return all(dtypes[s] == {torch.bfloat16} for s in chunk.suffixes)
-        self.compressed[layer] = CompressedBlock(
-            f"layer {layer} of {self.model_name}", self._blocks[layer].buffer,
-            self.layout[layer], compressible, self.device,
-            pin=self.device.type != "cpu", align=self.align)
-
-    def chunk_nbytes(self, layer: int, chunk) -> int:
-        """Bytes the copy of ``layer``'s ``chunk`` moves across the link."""
-        packed = self.compressed.get(layer)
-        return chunk.end - chunk.start if packed is None else packed.chunk_nbytes(chunk)
-
-    def call_bytes(self) -> dict[int, int]:
-        """Layer -> bytes one copy of it moves, where compression changes it (else {})."""
-        return {layer: sum(self.chunk_nbytes(layer, c) for c in self.layout[layer])
-                for layer in self.params} if self.compressed else {}
-
-    @property
-    def compressed_host_bytes(self) -> int:
-        return sum(c.host_nbytes for c in self.compressed.values())
-
-    def recompress_changed(self, versions, moved, synchronize) -> set[int]:
-        """Encode again the compressed copies of layers whose weights changed since they
-        were encoded (``versions(layer)`` moved, or new values were copied into their host
-        blocks: ``moved``, entries ``(layer, ..., copied)``), after ``synchronize`` (a copy
-        may be reading a record); returns them."""
-        if not self.compressed:             # every call: nothing to do without compression
-            return set()
-        copied = {entry[0] for entry in moved if entry[-1]}
-        changed = {layer for layer in self.compressed
-                   if layer in copied or versions(layer) != self.encoded_at[layer]}
-        if changed:
-            synchronize()
-        for layer in sorted(changed):
-            self.recompress(layer)
-            self.encoded_at[layer] = versions(layer)
-        return changed
-
-    def recompress(self, layer: int) -> None:
-        """``layer``'s host block changed: its compressed copy follows (no copy in flight)."""
-        packed = self.compressed.get(layer)
-        if packed is not None:
-            packed.recompress(self._blocks[layer].buffer, self.layout[layer], self.device,
-                              self.captured)
-
     def _make_masters(self, layer: int, ps, fill) -> dict[str, torch.Tensor]:
         if self.device.type == "cpu" and fill is None and not self.compress:
             # the original storage becomes the master: nothing is copied
             return {key: t.detach() for key, t in block_tensors(ps).items()}
+        # compressed: page-locked only once _place_raw knows it stays in memory
         block = HostBlock(block_tensors(ps),
                           fill=None if fill is None else lambda views: fill(layer, views),
-                          pin=self.device.type != "cpu", align=self.align)
-        self.pinned = block.pinned
+                          pin=self.device.type != "cpu" and not self.compress,
+                          align=self.align)
+        if not self.compress:
+            self.pinned = block.pinned
         self._blocks[layer] = block
         return block.views
 

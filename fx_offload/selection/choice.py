@@ -37,6 +37,8 @@ class Choice:
     layout: dict = dataclasses.field(default_factory=dict)
     # "lossless": each chunk of bf16 weights crosses the link compressed (runtime.lossless)
     compress: str = "none"
+    # where compressed layers' uncompressed weights live (runtime.file_backed)
+    uncompressed_weights: str = "auto"
     # layer -> {suffix: number of experts} of its expert tensors, under experts="routed"
     # (selection.experts); the pass routes a chunk of them where a graph reads only the rows
     # its router picked, and records here why it did not where it could not

@@ -59,6 +59,7 @@ def choose(model: nn.Module, options: OffloadOptions, graph=None, layer_frame: b
     schedule = Schedule(params, num_slots, options.circular_start)
     choice = Choice(type(model).__name__, options, stack, params, schedule, device, planner,
                     hook_starts_entry=options.hook_starts_entry, compress=options.compress,
+                    uncompressed_weights=options.uncompressed_weights,
                     under_cuda_graphs=options.mode == "reduce-overhead",
                     experts=expert_tensors(params) if options.experts == "routed" else {})
     if planner is None:

@@ -1,0 +1,114 @@
+"""The compressed copies of a model's offloaded layers (``compress="lossless"``), as
+:class:`~.slots.SlotBuffers` keeps them: one :class:`~.compressed.CompressedBlock` of records
+per layer, made once its host block is filled, encoded again when the weights change, and
+where the layer's raw block then lives (:mod:`.file_backed`)::
+
+    make a layer:   host block (unpinned) -> records -> raw block to a file  (every chunk
+                                                     or page-locked in place  has a record)
+    weights change: host block -> records encoded again into the same sizes
+
+A mixin of :class:`~.slots.SlotBuffers`, whose ``_blocks``, ``compressed``, ``layout``,
+``device``, ``align``, ``captured``, ``experts``, ``masters`` and ``raw_folder`` it uses.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..text import format_bytes
+from . import file_backed
+from .compressed import CompressedBlock
+
+log = logging.getLogger("fx_offload")
+
+
+class CompressedLayers:
+    """Compressed copies of the offloaded layers (a mixin of ``SlotBuffers``)."""
+
+    def _compress(self, layer: int, ps) -> None:
+        """Encode ``layer``'s chunks of bf16 weights (``compress="lossless"``)."""
+        dtypes = {p.suffix: {t.dtype for t in p.parts().values()} for p in ps}
+
+        def compressible(chunk) -> bool:
+            return all(dtypes[s] == {torch.bfloat16} for s in chunk.suffixes)
+        self.compressed[layer] = CompressedBlock(
+            f"layer {layer} of {self.model_name}", self._blocks[layer].buffer,
+            self.layout[layer], compressible, self.device,
+            pin=self.device.type != "cpu", align=self.align)
+
+    def _place_raw(self, layer: int) -> None:
+        """A compressed layer's host block (made unpinned): into a file where every chunk
+        has a record and no gather reads its rows, else page-locked as any other."""
+        block, packed = self._blocks[layer], self.compressed[layer]
+        if self.raw_folder is not None and layer not in self.experts and \
+                all(packed.holds(c) for c in self.layout[layer]):
+            if not file_backed.room_in(self.raw_folder, block.nbytes):
+                log.warning("fx_offload: %s has no room for the uncompressed weights of %s "
+                            "(%s more, and 1 GiB to spare): they stay in host memory from "
+                            "layer %d on; give uncompressed_weights=<a folder with room>",
+                            self.raw_folder, self.model_name, format_bytes(block.nbytes),
+                            layer)
+                self.raw_folder = None
+            else:
+                try:
+                    block.to_file(self.raw_folder)
+                    self.masters[layer] = block.views
+                    self.pinned = packed.block is not None and packed.block.pinned
+                    return
+                except OSError as err:
+                    log.warning("fx_offload: the uncompressed weights of %s stay in host "
+                                "memory from layer %d on: writing them to %s failed (%s)",
+                                self.model_name, layer, self.raw_folder, err)
+                    self.raw_folder = None
+        if self.device.type != "cpu":
+            block.pin()
+            self.masters[layer] = block.views
+            self.pinned = block.pinned
+
+    @property
+    def in_file_bytes(self) -> int:
+        """Host-block bytes kept in files rather than in host memory."""
+        return sum(b.nbytes for b in self._blocks.values() if b.in_file)
+
+    def chunk_nbytes(self, layer: int, chunk) -> int:
+        """Bytes the copy of ``layer``'s ``chunk`` moves across the link."""
+        packed = self.compressed.get(layer)
+        return chunk.end - chunk.start if packed is None else packed.chunk_nbytes(chunk)
+
+    def call_bytes(self) -> dict[int, int]:
+        """Layer -> bytes one copy of it moves, where compression changes it (else {})."""
+        return {layer: sum(self.chunk_nbytes(layer, c) for c in self.layout[layer])
+                for layer in self.params} if self.compressed else {}
+
+    @property
+    def compressed_host_bytes(self) -> int:
+        return sum(c.host_nbytes for c in self.compressed.values())
+
+    def recompress_changed(self, versions, moved, synchronize) -> set[int]:
+        """Encode again the compressed copies of layers whose weights changed since they
+        were encoded (``versions(layer)`` moved, or new values were copied into their host
+        blocks: ``moved``, entries ``(layer, ..., copied)``), after ``synchronize`` (a copy
+        may be reading a record); returns them."""
+        if not self.compressed:             # every call: nothing to do without compression
+            return set()
+        copied = {entry[0] for entry in moved if entry[-1]}
+        changed = {layer for layer in self.compressed
+                   if layer in copied or versions(layer) != self.encoded_at[layer]}
+        if changed:
+            synchronize()
+        for layer in sorted(changed):
+            self.recompress(layer)
+            self.encoded_at[layer] = versions(layer)
+        return changed
+
+    def recompress(self, layer: int) -> None:
+        """``layer``'s host block changed: its compressed copy follows (no copy in flight)."""
+        packed, block = self.compressed.get(layer), self._blocks.get(layer)
+        if packed is not None:
+            packed.recompress(block.buffer, self.layout[layer], self.device, self.captured)
+            if block.in_file and self.device.type == "cuda" and \
+                    not all(packed.holds(c) for c in self.layout[layer]):
+                # a chunk now copied raw reads the file's pages: lock them where they are
+                # (the parameters view them), or copy from pageable memory, slower
+                block.lock_in_place()
