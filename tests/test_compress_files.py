@@ -249,3 +249,22 @@ def test_weights_in_files_on_the_gpu_captured_and_eager(tmp_path):
             for m in (model, plain):
                 if registry.state_for_model(m) is not None:
                     fx_offload.restore(m)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads Linux's VmRSS")
+def test_hostmem_command_shows_the_host_copy_shrink():
+    """``python -m fx_offload hostmem``: with the uncompressed weights in files, the host
+    keeps about their bytes less than with them in memory (measured per row in a fresh
+    process); every row's outputs equal the resident model's."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-m", "fx_offload", "hostmem", "--device", "cpu",
+                           "--layers", "4", "--hidden", "512", "--inner", "2048"],
+                          capture_output=True, text=True, timeout=600, check=True)
+    rows = [line.strip("| ").split(" | ") for line in done.stdout.splitlines()
+            if line.startswith("| none") or line.startswith("| lossless")]
+    assert len(rows) == 3 and all(r[-1] == "equal" for r in rows), done.stdout
+    (_, _, offloaded, _, _, _, _), (_, _, _, _, _, in_memory, _), \
+        (_, _, _, _, in_files, in_file_rows, _) = rows
+    assert float(in_files) == float(offloaded) > 0
+    assert float(in_memory) - float(in_file_rows) > 0.8 * float(offloaded), done.stdout

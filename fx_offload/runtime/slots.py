@@ -2,8 +2,9 @@
 
 Masters hold the true weights of offloaded layers.  On CUDA each layer's masters are views
 into one page-locked host block (:mod:`.host_memory`); on the CPU the original storage is the
-master and nothing is copied (unless the weights come from a checkpoint: then into a plain
-host block).  Each slot is one flat device buffer as large as the largest layer that uses
+master and nothing is copied (unless the weights come from a checkpoint, or are compressed:
+then into a plain host block).  A compressed layer's block may live in a file instead
+(:mod:`.compressed_layers`, :mod:`.file_backed`).  Each slot is one flat device buffer as large as the largest layer that uses
 it, and each layer sees its parameters as views into its slot laid out as its host block::
 
     slot 0  [ layer 1: fc1.weight | fc1.bias | ... ]         one copy per chunk:

@@ -1,4 +1,4 @@
-"""Command line: ``python -m fx_offload demo|inspect|bench|bigger|flux|generate|moe|trace|codec|kv``."""
+"""Command line: ``python -m fx_offload demo|inspect|bench|bigger|flux|generate|moe|trace|codec|hostmem|kv``."""
 from __future__ import annotations
 
 import argparse
@@ -7,8 +7,8 @@ import sys
 import torch
 
 from ..errors import OffloadError
-from . import (bench, bigger, codec_bench, demo, flux_bench, generate_bench, inspect_cli,
-               kv_bench, moe_bench, trace_bench)
+from . import (bench, bigger, codec_bench, demo, flux_bench, generate_bench, hostmem_bench,
+               inspect_cli, kv_bench, moe_bench, trace_bench)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,13 +42,17 @@ def main(argv: list[str] | None = None) -> int:
     codec_bench.add_arguments(sub.add_parser(
         "codec", help="the lossless codec (compress='lossless') on one layer of 8B shape: "
                       "ratio, GPU decode GB/s against DFloat11's, a layer's copy (a GPU)"))
+    hostmem_bench.add_arguments(sub.add_parser(
+        "hostmem", help="host memory of an offloaded model with compress='lossless', its "
+                        "uncompressed weights in memory or in files, against compress='none'"))
     kv_bench.add_arguments(sub.add_parser(
         "kv", help="generate at a long context with the KV cache on the host, against the "
                    "cache on the device and transformers' offloaded static cache (a GPU)"))
     args = parser.parse_args(argv)
     commands = {"trace": trace_bench.run, "bigger": bigger.run, "bench": bench.run, "demo": demo.run,
                 "inspect": inspect_cli.run, "flux": flux_bench.run,
-                "generate": generate_bench.run, "moe": moe_bench.run, "codec": codec_bench.run, "kv": kv_bench.run}
+                "generate": generate_bench.run, "moe": moe_bench.run, "codec": codec_bench.run, "kv": kv_bench.run,
+                "hostmem": hostmem_bench.run}
     try:
         _check_device(args)
         return commands[args.command](args)
