@@ -140,9 +140,15 @@ def _describe(state: OffloadState, options: OffloadOptions, given: tuple[str, ..
 
 
 def _then_settle(compiled, state: OffloadState):
+    # Dynamo keeps this graph for the class's code after the model is dropped: a weak
+    # reference, so the state (its host blocks and slots) goes with the model
+    state_ref = weakref.ref(state)
+
     def run(*args):
         out = compiled(*args)
-        state.settle()
+        alive = state_ref()
+        if alive is not None:
+            alive.settle()
         return out
     return run
 

@@ -213,23 +213,21 @@ def _check_meaning(name: str, value: Any, choices: tuple[str, ...], meaning: str
                            f"got {value!r}")
 
 
+UNCOMPRESSED_WEIGHTS = ("option 'uncompressed_weights' says where compress='lossless' keeps "
+                        "the uncompressed weights: 'auto' (a file in the temporary folder, "
+                        "where that is on a disk), 'memory', or a folder on a disk")
+
+
 def _check_uncompressed(value: Any) -> str:
-    """``uncompressed_weights``: "auto", "memory" or a folder that exists and takes files
-    (as a str or a path), returned as its absolute path."""
+    """``uncompressed_weights``: "auto", "memory" or a folder (a str or a path), returned as
+    its absolute path.  That the folder exists is checked where a file is made
+    (``runtime.file_backed.folder_for``): a recompile of a model already offloaded must not
+    fail because the folder went away since."""
     if value in ("auto", "memory"):
         return value
-    what = ("option 'uncompressed_weights' says where compress='lossless' keeps the "
-            "uncompressed weights: 'auto' (a file in the temporary folder, where that is on "
-            "a disk), 'memory', or a folder on a disk")
     if not isinstance(value, (str, os.PathLike)) or not str(value):
-        raise OffloadError(f"{what}; got {value!r}")
-    folder = os.path.abspath(os.fspath(value))
-    if not os.path.isdir(folder):
-        raise OffloadError(f"{what}; {folder} is not a folder: create it, or give another")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise OffloadError(f"{what}; {folder} cannot be written to: give a folder you may "
-                           "write in")
-    return folder
+        raise OffloadError(f"{UNCOMPRESSED_WEIGHTS}; got {value!r}")
+    return os.path.abspath(os.fspath(value))
 
 
 def _check_offload_params(value: Any) -> tuple[str, ...] | None:

@@ -187,6 +187,21 @@ def test_bad_uncompressed_weights_value_is_refused(value, says):
         fx_offload.place(model, "cpu", **OPTIONS, uncompressed_weights=value)
     assert says in str(info.value)
     assert registry.state_for_model(model) is None
+    assert all(p.device.type == "cpu" for p in model.parameters())   # left as it was
+
+
+def test_a_recompile_after_the_folder_is_gone_works(tmp_path):
+    """The folder matters only when a file is made: once the weights are in their
+    (unnamed) files, a recompile (another batch size) does not look for it."""
+    folder = tmp_path / "weights"
+    folder.mkdir()
+    model, reference, compiled, inputs = _offloaded(folder)
+    with torch.no_grad():
+        assert torch.equal(compiled(*inputs), reference(*inputs))
+        folder.rmdir()
+        longer = torch.cat([inputs[0], inputs[0]])
+        assert torch.equal(compiled(longer), reference(longer))
+    assert fx_offload.report(model).uncompressed_in_file_bytes > 0
 
 
 def test_uncompressed_weights_without_compression_is_refused(tmp_path):
@@ -268,3 +283,40 @@ def test_hostmem_command_shows_the_host_copy_shrink():
         (_, _, _, _, in_files, in_file_rows, _) = rows
     assert float(in_files) == float(offloaded) > 0
     assert float(in_memory) - float(in_file_rows) > 0.8 * float(offloaded), done.stdout
+
+
+def test_dropping_the_model_frees_its_files_at_once(tmp_path):
+    """The first graph, compiled while the parameters still held their own storage, ends
+    by letting it go; Dynamo keeps that graph after the model is dropped, which must not
+    keep the model's state (its files' mappings and their disk space) alive."""
+    import gc
+    import weakref
+    model, reference, compiled, inputs = _offloaded(tmp_path)
+    with torch.no_grad():
+        assert torch.equal(compiled(*inputs), reference(*inputs))
+    state_ref = weakref.ref(registry.state_for_model(model))
+    if os.path.exists("/proc/self/smaps"):
+        assert _mappings_in(tmp_path)
+    del model, compiled
+    gc.collect()
+    assert state_ref() is None
+    if os.path.exists("/proc/self/smaps"):
+        assert _mappings_in(tmp_path) == []
+
+
+def test_share_memory_then_a_write_reaches_the_next_call(tmp_path, caplog):
+    """``model.share_memory()`` (pickling the model for another process does the same) moves
+    the parameters' storage, host blocks' views along, out of the blocks the copies read:
+    the next call copies the values back, so a later in-place write is computed with."""
+    model, reference, compiled, inputs = _offloaded(tmp_path)
+    with torch.no_grad():
+        assert torch.equal(compiled(*inputs), reference(*inputs))
+        model.share_memory()
+        for m in (model, reference):
+            m.layers[1].mlp.up_proj.weight.mul_(3)
+        with caplog.at_level(logging.INFO, logger="fx_offload"):
+            for _ in range(2):
+                assert torch.equal(compiled(*inputs), reference(*inputs))
+    assert "moved out of their host block" in caplog.text
+    want = reference.state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())

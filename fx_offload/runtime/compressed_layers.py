@@ -41,8 +41,10 @@ class CompressedLayers:
         """A compressed layer's host block (made unpinned): into a file where every chunk
         has a record and no gather reads its rows, else page-locked as any other."""
         block, packed = self._blocks[layer], self.compressed[layer]
-        if self.raw_folder is not None and layer not in self.experts and \
-                all(packed.holds(c) for c in self.layout[layer]):
+        movable = layer not in self.experts and all(packed.holds(c) for c in self.layout[layer])
+        if movable and self.raw_folder is file_backed.LATER:
+            self.raw_folder = file_backed.folder_for(self.uncompressed_weights, self.model_name)
+        if movable and self.raw_folder is not None:
             if not file_backed.room_in(self.raw_folder, block.nbytes):
                 log.warning("fx_offload: %s has no room for the uncompressed weights of %s "
                             "(%s more, and 1 GiB to spare): they stay in host memory from "

@@ -23,10 +23,14 @@ import tempfile
 
 import torch
 
+from ..errors import OffloadError
+from ..options import UNCOMPRESSED_WEIGHTS
+
 log = logging.getLogger("fx_offload")
 
 _RAM_FILESYSTEMS = {"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"}
 MARGIN = 1 << 30            # bytes a folder must keep free beyond a layer's block
+LATER = object()            # the folder, not looked up yet (SlotBuffers.raw_folder)
 
 
 def filesystem_of(folder: str) -> str:
@@ -50,10 +54,17 @@ def filesystem_of(folder: str) -> str:
 def folder_for(option: str, model_name: str) -> str | None:
     """The folder the raw blocks of ``model_name``'s compressed layers go to, or None to
     keep them in host memory.  ``option``: ``"auto"`` (the temporary folder, where it is
-    on a disk), ``"memory"``, or a folder (validated by the options)."""
+    on a disk), ``"memory"``, or a folder, which must exist and take files."""
     if option == "memory" or not hasattr(mmap, "MAP_PRIVATE"):
         return None
     folder = tempfile.gettempdir() if option == "auto" else option
+    if option != "auto":
+        if not os.path.isdir(folder):
+            raise OffloadError(f"{UNCOMPRESSED_WEIGHTS}; {folder} is not a folder: create "
+                               "it, or give another")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise OffloadError(f"{UNCOMPRESSED_WEIGHTS}; {folder} cannot be written to: "
+                               "give a folder you may write in")
     kind = filesystem_of(folder)
     if kind in _RAM_FILESYSTEMS:
         if option == "auto":

@@ -169,6 +169,7 @@ class Ownership(ParamVersions):
         stale = set()
         moved = []          # (layer, p, current, its host views, copy the values?)
         for layer, ps in self.params.items():
+            self.buffers.masters_left_block(layer)   # then the loop copies them back
             masters, views = self.buffers.masters[layer], self.buffers.views[layer]
             for p in ps:
                 current = p.current()

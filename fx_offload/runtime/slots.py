@@ -4,8 +4,9 @@ Masters hold the true weights of offloaded layers.  On CUDA each layer's masters
 into one page-locked host block (:mod:`.host_memory`); on the CPU the original storage is the
 master and nothing is copied (unless the weights come from a checkpoint, or are compressed:
 then into a plain host block).  A compressed layer's block may live in a file instead
-(:mod:`.compressed_layers`, :mod:`.file_backed`).  Each slot is one flat device buffer as large as the largest layer that uses
-it, and each layer sees its parameters as views into its slot laid out as its host block::
+(:mod:`.compressed_layers`, :mod:`.file_backed`).  Each slot is one flat device buffer as
+large as the largest layer that uses it, and each layer sees its parameters as views into its
+slot laid out as its host block::
 
     slot 0  [ layer 1: fc1.weight | fc1.bias | ... ]         one copy per chunk:
             [ layer 3 (an MoE layer): gate | experts... ]    block[a:b] -> slot[a:b]
@@ -65,9 +66,10 @@ class SlotBuffers(CompressedLayers):
         self.layout, self.model_name = choice.layout, choice.model_name
         self.compress = choice.compress == "lossless" and self.packed
         self.experts = choice.experts
-        # compressed layers' uncompressed weights: in files here (runtime.file_backed)
-        self.raw_folder = file_backed.folder_for(choice.uncompressed_weights,
-                                                 self.model_name) if self.compress else None
+        # compressed layers' uncompressed weights: in files there (runtime.file_backed),
+        # looked up when the first layer could go
+        self.raw_folder = file_backed.LATER if self.compress else None
+        self.uncompressed_weights = choice.uncompressed_weights
         for layer, ps in self.params.items():
             self.masters[layer] = self._make_masters(layer, ps, fill)
             if self.compress:
@@ -117,6 +119,24 @@ class SlotBuffers(CompressedLayers):
         own storage: the CPU)."""
         block = self._blocks.get(layer)
         return None if block is None else block.buffer
+
+    def masters_left_block(self, layer: int) -> bool:
+        """``share_memory_()`` (which pickling a model for another process does too) moved
+        the storage of ``layer``'s masters out of its host block, and the parameters viewing
+        it along: the copies would read stale bytes.  Then the masters view the block again
+        (the caller copies the parameters' values into it) and True."""
+        block = self._blocks.get(layer)
+        if block is None:
+            return False
+        low = block.buffer.data_ptr()
+        if all(low <= t.data_ptr() < low + block.nbytes or not t.numel()
+               for t in self.masters[layer].values()):
+            return False
+        log.info("fx_offload: the weights of layer %d of %s were moved out of their host "
+                 "block (share_memory_?): copied back into it", layer, self.model_name)
+        block.views = views_into(block.buffer, block.layout, own_storage=True)
+        self.masters[layer] = block.views
+        return True
 
     def begin_copy(self, layer: int, chunk, copy_stream, fork, done, capturing: bool) -> None:
         """Begin the copy of ``layer``'s ``chunk`` on ``copy_stream`` once ``fork`` (recorded
