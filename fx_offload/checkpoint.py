@@ -259,6 +259,15 @@ def check_model(model: nn.Module, checkpoint: Checkpoint | None) -> Sources:
             f"{len(missing)} tensors are on the meta device ({missing[:NAMES_SHOWN]}...) and no "
             "checkpoint was given; pass checkpoint=<save_pretrained folder, .safetensors file or "
             "state dict>, or build the model with real weights", where=WHERE)
+    per_expert = _experts_saved_apart(missing, checkpoint) if missing else None
+    if per_expert:
+        raise OffloadError(
+            f"{checkpoint.where} keeps the experts of an MoE layer one tensor per expert (e.g. "
+            f"{per_expert[1]!r}) where the model holds them fused in one tensor ({per_expert[0]!r}; "
+            "Hugging Face saves fused experts that way and converts them when it loads); "
+            "place() reads tensors by name and does not convert them: load the model with "
+            "from_pretrained and place it without a checkpoint, or give checkpoint=<the "
+            "loaded model's state_dict()>", where=WHERE)
     if missing:
         raise OffloadError(
             f"{len(missing)} tensors on the meta device are not in {checkpoint.where} (e.g. "
@@ -274,6 +283,21 @@ def check_model(model: nn.Module, checkpoint: Checkpoint | None) -> Sources:
             log.warning("fx_offload: %d tensors of %s are not in the model and are not read "
                         "(e.g. %s)", len(unused), checkpoint.where, unused[:NAMES_SHOWN])
     return Sources(found)
+
+
+def _experts_saved_apart(missing: list[str], checkpoint: Checkpoint) -> tuple[str, str] | None:
+    """(a missing fused expert tensor, a checkpoint key of one of its experts) where the
+    checkpoint holds, for a missing ``<prefix>.experts.<name>``, keys ``<prefix>.experts.<i>.``
+    (one tensor per expert), else None."""
+    for name in missing:
+        prefix, dot, _ = name.rpartition(".")
+        if not dot or not prefix.endswith("experts"):
+            continue
+        apart = next((k for k in checkpoint.keys() if k.startswith(prefix + ".")
+                      and k[len(prefix) + 1:].split(".", 1)[0].isdigit()), None)
+        if apart is not None:
+            return name, apart
+    return None
 
 
 @contextlib.contextmanager

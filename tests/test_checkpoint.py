@@ -5,6 +5,7 @@ from a trace on the meta device; faults at every tensor read; peak host memory."
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -15,6 +16,7 @@ import torch
 import fx_offload
 from helpers import assert_same_greedy_tokens
 from fx_offload.checkpoint import Checkpoint, empty_weights
+from fx_offload.errors import OffloadError
 from fx_offload.tools import models
 
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="install the test extra")
@@ -325,3 +327,40 @@ def test_place_errors_say_what_to_change(case, pattern, tmp_path):
         fx_offload.place(model, "cpu", checkpoint=checkpoint, **options)
     assert fx_offload.registry.state_for_model(model) is None
     assert {k: v.device for k, v in model.state_dict().items()} == before
+
+
+def test_experts_saved_one_tensor_per_expert_get_a_clear_error(tmp_path):
+    """transformers saves a fused MoE expert tensor ([E, ...]) as one tensor per expert and
+    fuses them again as it loads; place() reads by name: it says so and what to do instead
+    of "not in the checkpoint" (and a folder as transformers saved it gets the same
+    message or is placed right, whichever way this transformers saves)."""
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2)
+    torch.manual_seed(0)
+    reference = transformers.Qwen3MoeForCausalLM(config).eval()
+    apart = {}
+    for name, t in reference.state_dict().items():
+        if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
+            prefix, what = name.rsplit(".", 1)
+            for i in range(t.shape[0]):
+                apart[f"{prefix}.{i}.{what}.weight"] = t[i].clone()
+        else:
+            apart[name] = t
+    want = r"keeps the experts of an MoE layer one tensor per expert .*from_pretrained"
+    with empty_weights():
+        model = transformers.Qwen3MoeForCausalLM(config).eval()
+    with pytest.raises(OffloadError, match=want):
+        fx_offload.place(model, "cpu", checkpoint=apart, group_size=1)
+    reference.save_pretrained(tmp_path)
+    x = torch.randint(0, 256, (1, 5))
+    try:
+        fx_offload.place(model, "cpu", checkpoint=str(tmp_path), group_size=1)
+    except OffloadError as err:
+        assert re.search(want, str(err)), err
+    else:
+        compiled = torch.compile(model, backend="prefetch_offload",
+                                 options={"inner_backend": "aot_eager"})
+        with torch.no_grad():
+            assert torch.equal(compiled(x).logits, reference(x).logits)
