@@ -97,6 +97,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
     _check_grad_mode(gi, state, example_inputs)
     if options.mode == "reduce-overhead":   # its calls may be replays from now on
         state.under_cuda_graphs = True      # (runtime.hook_copies)
+    state.compiled_with = options           # the inner compiler report() names
     # 3. the pass (a graph of one layer's own frame is reused for every layer: no ops)
     plan = None
     if not layer_frame:

@@ -726,6 +726,7 @@ def test_place_then_compile():
     reference = copy.deepcopy(model)
     fx_offload.place(model, "cpu", group_size=2, num_in_group=1)
     assert fx_offload.report(model).layers == [1, 3, 5, 7]
+    assert "inner_backend='inductor'" in fx_offload.report(model).options   # placement's
     assert_weights(model, reference)
     compiled = torch.compile(model, backend="prefetch_offload",
                              options={"inner_backend": "aot_eager"})
@@ -733,6 +734,9 @@ def test_place_then_compile():
         for _ in range(3):
             assert torch.equal(compiled(x), reference(x))
     assert_weights(model, reference)
+    # the report names the inner compiler the model was compiled with, not the placement's
+    options = fx_offload.report(model).options
+    assert "inner_backend='aot_eager'" in options and "inductor" not in options, options
 
 
 def test_offloading_under_inference_mode_leaves_tensors_later_calls_can_write():

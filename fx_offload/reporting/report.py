@@ -158,6 +158,19 @@ def report(model: nn.Module) -> Report:
     return weights if runtime is None else dataclasses.replace(weights, kv=kv.summary(runtime))
 
 
+def _options_in_force(state) -> str:
+    """The options the model was offloaded with, and the inner compiler of its latest
+    compile (a model placed with one inner_backend may be compiled with another)."""
+    placed = state.choice.options
+    compiled = getattr(state, "compiled_with", None)
+    if compiled is None or (compiled.inner_backend, compiled.mode) == \
+            (placed.inner_backend, placed.mode):
+        return placed.describe()
+    mode = f", mode={compiled.mode!r}" if compiled.mode != "default" else ""
+    return (f"{placed.describe(placement_only=True)}, "
+            f"inner_backend={compiled.inner_backend!r}{mode}")
+
+
 def _weights_report(model: nn.Module) -> Report:
     state = registry.state_for_model(model)
     if state is not None:
@@ -170,7 +183,7 @@ def _weights_report(model: nn.Module) -> Report:
             num_slots=choice.schedule.num_slots, device=str(choice.device),
             slot_of=dict(choice.schedule.slot_of), refill_of=dict(choice.schedule.refill_of),
             layer_bytes=choice.layer_bytes, pinned=state.pinned,
-            options=choice.options.describe(), planner=choice.planner,
+            options=_options_in_force(state), planner=choice.planner,
             circular=choice.schedule.circular, circular_text=state.circular.describe(),
             call_bytes=state.buffers.call_bytes() if state.buffers else {},
             compressed_host_bytes=state.buffers.compressed_host_bytes if state.buffers else 0,
