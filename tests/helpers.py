@@ -44,3 +44,9 @@ def assert_same_greedy_tokens(model, reference, ids, new_tokens: int = 8):
         got = model.generate(ids, **kwargs)
         want = reference.generate(ids, **kwargs)
     assert torch.equal(got, want), (got, want)
+
+
+def bf16_decoder(num_layers: int = 6, seed: int = 0, **kwargs):
+    """The built-in decoder in bf16 (what compress="lossless" compresses) and its inputs."""
+    model, inputs = models.build("decoder", num_layers=num_layers, seed=seed, **kwargs)
+    return model.to(torch.bfloat16), inputs

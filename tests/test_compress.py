@@ -13,6 +13,7 @@ from fx_offload import registry
 from fx_offload.errors import OffloadError
 from fx_offload.runtime import lossless
 from fx_offload.tools import models
+from helpers import bf16_decoder
 
 OPTIONS = {"inner_backend": "aot_eager", "compress": "lossless", "copy_chunks": 3}
 
@@ -77,13 +78,8 @@ def test_update_needing_more_escapes_than_room_is_refused_by_encode():
     assert lossless.encode(wide.view(torch.uint8), room=rec.escapes) is None
 
 
-def _bf16_decoder(num_layers=6, seed=0):
-    model, inputs = models.build("decoder", num_layers=num_layers, seed=seed)
-    return model.to(torch.bfloat16), inputs
-
-
 def test_lossless_outputs_bitwise_and_fewer_bytes_copied():
-    model, inputs = _bf16_decoder()
+    model, inputs = bf16_decoder()
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
     with torch.no_grad():
@@ -102,7 +98,7 @@ def test_lossless_outputs_bitwise_and_fewer_bytes_copied():
 def test_lossless_with_inductor_equals_the_uncompressed_run():
     """Inductor's kernels for the offloaded graph (bf16 on the CPU differs from a resident
     Inductor run in rounding): the compressed run gives the uncompressed run's bits."""
-    model, inputs = _bf16_decoder(num_layers=4)
+    model, inputs = bf16_decoder(num_layers=4)
     plain = copy.deepcopy(model)
     outputs = []
     for m, compress in ((plain, "none"), (model, "lossless")):
@@ -119,7 +115,7 @@ def test_lossless_with_inductor_equals_the_uncompressed_run():
 def test_updates_are_compressed_again():
     """update_weights, load_state_dict, an in-place write and new storage all reach the
     compressed copy: the next call computes with the new weights."""
-    model, inputs = _bf16_decoder()
+    model, inputs = bf16_decoder()
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
     first = reference.state_dict()
@@ -146,7 +142,7 @@ def test_updates_are_compressed_again():
 
 
 def test_an_update_that_does_not_fit_is_copied_raw_and_stays_right(caplog):
-    model, inputs = _bf16_decoder()
+    model, inputs = bf16_decoder()
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
     with torch.no_grad():
@@ -162,7 +158,7 @@ def test_an_update_that_does_not_fit_is_copied_raw_and_stays_right(caplog):
 
 
 def test_a_corrupt_record_is_reported_not_decoded():
-    model, inputs = _bf16_decoder()
+    model, inputs = bf16_decoder()
     compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
     with torch.no_grad():
         compiled(*inputs)
@@ -172,12 +168,12 @@ def test_a_corrupt_record_is_reported_not_decoded():
         with pytest.raises(OffloadError, match="compressed host copy of layer 1 .* is corrupt"):
             compiled(*inputs)
     fx_offload.restore(model)               # the weights themselves are intact
-    want = _bf16_decoder()[0].state_dict()
+    want = bf16_decoder()[0].state_dict()
     assert all(torch.equal(a, want[k]) for k, a in model.state_dict().items())
 
 
 def test_what_users_do_keeps_the_true_weights():
-    model, inputs = _bf16_decoder()
+    model, inputs = bf16_decoder()
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
     with torch.no_grad():
@@ -195,7 +191,7 @@ def test_torch_save_of_a_layer_of_mixed_dtypes():
     """A host block holds a layer's tensors of every dtype (bf16 weights, an fp32 norm):
     ``torch.save`` of the state dict between calls works (it refuses one storage viewed as
     several dtypes) and loads the true weights."""
-    model, inputs = _bf16_decoder()
+    model, inputs = bf16_decoder()
     for layer in model.layers:
         layer.input_layernorm.float()
     reference = copy.deepcopy(model)
@@ -226,7 +222,7 @@ def test_a_model_with_nothing_to_compress_says_so(caplog):
 
 @pytest.mark.parametrize("value", ["zstd", 1, True, "LOSSLESS"])
 def test_bad_compress_value_is_refused(value):
-    model, inputs = _bf16_decoder()
+    model, inputs = bf16_decoder()
     compiled = torch.compile(model, backend="prefetch_offload", options={"compress": value})
     with pytest.raises(Exception, match="option 'compress' must be one of"):
         with torch.no_grad():
@@ -239,7 +235,7 @@ def test_lossless_on_the_gpu_captured_and_eager():
     reduce-overhead capture: outputs bitwise the uncompressed offloaded run's."""
     for mode in ("default", "reduce-overhead"):
         torch._dynamo.reset()
-        model, (x,) = _bf16_decoder()
+        model, (x,) = bf16_decoder()
         model, x = model.cuda(), x.cuda()
         plain = copy.deepcopy(model)
         try:

@@ -14,13 +14,9 @@ from fx_offload import registry
 from fx_offload.errors import OffloadError
 from fx_offload.runtime import file_backed
 from fx_offload.tools import models
+from helpers import bf16_decoder
 
 OPTIONS = {"inner_backend": "aot_eager", "compress": "lossless", "copy_chunks": 3}
-
-
-def _bf16_decoder(num_layers=6, seed=0):
-    model, inputs = models.build("decoder", num_layers=num_layers, seed=seed)
-    return model.to(torch.bfloat16), inputs
 
 
 def _mappings_in(folder):
@@ -43,7 +39,7 @@ def _mappings_in(folder):
 
 def _offloaded(folder, **extra):
     torch._dynamo.reset()       # a new model of a class compiled before: compiled anew
-    model, inputs = _bf16_decoder()
+    model, inputs = bf16_decoder()
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend="prefetch_offload",
                              options={**OPTIONS, "uncompressed_weights": str(folder), **extra})
@@ -145,7 +141,7 @@ def test_no_room_or_a_failed_write_keeps_the_weights_in_memory(tmp_path, monkeyp
 
 def test_auto_keeps_them_in_memory_where_the_temporary_folder_is_memory(monkeypatch, caplog):
     monkeypatch.setattr(file_backed, "filesystem_of", lambda folder: "tmpfs")
-    model, inputs = _bf16_decoder()
+    model, inputs = bf16_decoder()
     compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
     with caplog.at_level(logging.INFO, logger="fx_offload"), torch.no_grad():
         compiled(*inputs)
@@ -182,7 +178,7 @@ def test_memory_keeps_them_in_memory_and_experts_stay_there(tmp_path):
     (__file__, "is not a folder"),
 ])
 def test_bad_uncompressed_weights_value_is_refused(value, says):
-    model, inputs = _bf16_decoder(num_layers=2)
+    model, inputs = bf16_decoder(num_layers=2)
     with pytest.raises(OffloadError, match="option 'uncompressed_weights'") as info:
         fx_offload.place(model, "cpu", **OPTIONS, uncompressed_weights=value)
     assert says in str(info.value)
@@ -205,7 +201,7 @@ def test_a_recompile_after_the_folder_is_gone_works(tmp_path):
 
 
 def test_uncompressed_weights_without_compression_is_refused(tmp_path):
-    model, inputs = _bf16_decoder(num_layers=2)
+    model, inputs = bf16_decoder(num_layers=2)
     with pytest.raises(OffloadError, match="applies with compress='lossless' only"):
         fx_offload.place(model, "cpu", uncompressed_weights=str(tmp_path))
     assert registry.state_for_model(model) is None
@@ -213,7 +209,7 @@ def test_uncompressed_weights_without_compression_is_refused(tmp_path):
 
 def test_place_moves_them_to_files_before_the_first_call(tmp_path):
     torch._dynamo.reset()
-    model, inputs = _bf16_decoder()
+    model, inputs = bf16_decoder()
     reference = copy.deepcopy(model)
     fx_offload.place(model, "cpu", **OPTIONS, uncompressed_weights=str(tmp_path))
     assert fx_offload.report(model).uncompressed_in_file_bytes > 0
@@ -232,8 +228,8 @@ def test_weights_in_files_on_the_gpu_captured_and_eager(tmp_path):
     for mode in ("default", "reduce-overhead"):
         torch._dynamo.reset()
         # tensors of whole 512-byte units (the GPU's alignment): every chunk compresses
-        model, (x,) = models.build("decoder", num_layers=6, hidden=256, inner=512)
-        model, x = model.to(torch.bfloat16).cuda(), x.cuda()
+        model, (x,) = bf16_decoder(hidden=256, inner=512)
+        model, x = model.cuda(), x.cuda()
         plain = copy.deepcopy(model)
         options = {"mode": mode, "prefetch_step": 2}
         try:

@@ -162,7 +162,7 @@ def _options_in_force(state) -> str:
     """The options the model was offloaded with, and the inner compiler of its latest
     compile (a model placed with one inner_backend may be compiled with another)."""
     placed = state.choice.options
-    compiled = getattr(state, "compiled_with", None)
+    compiled = state.compiled_with
     if compiled is None or (compiled.inner_backend, compiled.mode) == \
             (placed.inner_backend, placed.mode):
         return placed.describe()

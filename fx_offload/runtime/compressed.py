@@ -70,6 +70,10 @@ class CompressedBlock:
     def holds(self, chunk) -> bool:
         return chunk.index in self.meta
 
+    def holds_all(self, chunks) -> bool:
+        """Every one of ``chunks`` is copied from a record (none from the raw block)."""
+        return all(c.index in self.meta for c in chunks)
+
     def copy_in(self, chunk, dest: torch.Tensor, staging: torch.Tensor | None,
                 non_blocking: bool) -> None:
         """Fill ``dest`` (the chunk's bytes in its slot) from its record, on the current

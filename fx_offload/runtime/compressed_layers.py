@@ -41,32 +41,38 @@ class CompressedLayers:
         """A compressed layer's host block (made unpinned): into a file where every chunk
         has a record and no gather reads its rows, else page-locked as any other."""
         block, packed = self._blocks[layer], self.compressed[layer]
-        movable = layer not in self.experts and all(packed.holds(c) for c in self.layout[layer])
-        if movable and self.raw_folder is file_backed.LATER:
-            self.raw_folder = file_backed.folder_for(self.uncompressed_weights, self.model_name)
-        if movable and self.raw_folder is not None:
-            if not file_backed.room_in(self.raw_folder, block.nbytes):
-                log.warning("fx_offload: %s has no room for the uncompressed weights of %s "
-                            "(%s more, and 1 GiB to spare): they stay in host memory from "
-                            "layer %d on; give uncompressed_weights=<a folder with room>",
-                            self.raw_folder, self.model_name, format_bytes(block.nbytes),
-                            layer)
+        if layer not in self.experts and packed.holds_all(self.layout[layer]) and \
+                self._room_for(layer, block.nbytes):
+            try:
+                block.to_file(self.raw_folder)
+                self.masters[layer] = block.views
+                self.pinned = packed.block is not None and packed.block.pinned
+                return
+            except OSError as err:
+                log.warning("fx_offload: the uncompressed weights of %s stay in host memory "
+                            "from layer %d on: writing them to %s failed (%s)",
+                            self.model_name, layer, self.raw_folder, err)
                 self.raw_folder = None
-            else:
-                try:
-                    block.to_file(self.raw_folder)
-                    self.masters[layer] = block.views
-                    self.pinned = packed.block is not None and packed.block.pinned
-                    return
-                except OSError as err:
-                    log.warning("fx_offload: the uncompressed weights of %s stay in host "
-                                "memory from layer %d on: writing them to %s failed (%s)",
-                                self.model_name, layer, self.raw_folder, err)
-                    self.raw_folder = None
         if self.device.type != "cpu":
             block.pin()
             self.masters[layer] = block.views
             self.pinned = block.pinned
+
+    def _room_for(self, layer: int, nbytes: int) -> bool:
+        """``raw_folder`` (looked up at the first layer that could go) takes ``layer``'s
+        block; where it has no room, no later layer goes either."""
+        if self.raw_folder is file_backed.LATER:
+            self.raw_folder = file_backed.folder_for(self.uncompressed_weights, self.model_name)
+        if self.raw_folder is None:
+            return False
+        if file_backed.room_in(self.raw_folder, nbytes):
+            return True
+        log.warning("fx_offload: %s has no room for the uncompressed weights of %s (%s more, "
+                    "and 1 GiB to spare): they stay in host memory from layer %d on; give "
+                    "uncompressed_weights=<a folder with room>", self.raw_folder,
+                    self.model_name, format_bytes(nbytes), layer)
+        self.raw_folder = None
+        return False
 
     @property
     def in_file_bytes(self) -> int:
@@ -110,7 +116,7 @@ class CompressedLayers:
         if packed is not None:
             packed.recompress(block.buffer, self.layout[layer], self.device, self.captured)
             if block.in_file and self.device.type == "cuda" and \
-                    not all(packed.holds(c) for c in self.layout[layer]):
+                    not packed.holds_all(self.layout[layer]):
                 # a chunk now copied raw reads the file's pages: lock them where they are
                 # (the parameters view them), or copy from pageable memory, slower
                 block.lock_in_place()

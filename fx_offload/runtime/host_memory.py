@@ -110,7 +110,7 @@ class HostBlock:
         if pin:
             buffer, self.registered, self.pinned = _page_lock(buffer)
         self.buffer = buffer
-        self.views = views_into(buffer, self.layout, own_storage=True)
+        self.remake_views()
         if fill is not None:
             fill(self.views)
         else:
@@ -130,7 +130,7 @@ class HostBlock:
         ``views`` anew)."""
         if not self.pinned:
             self.buffer, self.registered, self.pinned = _page_lock(self.buffer)
-            self.views = views_into(self.buffer, self.layout, own_storage=True)
+            self.remake_views()
 
     def lock_in_place(self) -> None:
         """Page-lock the block where it is, or leave it pageable (never a copy: the
@@ -149,6 +149,11 @@ class HostBlock:
         ``views`` anew.  Raises ``OSError`` with the block as it was."""
         from .file_backed import to_file
         self.buffer, self.mapping = to_file(self.buffer, folder)
+        self.remake_views()
+
+    def remake_views(self) -> None:
+        """The tensors the layer's parameters view between calls, made anew over
+        ``buffer`` (after it moved, or after something moved the old ones off it)."""
         self.views = views_into(self.buffer, self.layout, own_storage=True)
 
     def release(self) -> None:

@@ -134,7 +134,7 @@ class SlotBuffers(CompressedLayers):
             return False
         log.info("fx_offload: the weights of layer %d of %s were moved out of their host "
                  "block (share_memory_?): copied back into it", layer, self.model_name)
-        block.views = views_into(block.buffer, block.layout, own_storage=True)
+        block.remake_views()
         self.masters[layer] = block.views
         return True
 

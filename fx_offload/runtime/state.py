@@ -60,6 +60,8 @@ class OffloadState(Ownership, RoutedWait, HookCopies):
     """The slots of one model compiled with the backend, driven by the ops.  Built from a
     :class:`~fx_offload.selection.Choice`; it reads no option."""
 
+    compiled_with = None    # the options of the latest compile (compiler), for report()
+
     def __init__(self, model: nn.Module, choice):
         self.handle = registry.new_handle()
         self.token = registry.new_token()   # names this state in hooks, across processes
