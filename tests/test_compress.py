@@ -1,6 +1,7 @@
 """compress="lossless": bf16 weights cross the link as records of 12 bits a word plus escapes
 (fx_offload.runtime.lossless) and are decoded into the slot; outputs stay bitwise those of the
 model without offloading, and everything a user does to the weights keeps its guarantees."""
+import contextlib
 import copy
 import io
 import logging
@@ -11,7 +12,7 @@ import torch
 import fx_offload
 from fx_offload import registry
 from fx_offload.errors import OffloadError
-from fx_offload.runtime import lossless
+from fx_offload.runtime import ans, lossless
 from fx_offload.tools import models
 from helpers import bf16_decoder
 
@@ -75,7 +76,7 @@ def test_update_needing_more_escapes_than_room_is_refused_by_encode():
     raw = _words(8192).view(torch.uint8)
     _, rec = lossless.encode(raw)
     wide = _words(8192) * torch.logspace(-30, 30, 8192).bfloat16()
-    assert lossless.encode(wide.view(torch.uint8), room=rec.escapes) is None
+    assert lossless.encode(wide.view(torch.uint8), fit=rec) is None
 
 
 def test_lossless_outputs_bitwise_and_fewer_bytes_copied():
@@ -91,7 +92,8 @@ def test_lossless_outputs_bitwise_and_fewer_bytes_copied():
         assert 0.7 < rep.call_bytes[layer] / rep.layer_bytes[layer] < 0.8
     # a call copies each offloaded layer once, compressed
     assert rep.copied_bytes_last_call == sum(rep.call_bytes.values())
-    assert "compressed (lossless)" in str(rep) and "ratio" in str(rep)
+    assert rep.codec == "fx_offload"     # on the CPU: our codec (nvCOMP decodes on GPUs)
+    assert "compressed (lossless, fx_offload codec)" in str(rep) and "ratio" in str(rep)
     assert registry.state_for_model(model).stats["sync_loads"] == 0
 
 
@@ -230,20 +232,15 @@ def test_bad_compress_value_is_refused(value):
 
 
 @pytest.mark.cuda
-def test_lossless_on_the_gpu_captured_and_eager():
+def test_lossless_on_the_gpu_captured_and_eager(monkeypatch):
     """Triton decode on the decode stream, synchronous loads on the compute stream, and a
-    reduce-overhead capture: outputs bitwise the uncompressed offloaded run's."""
+    reduce-overhead capture: outputs bitwise the uncompressed offloaded run's.  Our codec
+    (where nvCOMP is installed its ANS would be the default: the next test covers both)."""
+    monkeypatch.setenv("FX_OFFLOAD_LOSSLESS_CODEC", "fx_offload")
     for mode in ("default", "reduce-overhead"):
-        torch._dynamo.reset()
         model, (x,) = bf16_decoder()
-        model, x = model.cuda(), x.cuda()
-        plain = copy.deepcopy(model)
-        try:
-            reference = torch.compile(plain, backend="prefetch_offload",
-                                      options={"mode": mode, "prefetch_step": 2})
-            compiled = torch.compile(model, backend="prefetch_offload",
-                                     options={"compress": "lossless", "prefetch_step": 2,
-                                              "mode": mode})
+        x = x.cuda()
+        with _on_the_gpu(model, mode) as (compiled, reference, model, _):
             with torch.no_grad():
                 for i in range(4):
                     xi = x.roll(i, 0)
@@ -253,7 +250,87 @@ def test_lossless_on_the_gpu_captured_and_eager():
             assert registry.state_for_model(model).stats["sync_loads"] == 0
             # small tensors at multiples of 512 bytes: less to gain than a large layer's 0.75
             assert all(rep.call_bytes[i] < rep.layer_bytes[i] for i in rep.layers), rep
-        finally:        # a failure leaves no offloaded model behind for the next test
-            for m in (model, plain):
-                if registry.state_for_model(m) is not None:
-                    fx_offload.restore(m)
+
+
+@contextlib.contextmanager
+def _on_the_gpu(model, mode: str):
+    """(compiled, reference, model, plain): ``model`` moved to the GPU and compiled with
+    compress='lossless', a copy of it compiled without; both restored after the block, so a
+    failure leaves no offloaded model behind for the next test."""
+    torch._dynamo.reset()
+    model = model.cuda()
+    plain = copy.deepcopy(model)
+    try:
+        reference = torch.compile(plain, backend="prefetch_offload",
+                                  options={"mode": mode, "prefetch_step": 2})
+        compiled = torch.compile(model, backend="prefetch_offload",
+                                 options={"compress": "lossless", "prefetch_step": 2,
+                                          "mode": mode})
+        yield compiled, reference, model, plain
+    finally:
+        for m in (model, plain):
+            if registry.state_for_model(m) is not None:
+                fx_offload.restore(m)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("codec", ["nvcomp", "fx_offload"])
+def test_each_gpu_codec_captured_eager_and_after_new_weights(codec, monkeypatch):
+    """nvCOMP's ANS records (where nvCOMP is installed: the default codec there) and ours,
+    chosen by FX_OFFLOAD_LOSSLESS_CODEC: outputs bitwise the uncompressed offloaded run's,
+    eagerly and replayed from a CUDA graph, also after new weights of the same kind are
+    encoded into the records the graph captured."""
+    if codec == "nvcomp" and ans._library() is None:
+        pytest.skip("nvCOMP's library (nvidia-libnvcomp-cu13) is not installed")
+    monkeypatch.setenv("FX_OFFLOAD_LOSSLESS_CODEC", codec)
+    for mode in ("default", "reduce-overhead"):
+        model, (x,) = bf16_decoder(hidden=512, inner=2048)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.02)
+        x = x.cuda()
+        with _on_the_gpu(model, mode) as (compiled, reference, model, plain):
+            with torch.no_grad():
+                for i in range(6):
+                    if i == 3:      # new weights, the same in both (drawn alike: they fit)
+                        stats = registry.state_for_model(model).stats
+                        assert stats["sync_loads"] == 0     # (new weights are reloaded)
+                        for m in (model, plain):
+                            torch.manual_seed(1)
+                            for p in m.parameters():
+                                p.normal_(0, 0.02)
+                    xi = x.roll(i, 0)
+                    assert torch.equal(compiled(xi).clone(), reference(xi).clone()), (mode, i)
+            rep = fx_offload.report(model)
+            assert rep.codec == ("nvCOMP ANS" if codec == "nvcomp" else "fx_offload"), rep
+            ratio = sum(rep.call_bytes.values()) / sum(rep.layer_bytes.values())
+            # tensors this small pay their sections' alignment (ours) or tables (nvCOMP's)
+            assert ratio < (0.71 if codec == "nvcomp" else 0.8), rep
+
+
+def test_the_codec_variable_is_checked(monkeypatch):
+    """FX_OFFLOAD_LOSSLESS_CODEC: a bad value, or 'nvcomp' where nvCOMP's library does not
+    load, is refused with what to do; 'fx_offload', and any value on the CPU, take ours."""
+    model, inputs = bf16_decoder()
+    reference = copy.deepcopy(model)
+    monkeypatch.setenv("FX_OFFLOAD_LOSSLESS_CODEC", "zstd")
+    compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+    with pytest.raises(Exception, match="FX_OFFLOAD_LOSSLESS_CODEC='zstd' chooses the codec"):
+        with torch.no_grad():
+            compiled(*inputs)
+    monkeypatch.delenv("FX_OFFLOAD_LOSSLESS_CODEC")     # the weights are intact: it runs
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+    with torch.no_grad():
+        assert torch.equal(compiled(*inputs), reference(*inputs))
+        assert torch.equal(model(*inputs), reference(*inputs))
+    assert fx_offload.report(model).codec == "fx_offload"
+    monkeypatch.setenv("FX_OFFLOAD_LOSSLESS_CODEC", "nvcomp")
+    assert not ans.available(torch.device("cpu"))      # nvCOMP decodes on GPUs only
+    monkeypatch.setattr(ans, "_library", lambda: None)
+    with pytest.raises(OffloadError, match="pip install nvidia-libnvcomp-cu13"):
+        ans.available(torch.device("cuda"))
+    monkeypatch.setenv("FX_OFFLOAD_LOSSLESS_CODEC", "fx_offload")
+    assert not ans.available(torch.device("cuda"))
+    monkeypatch.delenv("FX_OFFLOAD_LOSSLESS_CODEC")
+    assert not ans.available(torch.device("cuda"))      # auto, without nvCOMP: ours

@@ -35,6 +35,8 @@ class Report:
     # chunks' records, the rest raw), and the host memory its compressed copy takes
     call_bytes: dict[int, int] = dataclasses.field(default_factory=dict)
     compressed_host_bytes: int = 0
+    # the codec of the records: "nvCOMP ANS" (on a GPU with nvCOMP installed) or "fx_offload"
+    codec: str = ""
     # of the offloaded bytes, those kept in files rather than in host memory (compressed
     # layers' uncompressed weights: option uncompressed_weights)
     uncompressed_in_file_bytes: int = 0
@@ -92,7 +94,8 @@ class Report:
                      f"{self.device}; device memory saved: {format_bytes(self.saved_bytes)}")
         if self.compressed:
             raw, moved = sum(self.layer_bytes.values()), sum(self.call_bytes.values())
-            lines.append(f"  compressed (lossless): the offloaded layers' copies move "
+            lines.append(f"  compressed (lossless, {self.codec} codec): the offloaded layers' "
+                         "copies move "
                          f"{format_bytes(moved)} of their {format_bytes(raw)} ({moved / raw:.3f}"
                          "; call_bytes has each layer's); "
                          f"the compressed copies take {format_bytes(self.compressed_host_bytes)}"
@@ -187,6 +190,7 @@ def _weights_report(model: nn.Module) -> Report:
             circular=choice.schedule.circular, circular_text=state.circular.describe(),
             call_bytes=state.buffers.call_bytes() if state.buffers else {},
             compressed_host_bytes=state.buffers.compressed_host_bytes if state.buffers else 0,
+            codec=state.buffers.codec_names() if state.buffers else "",
             uncompressed_in_file_bytes=state.buffers.in_file_bytes if state.buffers else 0,
             copied_bytes_last_call=_copied(state),
             copies_captured=bool(state.buffers and state.buffers.captured),

@@ -1,6 +1,6 @@
 """One offloaded layer's compressed host copy (``compress="lossless"``): the records of its
-chunks (:mod:`.lossless`) in one page-locked block, and the copy of a chunk through a
-staging buffer on the device::
+chunks (by :mod:`.ans` on a GPU with nvCOMP, else :mod:`.lossless`) in one page-locked
+block, and the copy of a chunk through a staging buffer on the device::
 
     host block (the truth)  [ chunk 0 | chunk 1 | chunk 2 ]      raw bytes, as without
                                encode     encode    raw (not all bf16, or not worth it)
@@ -30,10 +30,17 @@ import logging
 import torch
 
 from ..errors import OffloadError
-from . import lossless
+from . import ans, lossless
 from .host_memory import HostBlock
 
 log = logging.getLogger("fx_offload")
+
+
+def codec_for(device: torch.device):
+    """The codec of records copied to ``device`` (a module with ``NAME``, ``encode`` and
+    ``decode``): nvCOMP's ANS on a GPU where nvCOMP is installed (:mod:`.ans`), else ours
+    (:mod:`.lossless`, which also decodes on the CPU)."""
+    return ans if ans.available(device) else lossless
 
 
 class CompressedBlock:
@@ -44,14 +51,28 @@ class CompressedBlock:
         """``raw``: the layer's host block (flat uint8); ``compressible(chunk)``: the chunk
         holds bf16 words only.  Encoded on ``device`` where it is a GPU."""
         self.name = name
+        self.codec = codec_for(device)
         work = device if device.type == "cuda" else None
-        records, self.meta = {}, {}
-        for c in chunks:
-            made = lossless.encode(raw[c.start:c.end], work) if compressible(c) else None
-            if made is not None:
-                records[str(c.index)], self.meta[c.index] = made
+        try:
+            records = self._encode_all(raw, chunks, compressible, work)
+        except Exception as err:
+            if self.codec is lossless:
+                raise
+            # nvCOMP failing on this machine (a driver it does not support, say): ours
+            log.warning("fx_offload: nvCOMP failed to encode %s (%s: %s); its records use "
+                        "fx_offload's own codec", name, type(err).__name__, err)
+            self.codec = lossless
+            records = self._encode_all(raw, chunks, compressible, work)
         self.block = HostBlock(records, pin=pin, align=align) if records else None
         self.broken: str | None = None      # why its records cannot be used (recompress)
+
+    def _encode_all(self, raw: torch.Tensor, chunks, compressible, work) -> dict:
+        records, self.meta = {}, {}
+        for c in chunks:
+            made = self.codec.encode(raw[c.start:c.end], work) if compressible(c) else None
+            if made is not None:
+                records[str(c.index)], self.meta[c.index] = made
+        return records
 
     @property
     def host_nbytes(self) -> int:
@@ -84,11 +105,11 @@ class CompressedBlock:
         rec, record = self.meta[chunk.index], self.record_of(chunk)
         if staging is None:
             lossless.check(record, rec, f"{self.name} chunk {chunk.index}")
-            lossless.decode(record, rec, dest)
+            self.codec.decode(record, rec, dest)
             return
         staged = staging[:rec.nbytes]
         staged.copy_(record, non_blocking=non_blocking)
-        lossless.decode(staged, rec, dest)
+        self.codec.decode(staged, rec, dest)
 
     def record_of(self, chunk) -> torch.Tensor:
         return self.block.views[str(chunk.index)]
@@ -104,7 +125,7 @@ class CompressedBlock:
             rec = self.meta.get(c.index)
             if rec is None:
                 continue                    # copied raw: reads the host block itself
-            made = lossless.encode(raw[c.start:c.end], work, room=rec.escapes)
+            made = self.codec.encode(raw[c.start:c.end], work, fit=rec)
             if made is None and not captured:
                 del self.meta[c.index]
                 log.info("fx_offload: the new weights of %s chunk %d need more escapes than "
@@ -183,7 +204,7 @@ class StagedCopies:
         decode.wait_event(self.staged[k])
         decode.wait_event(fork)
         with torch.cuda.stream(decode):
-            lossless.decode(staged, rec, dest)
+            packed.codec.decode(staged, rec, dest)
             self.free[k].record(decode)
             done.record(decode)
         self._free_in_capture[k] = capturing

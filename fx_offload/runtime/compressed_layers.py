@@ -89,6 +89,10 @@ class CompressedLayers:
         return {layer: sum(self.chunk_nbytes(layer, c) for c in self.layout[layer])
                 for layer in self.params} if self.compressed else {}
 
+    def codec_names(self) -> str:
+        """The codecs of the layers' records (one, unless nvCOMP failed on some layers)."""
+        return ", ".join(sorted({c.codec.NAME for c in self.compressed.values() if c.meta}))
+
     @property
     def compressed_host_bytes(self) -> int:
         return sum(c.host_nbytes for c in self.compressed.values())

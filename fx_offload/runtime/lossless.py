@@ -1,4 +1,5 @@
-"""Lossless compression of bfloat16 weights for the host-to-device copy (``compress="lossless"``).
+"""fx_offload's own lossless codec of bfloat16 weights for the host-to-device copy
+(``compress="lossless"``).
 
 A bf16 word is a sign bit, an 8-bit exponent and a 7-bit mantissa.  In trained weights and in
 normally initialised ones alike the exponent carries about 2.6 bits of information (most
@@ -18,9 +19,10 @@ escapes, listed apart.  That is 12 bits a word plus the escapes: 0.75 of the byt
 decode that is a few integer operations per pair of words with no lookup (a Triton kernel
 reading the record from a staging buffer on the device and writing the slot, 16 bits in and
 32 out per pair), so copy and decode keep up with the link.  The codes are of fixed
-width on purpose: an entropy coder (Huffman, ANS) reaches about 0.67 but its decode needs
-per-block offsets and a sequential bit reader, several times slower on the GPU and not
-capturable in every library that offers one (see docs/design.md for what was compared).
+width on purpose: any GPU decodes them fast, and the CPU with torch ops.  Where nvCOMP's
+library is installed, its ANS (:mod:`.ans`) codes a GPU's records instead: an entropy coder,
+0.69 of the bytes, and its decode keeps up with the link too (docs/design.md has both
+measured); this codec serves the CPU and every GPU without nvCOMP.
 
 Records are checked three times: the encoder decodes each record it made and compares it
 with the raw bytes (a wrong record never leaves it), each record carries a checksum that
@@ -39,6 +41,7 @@ from ..errors import OffloadError
 
 log = logging.getLogger("fx_offload")
 
+NAME = "fx_offload"         # the codec's name in report(model)
 ESCAPE = 15                 # the code of a word whose exponent is in the escape list
 HEADER = 16                 # bytes before the sections: the window's base exponent, zeros
 ALIGN = 16                  # each section starts at a multiple of this
@@ -103,12 +106,13 @@ def room_for(escapes: int, words: int) -> int:
 
 
 def encode(raw: torch.Tensor, work_device: torch.device | None = None,
-           room: int | None = None) -> tuple[torch.Tensor, Record] | None:
+           fit: Record | None = None) -> tuple[torch.Tensor, Record] | None:
     """The record of the bf16 words in ``raw`` (flat uint8 bytes, an even count, on the
     host), as a CPU uint8 tensor and its :class:`Record`; None where it would not be worth
-    it (it is at least ``WORTH`` of the raw size) or, given ``room`` (the escape entries of
-    the record it replaces), where it needs more.  ``work_device``: where to compute it (a
-    GPU is much faster); the record is decoded there once and compared with ``raw``.
+    it (it is at least ``WORTH`` of the raw size) or, given ``fit`` (the record it
+    replaces), where it needs more escape entries than that one kept room for.
+    ``work_device``: where to compute it (a GPU is much faster); the record is decoded
+    there once and compared with ``raw``.
     Unused escape entries repeat word 0's exponent at word 0, which changes nothing."""
     if raw.numel() % 2:
         raise ValueError("a bf16 chunk has an even number of bytes")
@@ -124,7 +128,7 @@ def encode(raw: torch.Tensor, work_device: torch.device | None = None,
     codes = codes.clamp_(max=ESCAPE).to(torch.uint8)
     where = torch.nonzero(codes == ESCAPE).flatten()
     n, needed = exp.numel(), where.numel()
-    escapes = room_for(needed, n) if room is None else room
+    escapes = room_for(needed, n) if fit is None else fit.escapes
     rec = Record(n, escapes, 0)
     if needed > escapes or rec.nbytes > WORTH * rec.raw_nbytes:
         return None
@@ -158,13 +162,18 @@ def check(record: torch.Tensor, rec: Record, what: str) -> None:
             "again to compress them anew", where="fx_offload")
 
 
-def decode(record: torch.Tensor, rec: Record, out: torch.Tensor) -> None:
-    """Write the chunk's raw bytes into ``out`` (uint8, ``rec.raw_nbytes``) from ``record``
-    (uint8, on ``out``'s device), on the current stream; no host synchronisation on a GPU."""
+def check_sizes(record: torch.Tensor, rec, out: torch.Tensor) -> None:
+    """Raise where ``record`` (of either codec) and ``out`` are not the sizes ``rec`` says."""
     if out.numel() != rec.raw_nbytes or record.numel() < rec.nbytes:
         raise OffloadError(
             f"a compressed record of {rec.raw_nbytes} bytes was asked to fill {out.numel()} "
             f"bytes from {record.numel()}: the record does not match its chunk", where="fx_offload")
+
+
+def decode(record: torch.Tensor, rec: Record, out: torch.Tensor) -> None:
+    """Write the chunk's raw bytes into ``out`` (uint8, ``rec.raw_nbytes``) from ``record``
+    (uint8, on ``out``'s device), on the current stream; no host synchronisation on a GPU."""
+    check_sizes(record, rec, out)
     if out.is_cuda and _triton() is not None:
         _decode_triton(record, rec, out)
         return

@@ -381,7 +381,7 @@ def plan(model: nn.Module, stack: LayerStack, options: OffloadOptions, costs: Gr
                f" (parameters matching {list(options.offload_params)})")
             + kv + f"; raise memory_budget to at least {format_bytes(least, as_option=True)}")
     fitting = [c for c in all_plans if c.weights_bytes <= budget]
-    fraction = compression.copy_fraction(stack, options.compress)
+    fraction = compression.copy_fraction(stack, options.compress, device)
     cost_model = CostModel(costs, rates, len(stack.modules), overlapped=device.type == "cuda",
                            chunks=min(options.copy_chunks, CHUNKS_PREDICTED),
                            circular=options.circular_start, copy_fraction=fraction,

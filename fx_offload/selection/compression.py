@@ -9,22 +9,23 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime import lossless
+from ..runtime import ans, lossless
+from ..runtime.compressed import codec_for
 from .stack import LayerStack
 
-# measured on normal(0, 0.02) bf16 weights of Llama-3-8B shape (docs/design.md): what a
-# sample of weights that are not there yet (on the meta device) is taken to give
-ASSUMED_RATIO = 0.752
-# the Triton decode on the H200, bytes of bf16 written per second (docs/design.md); the CPU's
+# measured on normal(0, 0.02) bf16 weights of Llama-3-8B shape (docs/design.md), per codec:
+# what a sample of weights that are not there yet (on the meta device) is taken to give
+ASSUMED_RATIO = {lossless.NAME: 0.752, ans.NAME: 0.691}
+# bytes of bf16 written per second: the decodes on the H200 (docs/design.md); the CPU's
 # torch-ops decode measured here
-DECODE_RATE = {"cuda": 7.0e11, "cpu": 1.3e11}
+DECODE_RATE = {lossless.NAME: 7.0e11, ans.NAME: 1.2e12, "cpu": 1.3e11}
 SAMPLE_WORDS = 1 << 20
 
 
-def copy_fraction(stack: LayerStack, compress: str) -> float:
+def copy_fraction(stack: LayerStack, compress: str, device: torch.device) -> float:
     """Bytes a copy moves per offloaded byte of ``stack``'s layers: 1.0 uncompressed; else the
     bf16 share at the ratio of a sample of the largest bf16 weight (a record of its first
-    ``SAMPLE_WORDS`` words), the rest raw."""
+    ``SAMPLE_WORDS`` words, by the codec of ``device``'s copies), the rest raw."""
     if compress != "lossless":
         return 1.0
     bf16 = other = 0
@@ -40,13 +41,15 @@ def copy_fraction(stack: LayerStack, compress: str) -> float:
                 other += nbytes
     if not bf16:
         return 1.0
-    ratio = ASSUMED_RATIO
+    codec = codec_for(device)
+    ratio = ASSUMED_RATIO[codec.NAME]
     if largest.device.type != "meta":
         words = largest.detach().reshape(-1)[:SAMPLE_WORDS].cpu().contiguous()
-        made = lossless.encode(words.view(torch.uint8))
+        made = codec.encode(words.view(torch.uint8),
+                            device if device.type == "cuda" else None)
         ratio = 1.0 if made is None else made[1].nbytes / made[1].raw_nbytes
     return (bf16 * ratio + other) / (bf16 + other)
 
 
 def decode_rate(device: torch.device) -> float:
-    return DECODE_RATE.get(device.type, DECODE_RATE["cpu"])
+    return DECODE_RATE["cpu"] if device.type != "cuda" else DECODE_RATE[codec_for(device).NAME]

@@ -11,13 +11,15 @@ timed on the GPU:
   graph and replayed right;
 * a layer's copy: raw, record and decode on one stream (a synchronous load), record on the
   copy stream and decode on the decode stream (a prefetch), and that captured in a CUDA
-  graph and replayed; each checked bitwise.
+  graph and replayed; each checked bitwise; for our records and, where nvCOMP is
+  installed, for the nvCOMP ANS records ``compress="lossless"`` makes by default there.
 
 Times are medians of CUDA-event timings.  Needs a GPU.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -25,7 +27,7 @@ import time
 import torch
 
 from ..layout import Chunk
-from ..runtime import lossless
+from ..runtime import ans, lossless
 from ..runtime.compressed import CompressedBlock, StagedCopies
 from .bench import h2d_bandwidth
 
@@ -74,32 +76,32 @@ def run(args: argparse.Namespace) -> int:
           f"{torch.__version__}; pinned H2D {bandwidth / 1e9:.1f} GB/s", flush=True)
 
     chunks = [Chunk(k, a, b, ()) for k, (a, b) in enumerate(spans)]
-    start = time.perf_counter()
-    block = CompressedBlock("the layer", raw, chunks, lambda c: True, torch.device("cuda"),
-                            pin=True, align=512)
-    encode_s = time.perf_counter() - start
+    blocks = {name: _block(raw, chunks, name) for name in ("fx_offload", "nvcomp")
+              if name == "fx_offload" or ans.available(torch.device("cuda"))}
+    block = blocks["fx_offload"]
     metas = [block.meta[c.index] for c in chunks]
-    records = [block.record_of(c) for c in chunks]
-    packed = sum(block.chunk_nbytes(c) for c in chunks)
-    print(f"ratio {packed / raw.numel():.4f} ({packed / 2**20:.1f} MiB of "
-          f"{raw.numel() / 2**20:.1f}); escape entries {sum(m.escapes for m in metas)}; "
-          f"encode {encode_s:.2f} s on the GPU", flush=True)
-
-    dev_records = [r.cuda() for r in records]
+    dev_records = [block.record_of(c).cuda() for c in chunks]
     out = torch.empty(raw.numel(), dtype=torch.uint8, device="cuda")
     want = weights.view(torch.uint8)
     rows = []
 
-    def decode_all(fn):
+    def decode_all(fn, records, metas):
         def go():
-            for (a, b), rec, meta in zip(spans, dev_records, metas):
+            for (a, b), rec, meta in zip(spans, records, metas):
                 fn(rec, meta, out[a:b])
         return go
     for name, fn in (("Triton kernel (ours)", lossless.decode),
                      ("torch ops (fallback)", lossless._decode_torch)):
         out.fill_(0xAB)
-        ms = _time(decode_all(fn), args.repeats)
+        ms = _time(decode_all(fn, dev_records, metas), args.repeats)
         rows.append((name, raw.numel() / ms / 1e6, torch.equal(out, want)))
+    if "nvcomp" in blocks:      # nvCOMP's records as fx_offload makes them, chunk by chunk
+        nv = blocks["nvcomp"]
+        out.fill_(0xAB)
+        ms = _time(decode_all(ans.decode, [nv.record_of(c).cuda() for c in chunks],
+                              [nv.meta[c.index] for c in chunks]), args.repeats)
+        rows.append(("nvCOMP ANS (the records fx_offload makes)", raw.numel() / ms / 1e6,
+                     torch.equal(out, want)))
     if args.dfloat11_words:
         few = weights[:args.dfloat11_words]
         rec, meta = lossless.encode(few.view(torch.uint8), torch.device("cuda"))
@@ -111,20 +113,72 @@ def run(args: argparse.Namespace) -> int:
         rows.append(_dfloat11(few, args.repeats))
     library = [_nvcomp(want, spec, args.repeats) for spec in args.nvcomp.split(",") if spec]
 
-    staging = torch.empty(block.staging_nbytes, dtype=torch.uint8, device="cuda")
-    copy_stream = torch.cuda.Stream()
-    staged = StagedCopies(torch.device("cuda"), block.staging_nbytes)
-    fork, done = torch.cuda.Event(), [torch.cuda.Event() for _ in chunks]
-    capturing = [False]
+    timed = [("raw bytes, copy stream", _time(_raw_copy(raw, spans, out), args.repeats), None)]
+    for name, packed in blocks.items():
+        timed += _layer_copies(packed, chunks, out, want, args.repeats, name)
+    timed[0] = timed[0][:2] + (_checked(_raw_copy(raw, spans, out), out, want, []),)
+    _print_tables(rows, timed, library, bandwidth, raw.numel())
+    return 0
 
-    def copy_raw():
+
+def _block(raw: torch.Tensor, chunks, codec: str) -> CompressedBlock:
+    """The layer's records made by ``codec`` (``"fx_offload"`` or ``"nvcomp"``), with its
+    ratio and encode time printed."""
+    before = os.environ.get(ans.ENV)
+    os.environ[ans.ENV] = codec
+    try:
+        start = time.perf_counter()
+        block = CompressedBlock("the layer", raw, chunks, lambda c: True,
+                                torch.device("cuda"), pin=True, align=512)
+        torch.cuda.synchronize()
+        encode_s = time.perf_counter() - start
+    finally:
+        os.environ.pop(ans.ENV)
+        if before is not None:
+            os.environ[ans.ENV] = before
+    packed = sum(block.chunk_nbytes(c) for c in chunks)
+    print(f"{block.codec.NAME}: ratio {packed / raw.numel():.4f} ({packed / 2**20:.1f} MiB of "
+          f"{raw.numel() / 2**20:.1f}, {len(block.meta)} of {len(chunks)} chunks encoded); "
+          f"encode {encode_s:.2f} s on the GPU", flush=True)
+    return block
+
+
+def _raw_copy(raw: torch.Tensor, spans, out: torch.Tensor):
+    copy_stream, fork, done = torch.cuda.Stream(), torch.cuda.Event(), torch.cuda.Event()
+
+    def go():
         fork.record()
         copy_stream.wait_event(fork)
         with torch.cuda.stream(copy_stream):
             for a, b in spans:
                 out[a:b].copy_(raw[a:b], non_blocking=True)
-            done[0].record(copy_stream)
-        torch.cuda.current_stream().wait_event(done[0])
+            done.record(copy_stream)
+        torch.cuda.current_stream().wait_event(done)
+    return go
+
+
+def _checked(fn, out: torch.Tensor, want: torch.Tensor, buffers) -> bool:
+    """One run from poisoned slot and staging buffers: every byte written, and no decode read
+    a staging buffer before its record landed (repeated runs copy the same records, so a
+    timed run's result would not show that)."""
+    torch.cuda.synchronize()
+    for buffer in [out, *buffers]:
+        buffer.fill_(0xAB)
+    torch.cuda.synchronize()        # the copy stream does not wait for the compute stream
+    fn()
+    torch.cuda.synchronize()
+    return torch.equal(out, want)
+
+
+def _layer_copies(block: CompressedBlock, chunks, out, want, repeats: int, codec: str):
+    """(name, ms, bitwise) of a layer's copy from ``block``'s records: a synchronous load, a
+    prefetch on the copy and decode streams, and that captured in a CUDA graph."""
+    staging = torch.empty(block.staging_nbytes, dtype=torch.uint8, device="cuda")
+    copy_stream = torch.cuda.Stream()
+    staged = StagedCopies(torch.device("cuda"), block.staging_nbytes)
+    fork, done = torch.cuda.Event(), [torch.cuda.Event() for _ in chunks]
+    capturing = [False]
+    buffers = [staging, *staged.buffers]
 
     def copy_one_stream():
         for c in chunks:
@@ -137,54 +191,45 @@ def run(args: argparse.Namespace) -> int:
                         capturing[0])
         for event in done:
             torch.cuda.current_stream().wait_event(event)
-    def checked(fn) -> bool:
-        """One run from poisoned slot and staging buffers: every byte written, and no decode
-        read a staging buffer before its record landed (repeated runs copy the same
-        records, so a timed run's result would not show that)."""
-        torch.cuda.synchronize()
-        for buffer in [out, staging, *staged.buffers]:
-            buffer.fill_(0xAB)
-        torch.cuda.synchronize()    # the copy stream does not wait for the compute stream
-        fn()
-        torch.cuda.synchronize()
-        return torch.equal(out, want)
     timed = []
-    for name, fn in (("raw bytes, copy stream", copy_raw),
-                     ("records + decode, one stream", copy_one_stream),
-                     ("records + decode, copy and decode streams", copy_staged)):
-        timed.append((name, _time(fn, args.repeats), checked(fn)))
-
+    for name, fn in ((f"{codec}: records + decode, one stream", copy_one_stream),
+                     (f"{codec}: records + decode, copy and decode streams", copy_staged)):
+        print(f"  timing {name}", flush=True)
+        timed.append((name, _time(fn, repeats), _checked(fn, out, want, buffers)))
+    print(f"  timing {codec}: a CUDA graph", flush=True)
     graph = torch.cuda.CUDAGraph()
     torch.cuda.synchronize()
     capturing[0] = True
     with torch.cuda.graph(graph):
         copy_staged()
     capturing[0] = False
-    timed.append(("the same, a CUDA graph replayed", _time(graph.replay, args.repeats),
-                  checked(graph.replay)))
+    timed.append((f"{codec}: the same, a CUDA graph replayed", _time(graph.replay, repeats),
+                  _checked(graph.replay, out, want, buffers)))
+    record = sum(block.chunk_nbytes(c) for c in chunks)
+    timed.append((f"{codec}: (its record bytes alone at the measured H2D)", None, record))
+    return timed
 
-    _print_tables(rows, timed, library, packed / bandwidth * 1e3,
-                  raw.numel() / bandwidth * 1e3, bandwidth)
-    return 0
 
-
-def _print_tables(rows, timed, library, record_ms: float, raw_bytes_ms: float,
-                  bandwidth: float) -> None:
+def _print_tables(rows, timed, library, bandwidth: float, raw_nbytes: int) -> None:
     """The decoders' throughput, a layer's copy each way, and nvCOMP's codecs."""
     print(f"\n{'decoder':56s} {'GB/s of bf16 out':>17s} {'bitwise':>8s}")
     for name, rate, ok in rows:
         print(f"{name:56s} {rate:17.0f} {'yes' if ok else 'NO':>8s}")
-    print(f"\n{'a layer copied':44s} {'ms':>7s} {'x raw':>6s} {'bitwise':>8s}")
+    print(f"\n{'a layer copied':58s} {'ms':>7s} {'x raw':>6s} {'bitwise':>8s}")
     raw_ms = timed[0][1]
     for name, ms, ok in timed:
-        print(f"{name:44s} {ms:7.2f} {ms / raw_ms:6.3f} {'yes' if ok else 'NO':>8s}")
+        if ms is None:              # a bound: ``ok`` holds the record bytes
+            ms, ok = ok / bandwidth * 1e3, "-"
+        else:
+            ok = "yes" if ok else "NO"
+        print(f"{name:58s} {ms:7.2f} {ms / raw_ms:6.3f} {ok:>8s}")
     if library:
         print(f"\n{'nvCOMP, the whole layer as one buffer':44s} {'ratio':>6s} "
               f"{'GB/s out':>9s} {'bitwise':>8s}  captured in a CUDA graph")
         for name, ratio, rate, ok, captured in library:
             print(f"{name:44s} {ratio:6.3f} {rate:9.0f} {'yes' if ok else 'NO':>8s}  {captured}")
-    print(f"(the record bytes alone at {bandwidth / 1e9:.1f} GB/s: {record_ms:.2f} ms; the "
-          f"raw bytes: {raw_bytes_ms:.2f} ms)")
+    print(f"(the raw bytes alone at {bandwidth / 1e9:.1f} GB/s: "
+          f"{raw_nbytes / bandwidth * 1e3:.2f} ms)")
 
 
 def _dfloat11(words: torch.Tensor, repeats: int):

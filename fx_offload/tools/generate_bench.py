@@ -25,6 +25,7 @@ Needs a GPU and ``transformers``.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -32,6 +33,7 @@ import time
 import torch
 
 from .. import backend, compile_forward, registry, report
+from ..runtime import ans
 from ..schedule import Schedule
 from .bench import h2d_bandwidth
 
@@ -51,7 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "offloading: the packed bytes are what moves)")
     parser.add_argument("--compress", default="none",
                         help="comma-separated compress values of the fx_offload rows: none, "
-                             "lossless (bf16 weights cross the link compressed)")
+                             "lossless (bf16 weights cross the link compressed, by nvCOMP's "
+                             "ANS where it is installed), lossless:fx_offload or "
+                             "lossless:nvcomp (that codec: FX_OFFLOAD_LOSSLESS_CODEC)")
     parser.add_argument("--step-clock", action="store_true",
                         help="decode: the median time between two decode steps")
     parser.add_argument("--repeats", type=int, default=3)
@@ -115,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
         if "fx_offload" in methods else []
     for circular, quantize, compress in variants:
         torch._dynamo.reset()       # each model compiles afresh (one class: shared caches)
+        compress, codec = _codec_of_row(compress)
         model = build()
         if quantize != "none":
             _quantize(model, quantize)
@@ -130,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         if formats != ["none"]:
             name += f", {quantize if quantize != 'none' else 'bf16'}"
         if compressions != ["none"]:
-            name += f", compress={compress}"
+            name += f", compress={compress}" + (f" ({codec})" if codec else "")
         rows[name], tokens[name] = measure(model, prompt, args, steps=args.step_clock,
                                            extra=extra)
         if quantize in resident_row:
@@ -183,6 +188,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"{name:66s} {prefill:10.1f} {decode:16.2f} {ratio:8.3f} {to_bf16:7.3f} "
               f"{to_resident:10.3f} {same:>12s}")
     return 0
+
+
+def _codec_of_row(compress: str) -> tuple[str, str]:
+    """``"lossless:fx_offload"`` -> ``("lossless", "fx_offload")``, that codec chosen through
+    FX_OFFLOAD_LOSSLESS_CODEC (read where the records are made: the row's first call)."""
+    compress, _, codec = compress.partition(":")
+    os.environ.pop(ans.ENV, None)
+    if codec:
+        os.environ[ans.ENV] = codec
+    return compress, codec
 
 
 TORCHAO_CONFIGS = {"int8": "Int8WeightOnlyConfig", "float8": "Float8WeightOnlyConfig",
