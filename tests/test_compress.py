@@ -308,6 +308,35 @@ def test_each_gpu_codec_captured_eager_and_after_new_weights(codec, monkeypatch)
             assert ratio < (0.71 if codec == "nvcomp" else 0.8), rep
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("codec", ["nvcomp", "fx_offload"])
+def test_a_model_on_the_second_gpu_decodes_there(codec, monkeypatch):
+    """Both codecs launch their decode kernels on the current device: a model on cuda:1
+    while the current device is cuda:0 decodes on cuda:1, bitwise."""
+    if codec == "nvcomp" and ans._library() is None:
+        pytest.skip("nvCOMP's library (nvidia-libnvcomp-cu13) is not installed")
+    monkeypatch.setenv("FX_OFFLOAD_LOSSLESS_CODEC", codec)
+    torch.cuda.set_device(0)
+    model, (x,) = bf16_decoder(hidden=512, inner=2048)
+    model, x = model.to("cuda:1"), x.to("cuda:1")
+    plain = copy.deepcopy(model)
+    try:
+        reference = torch.compile(plain, backend="prefetch_offload",
+                                  options={"prefetch_step": 2})
+        compiled = torch.compile(model, backend="prefetch_offload",
+                                 options={"compress": "lossless", "prefetch_step": 2})
+        with torch.no_grad():
+            for i in range(3):
+                assert torch.equal(compiled(x.roll(i, 0)), reference(x.roll(i, 0))), i
+        assert fx_offload.report(model).call_bytes
+        assert torch.cuda.current_device() == 0
+    finally:
+        for m in (model, plain):
+            if registry.state_for_model(m) is not None:
+                fx_offload.restore(m)
+
+
 def test_the_codec_variable_is_checked(monkeypatch):
     """FX_OFFLOAD_LOSSLESS_CODEC: a bad value, or 'nvcomp' where nvCOMP's library does not
     load, is refused with what to do; 'fx_offload', and any value on the CPU, take ours."""

@@ -20,6 +20,10 @@ transformers = pytest.importorskip("transformers", reason="install the test extr
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+# a model on the second GPU while the current device is the first: kernels of ours launch on
+# the current device unless told
+SECOND_GPU = pytest.param("cuda:1", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs two GPUs")])
 
 
 def build(name, impl="grouped_mm"):
@@ -66,7 +70,7 @@ def _run_calls(model, compiled, ref_fn, device, shapes):
     return moved
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES + [SECOND_GPU])
 @pytest.mark.parametrize("name,impl", [("qwen3_moe", "grouped_mm"), ("qwen3_moe", "batched_mm"),
                                        ("mixtral", "grouped_mm"), ("qwen2_moe", "grouped_mm"),
                                        ("deepseek_v3", "batched_mm")])

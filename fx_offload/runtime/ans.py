@@ -155,6 +155,13 @@ def encode(raw: torch.Tensor, work_device: torch.device,
     GPU ``work_device``, as a CPU uint8 tensor and its :class:`AnsRecord`; None where it is
     not worth it (at least ``lossless.WORTH`` of the raw size) or, given ``fit`` (the record
     it replaces), where it does not fit that record's size."""
+    # nvCOMP launches on the current device: a model on cuda:1 while it is cuda:0 too
+    with torch.cuda.device(work_device):
+        return _encode(raw, work_device, fit)
+
+
+def _encode(raw: torch.Tensor, work_device: torch.device,
+            fit: AnsRecord | None) -> tuple[torch.Tensor, AnsRecord] | None:
     n = raw.numel()
     if n % 2:
         raise ValueError("a bf16 chunk has an even number of bytes")
@@ -208,7 +215,8 @@ def encode(raw: torch.Tensor, work_device: torch.device,
 def decode(record: torch.Tensor, rec: AnsRecord, out: torch.Tensor) -> None:
     """Write the chunk's raw bytes into ``out`` (uint8 on a GPU, ``rec.raw_nbytes``) from
     ``record`` (on that GPU), on the current stream, with no host synchronisation."""
-    _decode(record, rec, out, check=False)
+    with torch.cuda.device(out.device):         # as in encode
+        _decode(record, rec, out, check=False)
 
 
 def _decode(record: torch.Tensor, rec: AnsRecord, out: torch.Tensor,

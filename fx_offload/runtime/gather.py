@@ -69,4 +69,5 @@ def gather_rows(host: torch.Tensor, slot: torch.Tensor, mask: torch.Tensor) -> N
         return
     row = src.shape[1]
     grid = (src.shape[0], triton.cdiv(row, BLOCK))
-    _gather_rows[grid](src, dst, mask, row, BLOCK=BLOCK)
+    with torch.cuda.device(slot.device):    # Triton launches on the current device
+        _gather_rows[grid](src, dst, mask, row, BLOCK=BLOCK)

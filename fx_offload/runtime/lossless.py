@@ -175,7 +175,8 @@ def decode(record: torch.Tensor, rec: Record, out: torch.Tensor) -> None:
     (uint8, on ``out``'s device), on the current stream; no host synchronisation on a GPU."""
     check_sizes(record, rec, out)
     if out.is_cuda and _triton() is not None:
-        _decode_triton(record, rec, out)
+        with torch.cuda.device(out.device):     # Triton launches on the current device
+            _decode_triton(record, rec, out)
         return
     _decode_torch(record, rec, out)
 
