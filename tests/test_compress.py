@@ -363,3 +363,19 @@ def test_the_codec_variable_is_checked(monkeypatch):
     assert not ans.available(torch.device("cuda"))
     monkeypatch.delenv("FX_OFFLOAD_LOSSLESS_CODEC")
     assert not ans.available(torch.device("cuda"))      # auto, without nvCOMP: ours
+
+
+def test_ratio_command_trains_and_reports_each_codec(capsys):
+    """``python -m fx_offload ratio``: the decoder learns (its loss falls) and the table gives
+    our records' ratio and the exponent bound for drawn, initial and trained weights."""
+    from fx_offload.tools import cli
+    assert cli.main(["ratio", "--layers", "1", "--hidden", "64", "--inner", "128",
+                     "--steps", "30", "--seq", "16", "--batch", "8"]) == 0
+    out = capsys.readouterr().out
+    losses = [float(line.split("loss")[1]) for line in out.splitlines() if "loss" in line]
+    assert losses[-1] < losses[0] - 0.3, out
+    rows = {line[:36].strip(): line[36:].split() for line in out.splitlines()
+            if line.startswith(("drawn", "initial", "trained"))}
+    assert len(rows) == 3, out
+    for ours, nv, bound in rows.values():
+        assert 0.7 < float(ours) < 0.8 and 0.6 < float(bound) < float(ours), out

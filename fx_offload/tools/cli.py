@@ -1,4 +1,5 @@
-"""Command line: ``python -m fx_offload demo|inspect|bench|bigger|flux|generate|moe|trace|codec|hostmem|kv``."""
+"""Command line: ``python -m fx_offload
+demo|inspect|bench|bigger|flux|generate|moe|trace|codec|hostmem|ratio|kv``."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +9,7 @@ import torch
 
 from ..errors import OffloadError
 from . import (bench, bigger, codec_bench, demo, flux_bench, generate_bench, hostmem_bench,
-               inspect_cli, kv_bench, moe_bench, trace_bench)
+               inspect_cli, kv_bench, moe_bench, ratio_bench, trace_bench)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     hostmem_bench.add_arguments(sub.add_parser(
         "hostmem", help="host memory of an offloaded model with compress='lossless', its "
                         "uncompressed weights in memory or in files, against compress='none'"))
+    ratio_bench.add_arguments(sub.add_parser(
+        "ratio", help="compress='lossless' on trained weights: a small decoder trained on the "
+                      "CPU, the codecs' ratios before and after training"))
     kv_bench.add_arguments(sub.add_parser(
         "kv", help="generate at a long context with the KV cache on the host, against the "
                    "cache on the device and transformers' offloaded static cache (a GPU)"))
@@ -52,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = {"trace": trace_bench.run, "bigger": bigger.run, "bench": bench.run, "demo": demo.run,
                 "inspect": inspect_cli.run, "flux": flux_bench.run,
                 "generate": generate_bench.run, "moe": moe_bench.run, "codec": codec_bench.run, "kv": kv_bench.run,
-                "hostmem": hostmem_bench.run}
+                "hostmem": hostmem_bench.run, "ratio": ratio_bench.run}
     try:
         _check_device(args)
         return commands[args.command](args)
