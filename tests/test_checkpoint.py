@@ -248,8 +248,8 @@ def test_peak_host_memory_holds_each_weight_once(tmp_path):
 
         placed, model = measured(place)
         del model
-        gc.collect()    # the placed model's state is in reference cycles: freed by a
-        #                 collection, which must not fall inside the next measurement
+        gc.collect()    # any garbage left is collected here, not inside the next
+        #                 measurement
         loaded, model = measured(usual)
         print(placed, loaded)
     """)

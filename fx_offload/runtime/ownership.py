@@ -11,10 +11,10 @@ a call's entry), and points the parameters at their slots.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import sys
 import threading
+import weakref
 
 import torch
 
@@ -41,8 +41,7 @@ class Ownership(ParamVersions):
         self.structure_changed = ""      # what changed: a child module set inside an
         #   offloaded layer, an offloaded parameter set on another module
         self.watched: list[int] = []     # ids of the modules inside offloaded layers
-        self.turns = Turns(self.model_name, self._end_left_call,
-                           functools.partial(_runs_model, self))
+        self.turns = Turns(self.model_name, *_weak_callbacks(self))
         # (layer, chunk) -> the layer's parameters' versions when that chunk was copied: a
         # slot may hold chunks of one layer copied at different times (a refill skips those
         # it holds), so each is checked on its own
@@ -230,6 +229,23 @@ class Ownership(ParamVersions):
     def holding_slots(self):
         """Hold the slots as a call does (for restore), unless this thread is in a call."""
         return _Hold(self, sys._getframe(1).f_code)     # the hold lasts while that runs
+
+
+def _weak_callbacks(state):
+    """The turns' two callbacks, holding ``state`` weakly: a state that referred to itself
+    through them would outlive its model until a garbage collection, with its host blocks
+    and slots (plain torch frees a dropped model at once)."""
+    ref = weakref.ref(state)
+
+    def end_left_call() -> None:
+        alive = ref()
+        if alive is not None:
+            alive._end_left_call()
+
+    def runs_model(module) -> bool:
+        alive = ref()
+        return alive is not None and _runs_model(alive, module)
+    return end_left_call, runs_model
 
 
 def _runs_model(state, module) -> bool:
