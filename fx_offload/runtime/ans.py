@@ -103,7 +103,8 @@ def _compress_opts() -> _CompressOpts:
     return _CompressOpts(type=0, data_type=_FLOAT16)        # nvcomp_rANS
 
 
-def _decompress_opts() -> _DecompressOpts:
+@functools.cache
+def _decompress_opts() -> _DecompressOpts:     # made once: every decode passes it
     return _DecompressOpts(backend=0, data_type=_FLOAT16)   # the default backend
 
 
@@ -203,7 +204,7 @@ def _encode(raw: torch.Tensor, work_device: torch.device,
     out[HEADER:HEADER + 32 * pieces].view(torch.int64).copy_(table.flatten())
     keep = torch.arange(stride, device=work_device)[None, :] < padded[:, None]
     out[first:used] = spaced.view(pieces, stride)[keep]
-    rec = AnsRecord(n, pieces, nbytes, lossless._checksum(out))
+    rec = AnsRecord(n, pieces, nbytes, lossless.checksum(out))
     back = torch.empty_like(src)
     if not _decode(out, rec, back) or not torch.equal(back, src):
         log.error("fx_offload: an nvCOMP record did not decode to its bytes; that chunk is "

@@ -54,7 +54,7 @@ class CompressedBlock:
         self.codec = codec_for(device)
         work = device if device.type == "cuda" else None
         try:
-            records = self._encode_all(raw, chunks, compressible, work)
+            records, self.meta = self._encode_all(raw, chunks, compressible, work)
         except Exception as err:
             if self.codec is lossless:
                 raise
@@ -62,17 +62,18 @@ class CompressedBlock:
             log.warning("fx_offload: nvCOMP failed to encode %s (%s: %s); its records use "
                         "fx_offload's own codec", name, type(err).__name__, err)
             self.codec = lossless
-            records = self._encode_all(raw, chunks, compressible, work)
+            records, self.meta = self._encode_all(raw, chunks, compressible, work)
         self.block = HostBlock(records, pin=pin, align=align) if records else None
         self.broken: str | None = None      # why its records cannot be used (recompress)
 
-    def _encode_all(self, raw: torch.Tensor, chunks, compressible, work) -> dict:
-        records, self.meta = {}, {}
+    def _encode_all(self, raw: torch.Tensor, chunks, compressible, work) -> tuple[dict, dict]:
+        """(chunk index as a string -> its record, chunk index -> what the record holds)."""
+        records, meta = {}, {}
         for c in chunks:
             made = self.codec.encode(raw[c.start:c.end], work) if compressible(c) else None
             if made is not None:
-                records[str(c.index)], self.meta[c.index] = made
-        return records
+                records[str(c.index)], meta[c.index] = made
+        return records, meta
 
     @property
     def host_nbytes(self) -> int:
@@ -128,15 +129,15 @@ class CompressedBlock:
             made = self.codec.encode(raw[c.start:c.end], work, fit=rec)
             if made is None and not captured:
                 del self.meta[c.index]
-                log.info("fx_offload: the new weights of %s chunk %d need more escapes than "
-                         "its compressed copy kept room for: copied uncompressed from now on",
-                         self.name, c.index)
+                log.info("fx_offload: the new weights of %s chunk %d compress to more than "
+                         "its compressed copy kept room for (their exponents spread wider): "
+                         "copied uncompressed from now on", self.name, c.index)
                 continue
             if made is None:
                 self.broken = (
                     f"the new weights of {self.name} (chunk {c.index}) do not fit the "
-                    "compressed copy a CUDA graph captured (they span more exponents than it "
-                    "kept room for). The weights themselves were taken (state_dict shows "
+                    "compressed copy a CUDA graph captured (their exponents spread wider than "
+                    "it kept room for). The weights themselves were taken (state_dict shows "
                     "them); to run with them, fx_offload.restore(model) and compile again, or "
                     "use compress='none'")
                 raise OffloadError(self.broken, where="fx_offload")

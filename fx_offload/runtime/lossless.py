@@ -60,7 +60,7 @@ class Record:
 
     words: int              # bf16 words of the chunk (its raw bytes / 2)
     escapes: int            # escape entries: room for at least the escaped words (room_for)
-    checksum: int           # of the record's bytes (:func:`_checksum`)
+    checksum: int           # of the record's bytes (:func:`checksum`)
 
     @property
     def sm(self) -> int:
@@ -87,7 +87,7 @@ class Record:
         return 2 * self.words
 
 
-def _checksum(record: torch.Tensor) -> int:
+def checksum(record: torch.Tensor) -> int:
     """A sum of the record's 8-byte words, each weighted by its position mod 2**16 + 1
     (so a swap of two words shows too), wrapping at 2**63; computed where the record is."""
     n = record.numel() // 8 * 8
@@ -142,7 +142,7 @@ def encode(raw: torch.Tensor, work_device: torch.device | None = None,
     out[rec.codes:rec.codes + (n + 1) // 2] = codes[0::2] | (codes[1::2] << 4)
     out[rec.where:rec.where + 4 * escapes] = where.to(torch.int32).view(torch.uint8)
     out[rec.exponents:rec.exponents + escapes] = exp[where]
-    rec = Record(n, escapes, _checksum(out))
+    rec = Record(n, escapes, checksum(out))
     back = torch.empty_like(src)
     decode(out, rec, back)
     if not torch.equal(back, src):          # never a wrong record: say so, copy raw
@@ -154,7 +154,7 @@ def encode(raw: torch.Tensor, work_device: torch.device | None = None,
 
 def check(record: torch.Tensor, rec: Record, what: str) -> None:
     """Raise where ``record`` is not the record ``rec`` describes (corrupt host memory)."""
-    if record.numel() < rec.nbytes or _checksum(record[:rec.nbytes]) != rec.checksum:
+    if record.numel() < rec.nbytes or checksum(record[:rec.nbytes]) != rec.checksum:
         raise OffloadError(
             f"the compressed host copy of {what} is corrupt (its checksum or size does not "
             "match what was written): its weights cannot be trusted. fx_offload.restore(model) "
