@@ -5,6 +5,7 @@ import contextlib
 import copy
 import io
 import logging
+import threading
 
 import pytest
 import torch
@@ -180,7 +181,11 @@ def test_what_users_do_keeps_the_true_weights():
     compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
     with torch.no_grad():
         compiled(*inputs)
-    want = reference.state_dict()
+    _reads_the_true_weights(model, reference.state_dict())
+
+
+def _reads_the_true_weights(model, want: dict) -> None:
+    """state_dict (of the model and of layer 1), named_weights and a deepcopy's give ``want``."""
     assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
     sub = model.layers[1].state_dict()
     assert all(torch.equal(v, want[f"layers.1.{k}"]) for k, v in sub.items())
@@ -280,15 +285,8 @@ def test_each_gpu_codec_captured_eager_and_after_new_weights(codec, monkeypatch)
     chosen by FX_OFFLOAD_LOSSLESS_CODEC: outputs bitwise the uncompressed offloaded run's,
     eagerly and replayed from a CUDA graph, also after new weights of the same kind are
     encoded into the records the graph captured."""
-    if codec == "nvcomp" and ans._library() is None:
-        pytest.skip("nvCOMP's library (nvidia-libnvcomp-cu13) is not installed")
-    monkeypatch.setenv("FX_OFFLOAD_LOSSLESS_CODEC", codec)
     for mode in ("default", "reduce-overhead"):
-        model, (x,) = bf16_decoder(hidden=512, inner=2048)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.normal_(0, 0.02)
-        x = x.cuda()
+        model, x = _drawn_decoder(codec, monkeypatch)
         with _on_the_gpu(model, mode) as (compiled, reference, model, plain):
             with torch.no_grad():
                 for i in range(6):
@@ -306,6 +304,100 @@ def test_each_gpu_codec_captured_eager_and_after_new_weights(codec, monkeypatch)
             ratio = sum(rep.call_bytes.values()) / sum(rep.layer_bytes.values())
             # tensors this small pay their sections' alignment (ours) or tables (nvCOMP's)
             assert ratio < (0.71 if codec == "nvcomp" else 0.8), rep
+
+
+def _drawn_decoder(codec: str, monkeypatch):
+    """(model, input on the GPU): the tiny decoder at hidden 512 with weights drawn normal(0,
+    0.02), as trained ones are, and ``codec`` chosen (skipped where nvCOMP is missing)."""
+    if codec == "nvcomp" and ans._library() is None:
+        pytest.skip("nvCOMP's library (nvidia-libnvcomp-cu13) is not installed")
+    monkeypatch.setenv("FX_OFFLOAD_LOSSLESS_CODEC", codec)
+    model, (x,) = bf16_decoder(hidden=512, inner=2048)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    return model, x.cuda()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+@pytest.mark.parametrize("codec", ["nvcomp", "fx_offload"])
+def test_a_record_corrupted_in_host_memory_is_caught_on_the_gpu(codec, mode, monkeypatch):
+    """A byte of each record flipped in host memory after the records were made (and, under
+    reduce-overhead, captured): the call that copies them computes with NaN in their place,
+    never with wrong weights; every later call raises, naming them; new weights for those
+    layers (update_weights) encode the records anew and the model is right again."""
+    model, x = _drawn_decoder(codec, monkeypatch)
+    with _on_the_gpu(model, mode) as (compiled, reference, model, plain):
+        with torch.no_grad():
+            for i in range(3):
+                assert torch.equal(compiled(x).clone(), reference(x).clone()), i
+            torch.cuda.synchronize()        # the last call's copies, of intact records
+            buffers = registry.state_for_model(model).buffers
+            # the last offloaded layer: copied in the middle of each call (a slot's first
+            # layer is copied at a call's entry, where its check may already raise)
+            flipped = [max(buffers.compressed)]
+            packed = buffers.compressed[flipped[0]]
+            for c in buffers.layout[flipped[0]]:
+                if packed.holds(c):
+                    record = packed.record_of(c)
+                    record[record.numel() // 2] ^= 0x10
+            out = compiled(x).clone()
+            torch.cuda.synchronize()
+            assert torch.isnan(out).any(), "a corrupt record was decoded into weights"
+            for _ in range(2):
+                with pytest.raises(OffloadError, match=rf"layer {flipped[0]} of TinyDecoder "
+                                   r"\(chunks? \d.* is corrupt .*verified on the GPU"):
+                    compiled(x)
+            names = {n for n, _ in model.named_parameters()
+                     if any(n.startswith(f"layers.{layer}.") for layer in flipped)}
+            fx_offload.update_weights(
+                model, {n: t.clone() for n, t in plain.state_dict().items() if n in names})
+            for i in range(3):
+                assert torch.equal(compiled(x.roll(i, 0)).clone(),
+                                   reference(x.roll(i, 0)).clone()), i
+        want = plain.state_dict()
+        assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("codec", ["nvcomp", "fx_offload"])
+def test_what_users_do_on_the_gpu_with_each_codec(codec, monkeypatch):
+    """On a GPU, with each codec: state_dict (of the model and of a layer), named_weights and
+    deepcopy give the true weights; calls from two threads at once and load_state_dict of new
+    weights between calls give the outputs of the model without compression, bitwise."""
+    model, x = _drawn_decoder(codec, monkeypatch)
+    with _on_the_gpu(model, "default") as (compiled, reference, model, plain):
+        with torch.no_grad():
+            assert torch.equal(compiled(x), reference(x))
+        want = plain.state_dict()
+        _reads_the_true_weights(model, want)
+        outs, errors = {}, []
+
+        def calls(i: int) -> None:
+            try:
+                with torch.no_grad():
+                    outs[i] = [compiled(x.roll(i, 0)).clone() for _ in range(3)]
+                torch.cuda.synchronize()
+            except Exception as error:      # reported by the main thread
+                errors.append(error)
+        threads = [threading.Thread(target=calls, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        with torch.no_grad():
+            for i in range(2):
+                expected = reference(x.roll(i, 0))
+                assert all(torch.equal(out, expected) for out in outs[i]), i
+            torch.manual_seed(3)
+            new = {k: torch.randn_like(v) * 0.02 for k, v in want.items()}
+            model.load_state_dict(new)
+            plain.load_state_dict(new)
+            for i in range(3):
+                assert torch.equal(compiled(x.roll(i, 0)), reference(x.roll(i, 0))), i
+        assert all(torch.equal(v, new[k]) for k, v in model.state_dict().items())
 
 
 @pytest.mark.cuda

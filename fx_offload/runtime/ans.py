@@ -213,18 +213,31 @@ def _encode(raw: torch.Tensor, work_device: torch.device,
     return out.cpu(), rec
 
 
-def decode(record: torch.Tensor, rec: AnsRecord, out: torch.Tensor) -> None:
+def trusted(record: torch.Tensor, rec: AnsRecord, device: torch.device) -> torch.Tensor:
+    """The record's table on ``device``, made when the record is: the decode reads where
+    the pieces are from it, not from the staged record, so a record corrupted in host memory
+    cannot send nvCOMP outside the record or its chunk (the device check then finds it)."""
+    return _table(record, rec).to(device)
+
+
+def _table(record: torch.Tensor, rec: AnsRecord) -> torch.Tensor:
+    return record[HEADER:HEADER + 32 * rec.pieces].view(torch.int64).view(4, rec.pieces)
+
+
+def decode(record: torch.Tensor, rec: AnsRecord, out: torch.Tensor,
+           table: torch.Tensor | None = None) -> None:
     """Write the chunk's raw bytes into ``out`` (uint8 on a GPU, ``rec.raw_nbytes``) from
-    ``record`` (on that GPU), on the current stream, with no host synchronisation."""
+    ``record`` (on that GPU), on the current stream, with no host synchronisation.
+    ``table``: :func:`trusted`'s, else the record's own is read."""
     with torch.cuda.device(out.device):         # as in encode
-        _decode(record, rec, out, check=False)
+        _decode(record, rec, out, table, check=False)
 
 
 def _decode(record: torch.Tensor, rec: AnsRecord, out: torch.Tensor,
-            check: bool = True) -> bool:
+            table: torch.Tensor | None = None, check: bool = True) -> bool:
     lossless.check_sizes(record, rec, out)
     p = rec.pieces
-    table = record[HEADER:HEADER + 32 * p].view(torch.int64).view(4, p)
+    table = _table(record, rec) if table is None else table
     sources = table[0] + record.data_ptr()      # kernels on this stream, as nvCOMP's is:
     targets = table[2] + out.data_ptr()         # freed tensors are reused after it only
     produced = torch.empty(p, dtype=torch.int64, device=out.device)

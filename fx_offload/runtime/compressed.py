@@ -14,7 +14,10 @@ decode or for the slot to be free: only the decode waits for the slot's last rea
 
     compute   ... layer reads slot | fork ....................... wait(done) | next reads
     copy      H2D rec k -> staging[k] | staged[k]   H2D rec k+1 -> staging[k+1] ...
-    decode              wait(staged[k], fork) decode -> slot | free[k], done
+    decode              wait(staged[k], fork) decode -> slot, check | free[k], done
+
+Each copy to a GPU verifies the record's checksum on the device around its decode
+(:mod:`.record_check`: a corrupt record's chunk becomes NaN and the next call raises).
 
 A synchronous load copies and decodes on the compute stream through a staging buffer of
 its own.
@@ -30,7 +33,7 @@ import logging
 import torch
 
 from ..errors import OffloadError
-from . import ans, lossless
+from . import ans, lossless, record_check
 from .host_memory import HostBlock
 
 log = logging.getLogger("fx_offload")
@@ -65,6 +68,18 @@ class CompressedBlock:
             records, self.meta = self._encode_all(raw, chunks, compressible, work)
         self.block = HostBlock(records, pin=pin, align=align) if records else None
         self.broken: str | None = None      # why its records cannot be used (recompress)
+        # on a GPU, for the device check of each copy (record_check): the checksums and
+        # what the decode must not read from a staged record, on the device; the flags the
+        # check sets, in page-locked memory (SlotBuffers gives them: one array for all)
+        on_gpu = work is not None and record_check.available()
+        last = max((c.index for c in chunks), default=-1) + 1
+        self.sums = torch.tensor([self.meta[i].checksum if i in self.meta else 0
+                                  for i in range(last)], dtype=torch.int64,
+                                 device=device) if on_gpu else None
+        tables = {i: self.codec.trusted(self.block.views[str(i)], rec, device)
+                  for i, rec in self.meta.items()} if on_gpu else {}
+        self.tables = {i: t for i, t in tables.items() if t is not None}
+        self.flags: torch.Tensor | None = None
 
     def _encode_all(self, raw: torch.Tensor, chunks, compressible, work) -> tuple[dict, dict]:
         """(chunk index as a string -> its record, chunk index -> what the record holds)."""
@@ -110,7 +125,24 @@ class CompressedBlock:
             return
         staged = staging[:rec.nbytes]
         staged.copy_(record, non_blocking=non_blocking)
-        self.codec.decode(staged, rec, dest)
+        self.decode_checked(chunk, staged, record_check.new_tally(dest.device), dest)
+
+    def decode_checked(self, chunk, staged: torch.Tensor, tally: torch.Tensor,
+                       dest: torch.Tensor) -> None:
+        """Decode the record of ``chunk`` staged on the GPU into ``dest``, on the current
+        stream, then verify its checksum there (:mod:`.record_check`, adding up in
+        ``tally``)."""
+        i = chunk.index
+        self.codec.decode(staged, self.meta[i], dest, self.tables.get(i))
+        if self.sums is not None and self.flags is not None:
+            record_check.check(staged, tally, self.sums[i:i + 1], self.flags[i:i + 1], dest)
+
+    def found_corrupt(self) -> list[int]:
+        """Chunks whose records the device check found corrupt (read without waiting: a
+        copy still in flight is seen by a later look)."""
+        if self.flags is None:
+            return []
+        return torch.nonzero(self.flags).flatten().tolist()
 
     def record_of(self, chunk) -> torch.Tensor:
         return self.block.views[str(chunk.index)]
@@ -143,6 +175,13 @@ class CompressedBlock:
                 raise OffloadError(self.broken, where="fx_offload")
             record, self.meta[c.index] = made
             self.record_of(c).copy_(record)
+            if self.sums is not None:       # the graph's check reads the new ones
+                self.sums[c.index] = self.meta[c.index].checksum
+                if c.index in self.tables:
+                    self.tables[c.index].copy_(self.codec.trusted(record, self.meta[c.index],
+                                                                  device))
+        if self.flags is not None:
+            self.flags.zero_()              # encoded anew from the intact raw block
         self.broken = None
         log.debug("fx_offload: %s compressed again", self.name)
 
@@ -162,6 +201,8 @@ class StagedCopies:
                         for _ in range(self.COUNT)]
         self.decode_stream = torch.cuda.Stream(device)
         self.staged = [torch.cuda.Event() for _ in range(self.COUNT)]
+        # each buffer's record_check tally, used in the same stream order as the buffer
+        self.tallies = [record_check.new_tally(device) for _ in range(self.COUNT)]
         self.free = [torch.cuda.Event() for _ in range(self.COUNT)]
         # where each buffer's ``free`` was last recorded: None (never), in a capture (True)
         self._free_in_capture: list[bool | None] = [None] * self.COUNT
@@ -205,7 +246,7 @@ class StagedCopies:
         decode.wait_event(self.staged[k])
         decode.wait_event(fork)
         with torch.cuda.stream(decode):
-            packed.codec.decode(staged, rec, dest)
+            packed.decode_checked(chunk, staged, self.tallies[k], dest)
             self.free[k].record(decode)
             done.record(decode)
         self._free_in_capture[k] = capturing

@@ -17,7 +17,7 @@ import logging
 import torch
 
 from ..text import format_bytes
-from . import file_backed
+from . import file_backed, lossless
 from .compressed import CompressedBlock
 
 log = logging.getLogger("fx_offload")
@@ -36,6 +36,31 @@ class CompressedLayers:
             f"layer {layer} of {self.model_name}", self._blocks[layer].buffer,
             self.layout[layer], compressible, self.device,
             pin=self.device.type != "cpu", align=self.align)
+
+    def _give_flags(self) -> None:
+        """One page-locked array of flags for the device checks of every layer's copies
+        (``record_check``), so a call's start looks at all of them at once."""
+        blocks = [p for _, p in sorted(self.compressed.items()) if p.sums is not None]
+        if not blocks:
+            return
+        self.corrupt = torch.zeros(sum(p.sums.numel() for p in blocks), dtype=torch.int32,
+                                   pin_memory=True)
+        self._corrupt_seen = self.corrupt.numpy()       # a view: read with no torch call
+        at = 0
+        for packed in blocks:
+            packed.flags = self.corrupt[at:at + packed.sums.numel()]
+            at += packed.sums.numel()
+
+    def raise_if_corrupt(self) -> None:
+        """Raise where a device check found a record corrupt (the call that copied it
+        returned NaN); every call raises so until the record is encoded again (new weights
+        for its layer) or the model is restored."""
+        if self.corrupt is None or not self._corrupt_seen.any():
+            return
+        found = [(packed.name, packed.found_corrupt()) for packed in self.compressed.values()]
+        raise lossless.corrupt(" and ".join(
+            f"{name} (chunk{'s' if len(chunks) > 1 else ''} {', '.join(map(str, chunks))})"
+            for name, chunks in found if chunks), on_gpu=True)
 
     def _place_raw(self, layer: int) -> None:
         """A compressed layer's host block (made unpinned): into a file where every chunk

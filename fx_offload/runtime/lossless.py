@@ -25,9 +25,12 @@ library is installed, its ANS (:mod:`.ans`) codes a GPU's records instead: an en
 measured); this codec serves the CPU and every GPU without nvCOMP.
 
 Records are checked three times: the encoder decodes each record it made and compares it
-with the raw bytes (a wrong record never leaves it), each record carries a checksum that
-:func:`check` verifies before every decode on the CPU, and a record whose sizes do not
-match its header is refused before any decode.  A chunk that is not all bf16, or that would
+with the raw bytes (a wrong record never leaves it); each record carries a checksum, which
+:func:`check` verifies before every decode on the CPU and :mod:`.record_check` at every copy
+on a GPU; and a record whose sizes do not match its header is refused before any decode.
+The GPU decode writes only inside its chunk whatever a record holds (an escape's position is
+bounded), so a corrupt record can at worst fill its own chunk with wrong bytes, which the
+device check then replaces.  A chunk that is not all bf16, or that would
 not shrink below ``WORTH`` of its size, is stored raw and copied as it is.
 """
 from __future__ import annotations
@@ -88,14 +91,15 @@ class Record:
 
 
 def checksum(record: torch.Tensor) -> int:
-    """A sum of the record's 8-byte words, each weighted by its position mod 2**16 + 1
-    (so a swap of two words shows too), wrapping at 2**63; computed where the record is."""
-    n = record.numel() // 8 * 8
-    words = record[:n].view(torch.int64)
-    weights = torch.arange(words.numel(), device=words.device, dtype=torch.int64) % 65536 + 1
-    total = int((words * weights).sum())
-    tail = record[n:].to(torch.int64).sum()
-    return total ^ (int(tail) << 48)
+    """A sum of the record's 8-byte words (a record is a multiple of 16 bytes), each weighted
+    by ``2 * (its position mod 2**16) + 1``, wrapping at 2**64: the weights are odd, so any
+    change of one word shows, and they differ, so a swap of two words does too.  Computed
+    where the record is; on a GPU :mod:`.record_check` computes it at every copy."""
+    if record.numel() % 8:
+        raise ValueError(f"a record of {record.numel()} bytes: not a multiple of 8")
+    words = record.view(torch.int64)
+    weights = torch.arange(words.numel(), device=words.device, dtype=torch.int64) % 65536
+    return int((words * (weights * 2 + 1)).sum())
 
 
 def room_for(escapes: int, words: int) -> int:
@@ -155,11 +159,19 @@ def encode(raw: torch.Tensor, work_device: torch.device | None = None,
 def check(record: torch.Tensor, rec: Record, what: str) -> None:
     """Raise where ``record`` is not the record ``rec`` describes (corrupt host memory)."""
     if record.numel() < rec.nbytes or checksum(record[:rec.nbytes]) != rec.checksum:
-        raise OffloadError(
-            f"the compressed host copy of {what} is corrupt (its checksum or size does not "
-            "match what was written): its weights cannot be trusted. fx_offload.restore(model) "
-            "brings back the uncompressed weights, which are kept apart and are intact; compile "
-            "again to compress them anew", where="fx_offload")
+        raise corrupt(what)
+
+
+def corrupt(what: str, on_gpu: bool = False) -> OffloadError:
+    """The error for a record of ``what`` found not to match its checksum (on the GPU: by the
+    device check of a copy, which filled the chunk with NaN for that call)."""
+    found = ("its checksum, verified on the GPU as it was copied, does not match what was "
+             "written; the call that copied it computed with NaN in its place" if on_gpu else
+             "its checksum or size does not match what was written")
+    return OffloadError(
+        f"the compressed host copy of {what} is corrupt ({found}): its weights cannot be "
+        "trusted. fx_offload.restore(model) brings back the uncompressed weights, which are "
+        "kept apart and are intact; compile again to compress them anew", where="fx_offload")
 
 
 def check_sizes(record: torch.Tensor, rec, out: torch.Tensor) -> None:
@@ -170,9 +182,16 @@ def check_sizes(record: torch.Tensor, rec, out: torch.Tensor) -> None:
             f"bytes from {record.numel()}: the record does not match its chunk", where="fx_offload")
 
 
-def decode(record: torch.Tensor, rec: Record, out: torch.Tensor) -> None:
+def trusted(record: torch.Tensor, rec: Record, device: torch.device) -> None:
+    """What a decode takes from device memory rather than from the record: nothing (the
+    sizes are ``rec``'s, the positions of escapes bounded by the kernel)."""
+    return None
+
+
+def decode(record: torch.Tensor, rec: Record, out: torch.Tensor, table=None) -> None:
     """Write the chunk's raw bytes into ``out`` (uint8, ``rec.raw_nbytes``) from ``record``
-    (uint8, on ``out``'s device), on the current stream; no host synchronisation on a GPU."""
+    (uint8, on ``out``'s device), on the current stream; no host synchronisation on a GPU.
+    ``table``: :func:`trusted`'s (unused)."""
     check_sizes(record, rec, out)
     if out.is_cuda and _triton() is not None:
         with torch.cuda.device(out.device):     # Triton launches on the current device
@@ -189,6 +208,7 @@ def _decode_torch(record: torch.Tensor, rec: Record, out: torch.Tensor) -> None:
     exp = codes + record[0]                 # uint8: wraps like the kernel's low 8 bits
     if rec.escapes:
         where = record[rec.where:rec.where + 4 * rec.escapes].view(torch.int32)
+        where = where.clamp(0, n - 1)       # a corrupt record stays inside its chunk
         exp[where] = record[rec.exponents:rec.exponents + rec.escapes]
     low, high = out.view(-1, 2).unbind(1)
     low.copy_(((exp & 1) << 7) | (sm & 0x7F))
@@ -226,10 +246,10 @@ def _triton():
         tl.store(out_pairs + j, w0 | (w1 << 16), mask=live)
 
     @triton.jit
-    def escapes(src, positions, out, e, exp_at, BLOCK: tl.constexpr):
+    def escapes(src, positions, out, e, exp_at, words, BLOCK: tl.constexpr):
         j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        live = j < e
-        where = tl.load(positions + j, mask=live, other=0)
+        where = tl.load(positions + j, mask=j < e, other=0)
+        live = (j < e) & (where >= 0) & (where < words)     # a corrupt record stays inside
         exp = tl.load(src + exp_at + j, mask=live, other=0).to(tl.int32)
         w = tl.load(out + where, mask=live, other=0).to(tl.int32)
         w = (w & 0x807F) | (exp << 7)
@@ -251,4 +271,4 @@ def _decode_triton(record: torch.Tensor, rec: Record, out: torch.Tensor) -> None
     if rec.escapes:
         positions = record[rec.where:rec.where + 4 * rec.escapes].view(torch.int32)
         escapes[(-(-rec.escapes // 1024),)](record, positions, out.view(torch.int16),
-                                           rec.escapes, rec.exponents, BLOCK=1024)
+                                           rec.escapes, rec.exponents, rec.words, BLOCK=1024)

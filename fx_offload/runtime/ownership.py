@@ -82,6 +82,8 @@ class Ownership(ParamVersions):
                     self.begin_entry_refills(tokens)   # changed: reloaded when taken up
                 self._take_up_changes()
                 self.after_take_up(root)
+                if self.buffers is not None:    # a record a copy found corrupt, unless
+                    self.buffers.raise_if_corrupt()     # new weights encoded it anew
                 self._point_at(truth=False)
                 registry.begin_call(self)
                 self.entered = True

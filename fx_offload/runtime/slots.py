@@ -90,6 +90,9 @@ class SlotBuffers(CompressedLayers):
         self.staging = torch.empty(most, dtype=torch.uint8, device=self.device) \
             if on_gpu else None
         self.staged = StagedCopies(self.device, most) if on_gpu else None
+        self.corrupt: torch.Tensor | None = None    # the device checks' flags (on a GPU)
+        if on_gpu:
+            self._give_flags()
         self.captured = False       # a CUDA graph captured a copy: record sizes are fixed
         self.encoded_at: dict[int, tuple] = {}  # layer -> its parameters' versions encoded
         self.copied = 0             # bytes copied across the link since the latest call began
