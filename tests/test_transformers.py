@@ -155,3 +155,27 @@ def test_a_users_exception_inside_a_layers_submodule_surfaces_as_itself(compress
         del mlp.forward
         assert torch.equal(model(ids).logits, reference(ids).logits)
     assert fx_offload.report(model).layers == [1, 3]
+
+
+@pytest.mark.parametrize("compress", ["none", "lossless"])
+def test_save_pretrained_of_an_offloaded_model_saves_the_true_weights(compress, tmp_path):
+    """save_pretrained of a Hugging Face model compiled with offloading (its records compressed,
+    its uncompressed weights in files by default) writes the true weights: from_pretrained
+    loads them back equal, and the offloaded model computes as before afterwards."""
+    model, _ = build("llama")
+    model = model.to(torch.bfloat16).eval()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    fx_offload.compile_forward(model, group_size=2, num_in_group=1, compress=compress,
+                               inner_backend="aot_eager")
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+        if compress == "lossless":
+            assert fx_offload.report(model).call_bytes
+        model.save_pretrained(tmp_path)
+        loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+        want = reference.state_dict()
+        got = loaded.state_dict()
+        assert got.keys() == want.keys()
+        assert all(torch.equal(v, want[k]) for k, v in got.items())
+        assert torch.equal(model(ids).logits, reference(ids).logits)

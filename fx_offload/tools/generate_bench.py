@@ -4,7 +4,7 @@ with Llama-3-8B layer shapes (random weights, bf16), timed side by side in one p
 * resident, its ``forward`` compiled with Inductor (``dynamic=True``), with ``--quantize``
   also each quantized form of it resident;
 * fx_offload through :func:`fx_offload.compile_forward` (every second layer offloaded,
-  ``prefetch_step`` slots), Inductor inside; with ``--quantize int8,float8,...`` also the same
+  ``prefetch_step`` slots), Inductor inside (``--inner-backend`` names another); with ``--quantize int8,float8,...`` also the same
   model with its layers' weights quantized by torchao first (their packed bytes move; "x
   bf16" compares decode with the bf16 row);
 * accelerate's ``cpu_offload`` on the same layers (eager), where accelerate is installed.
@@ -56,6 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "lossless (bf16 weights cross the link compressed, by nvCOMP's "
                              "ANS where it is installed), lossless:fx_offload or "
                              "lossless:nvcomp (that codec: FX_OFFLOAD_LOSSLESS_CODEC)")
+    parser.add_argument("--inner-backend", default="inductor",
+                        help="the fx_offload rows' inner compiler (aot_eager: each op as "
+                             "eager runs it, so rows that move the same weights otherwise "
+                             "must give the same tokens bitwise)")
     parser.add_argument("--step-clock", action="store_true",
                         help="decode: the median time between two decode steps")
     parser.add_argument("--repeats", type=int, default=3)
@@ -124,18 +128,13 @@ def run(args: argparse.Namespace) -> int:
         if quantize != "none":
             _quantize(model, quantize)
         options = dict(group_size=2, num_in_group=1, prefetch_step=args.prefetch_step,
-                       circular_prefetch=circular, compress=compress)
+                       circular_prefetch=circular, compress=compress,
+                       inner_backend=args.inner_backend)
         extra = graphs_route(backend(**options)) if args.cuda_graphs else None
         if not args.cuda_graphs:
             compile_forward(model, dynamic=True, **options)
-        name = (f"fx_offload, {len(offloaded)} layers, {args.prefetch_step} slots "
-                f"(Inductor{graphs})")
-        if circulars != ["auto"]:
-            name += f", circular at {circular}"
-        if formats != ["none"]:
-            name += f", {quantize if quantize != 'none' else 'bf16'}"
-        if compressions != ["none"]:
-            name += f", compress={compress}" + (f" ({codec})" if codec else "")
+        name = _row_name(args, len(offloaded), graphs, (circulars, circular),
+                         (formats, quantize), (compressions, compress, codec))
         rows[name], tokens[name] = measure(model, prompt, args, steps=args.step_clock,
                                            extra=extra)
         if quantize in resident_row:
@@ -188,6 +187,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"{name:66s} {prefill:10.1f} {decode:16.2f} {ratio:8.3f} {to_bf16:7.3f} "
               f"{to_resident:10.3f} {same:>12s}")
     return 0
+
+
+def _row_name(args, offloaded: int, graphs: str, circular, quantize, compress) -> str:
+    """An fx_offload row's name: its inner compiler, and each of its options that varies
+    (each given with the run's values of it)."""
+    inner = "Inductor" if args.inner_backend == "inductor" else args.inner_backend
+    name = f"fx_offload, {offloaded} layers, {args.prefetch_step} slots ({inner}{graphs})"
+    if circular[0] != ["auto"]:
+        name += f", circular at {circular[1]}"
+    if quantize[0] != ["none"]:
+        name += f", {quantize[1] if quantize[1] != 'none' else 'bf16'}"
+    if compress[0] != ["none"]:
+        name += f", compress={compress[1]}" + (f" ({compress[2]})" if compress[2] else "")
+    return name
 
 
 def _codec_of_row(compress: str) -> tuple[str, str]:
