@@ -90,3 +90,26 @@ def test_dynamic_shapes(inner):
         for seq in (5, 9, 16, 7):
             ids = torch.randint(0, 256, (2, seq))
             torch.testing.assert_close(compiled(ids), ref_fn(ids), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("model_name", ["decoder", "mlp"])
+def test_aot_eager_calls_our_ops_in_place(model_name, monkeypatch):
+    """inner_backend="aot_eager" runs AOTAutograd's ATen graph as it is: our ops are called
+    there directly, not through auto_functionalized_v2 (which clones the activations they
+    are tied to and runs its Python at every call), and the outputs stay bitwise."""
+    from fx_offload import inner
+    made = []
+    real = inner.call_in_place
+
+    def spy(gm):
+        made.append((real(gm), gm.code))
+        return made[-1][0]
+    monkeypatch.setattr(inner, "call_in_place", spy)
+    model, compiled, reference, inputs = compile_pair(model_name, {"inner_backend": "aot_eager"})
+    with torch.no_grad():
+        for x in [inputs, fresh_inputs(model_name, inputs, 1), fresh_inputs(model_name, inputs, 2)]:
+            assert torch.equal(compiled(*x), reference(*x))
+    assert made and all(n > 0 for n, _ in made), made
+    code = "\n".join(text for _, text in made)
+    assert "auto_functionalized" not in code, code
+    assert "fx_offload.wait_prefetch" in code and "fx_offload.start_prefetch" in code, code
