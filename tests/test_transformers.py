@@ -130,18 +130,25 @@ def test_greedy_generate_with_a_static_cache():
     assert state.stats["prefetches"] > 0 and state.stats["sync_loads"] == 0
 
 
-@pytest.mark.parametrize("compress", ["none", "lossless"])
-def test_a_users_exception_inside_a_layers_submodule_surfaces_as_itself(compress):
-    """A Hugging Face Llama compiled through compile_forward whose offloaded layer's MLP
-    raises the user's own error: Dynamo breaks the graph there and compiles the layer's norm
-    on its own; that graph belongs to the model (a module inside one of its layers), the call
-    raises the user's error, and once the MLP is put back the model computes as before."""
+def _bf16_llama_offloaded(compress: str):
+    """(a bf16 Llama compiled through compile_forward with every second layer offloaded and
+    ``compress``, an untouched copy of it, token ids)."""
     model, _ = build("llama")
     model = model.to(torch.bfloat16).eval()
     reference = copy.deepcopy(model)
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
     fx_offload.compile_forward(model, group_size=2, num_in_group=1, compress=compress,
                                inner_backend="aot_eager")
+    return model, reference, ids
+
+
+@pytest.mark.parametrize("compress", ["none", "lossless"])
+def test_a_users_exception_inside_a_layers_submodule_surfaces_as_itself(compress):
+    """A Hugging Face Llama compiled through compile_forward whose offloaded layer's MLP
+    raises the user's own error: Dynamo breaks the graph there and compiles the layer's norm
+    on its own; that graph belongs to the model (a module inside one of its layers), the call
+    raises the user's error, and once the MLP is put back the model computes as before."""
+    model, reference, ids = _bf16_llama_offloaded(compress)
     mlp = model.model.layers[3].mlp
 
     def refuse(*args, **kwargs):
@@ -162,12 +169,7 @@ def test_save_pretrained_of_an_offloaded_model_saves_the_true_weights(compress, 
     """save_pretrained of a Hugging Face model compiled with offloading (its records compressed,
     its uncompressed weights in files by default) writes the true weights: from_pretrained
     loads them back equal, and the offloaded model computes as before afterwards."""
-    model, _ = build("llama")
-    model = model.to(torch.bfloat16).eval()
-    reference = copy.deepcopy(model)
-    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
-    fx_offload.compile_forward(model, group_size=2, num_in_group=1, compress=compress,
-                               inner_backend="aot_eager")
+    model, reference, ids = _bf16_llama_offloaded(compress)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, reference(ids).logits)
         if compress == "lossless":

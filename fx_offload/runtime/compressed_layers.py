@@ -45,7 +45,6 @@ class CompressedLayers:
             return
         self.corrupt = torch.zeros(sum(p.sums.numel() for p in blocks), dtype=torch.int32,
                                    pin_memory=True)
-        self._corrupt_seen = self.corrupt.numpy()       # a view: read with no torch call
         at = 0
         for packed in blocks:
             packed.flags = self.corrupt[at:at + packed.sums.numel()]
@@ -55,7 +54,7 @@ class CompressedLayers:
         """Raise where a device check found a record corrupt (the call that copied it
         returned NaN); every call raises so until the record is encoded again (new weights
         for its layer) or the model is restored."""
-        if self.corrupt is None or not self._corrupt_seen.any():
+        if self.corrupt is None or not self.corrupt.numpy().any():     # no device wait
             return
         found = [(packed.name, packed.found_corrupt()) for packed in self.compressed.values()]
         raise lossless.corrupt(" and ".join(
