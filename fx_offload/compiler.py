@@ -12,6 +12,8 @@ hands it, the compile sequence :func:`compile_graph`:
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import weakref
 from typing import Any, Mapping
@@ -42,12 +44,14 @@ def prefetch_offload(gm: fx.GraphModule, example_inputs, options: Mapping[str, A
     if unexpected:
         raise OffloadError(f"got unexpected arguments {sorted(unexpected)}")
     opts = parse_options(options, mode=mode)
-    return compile_graph(gm, example_inputs, opts, given=_given(options))
+    return compile_graph(gm, example_inputs, opts, given=_given(options, mode))
 
 
-def _given(options) -> tuple[str, ...]:
-    """The options the user set (one given as None is left at its default)."""
-    return tuple(k for k, v in (options or {}).items() if v is not None)
+def _given(options, mode=None) -> tuple[str, ...]:
+    """The options the user set (one given as None is left at its default), torch.compile's
+    ``mode`` among them."""
+    given = tuple(k for k, v in (options or {}).items() if v is not None)
+    return given + ("mode",) if mode is not None and "mode" not in given else given
 
 
 class PrefetchOffloadBackend:
@@ -67,7 +71,7 @@ class PrefetchOffloadBackend:
                 "fx_offload.backend(...) is already configured; give its options to "
                 "fx_offload.backend(...), not to torch.compile(options=...)")
         opts = self.options if mode is None else parse_options(self._raw, mode=mode)
-        return compile_graph(gm, example_inputs, opts, given=_given(self._raw))
+        return compile_graph(gm, example_inputs, opts, given=_given(self._raw, mode))
 
     def __repr__(self) -> str:
         return f"fx_offload.backend({self.options.describe()})"
@@ -95,6 +99,10 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
     if state is None:
         return compile_inner(gm, example_inputs, options)
     _check_grad_mode(gi, state, example_inputs)
+    placed_with = getattr(state, "placed_with", None)   # set by fx_offload.place
+    if placed_with and not set(placed_with) & set(given):
+        # place(model, inner_backend=...): used by a compile that sets neither
+        options = dataclasses.replace(options, **placed_with)
     if options.mode == "reduce-overhead":   # its calls may be replays from now on
         state.under_cuda_graphs = True      # (runtime.hook_copies)
     state.compiled_with = options           # the inner compiler report() names

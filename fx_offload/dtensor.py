@@ -12,7 +12,8 @@ reads at each call.  Three things keep the DTensor around it honest:
   Dynamo fakeifies a DTensor whose offset differs from its shard's through a path that
   fails, so a recompile while the shards sit in their slots would fail;
 * an in-place write through the DTensor bumps only its own version counter, and a write
-  through the shard only the shard's: both are read (``version``).
+  through the shard only the shard's: both are read (``version``), and so are those of the
+  DTensors ``state_dict`` gives for it (``ParamVersions.saved_dtensor``).
 """
 from __future__ import annotations
 
@@ -71,6 +72,32 @@ def as_saved(param, value: torch.Tensor) -> torch.Tensor:
     if not is_dtensor(param):
         return value
     return _around(value.detach(), param)
+
+
+def mismatch(target, value) -> str | None:
+    """Why ``value`` cannot be written into the parameter ``target`` where either is a
+    DTensor, or None: a DTensor parameter takes a DTensor placed as it is, or a whole
+    tensor (sharded here); a plain one takes no DTensor."""
+    if not is_dtensor(target):
+        return "is a plain tensor, got a DTensor: give value.full_tensor()"
+    if not is_dtensor(value):
+        return None
+    if value.device_mesh != target.device_mesh or \
+            tuple(value.placements) != tuple(target.placements):
+        return (f"is a DTensor placed {tuple(target.placements)} on {target.device_mesh}, got "
+                f"one placed {tuple(value.placements)} on {value.device_mesh}: give "
+                "value.redistribute(param.device_mesh, param.placements), or the whole "
+                "tensor")
+    return None
+
+
+def placed_like(target, value):
+    """``value`` as a DTensor placed as the DTensor ``target``: itself, or this rank's part
+    of a whole tensor, cut here (every rank gives the whole tensor; nothing is sent)."""
+    if is_dtensor(value):
+        return value
+    from torch.distributed.tensor import distribute_tensor
+    return distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
 
 
 def register_op_handlers(ops) -> None:

@@ -27,7 +27,7 @@ from torch import nn
 from . import layout, registry
 from .checkpoint import Checkpoint, check_model
 from .errors import OffloadError
-from .options import OffloadOptions, parse_options
+from .options import PLACEMENT_KEYS, OffloadOptions, parse_options
 from .runtime import hooks
 from .runtime.state import OffloadState, ShapeChanged
 from .selection import NothingOffloaded, choose
@@ -35,6 +35,8 @@ from .selection.trace import plan_from_example
 from .text import format_bytes
 
 log = logging.getLogger("fx_offload")
+# options of the compile that place takes: a later compile uses them unless it sets its own
+COMPILE_KEYS = ("inner_backend", "mode")
 
 
 def place(model: nn.Module, device: str | torch.device = "cuda", *, checkpoint=None,
@@ -51,8 +53,21 @@ def place(model: nn.Module, device: str | torch.device = "cuda", *, checkpoint=N
     block fills.  Options are the backend's: ``group_size``, ``num_in_group``,
     ``prefetch_step``, ``offload_params``, ``layers``, or ``memory_budget`` (with
     ``plan_tokens``), which weighs a trace of the model on ``example_inputs`` (a tuple of
-    positional arguments or a dict of keyword arguments) made on the meta device."""
-    opts = parse_options(options)
+    positional arguments or a dict of keyword arguments) made on the meta device.
+    ``inner_backend`` and ``mode`` given here are those of a later compile that sets
+    neither."""
+    try:
+        opts = parse_options(options)
+    except OffloadError as error:   # the options of this call: named as place's
+        error.where = "fx_offload.place"
+        raise
+    later = sorted(k for k in set(options) - set(PLACEMENT_KEYS) - set(COMPILE_KEYS)
+                   if options[k] is not None)
+    if later:       # the host KV cache's options: compile_forward's, dropped here
+        raise OffloadError(
+            f"{', '.join(later)} {'is an option' if len(later) == 1 else 'are options'} of "
+            "fx_offload.compile_forward, not of place: give "
+            f"{'it' if len(later) == 1 else 'them'} there", where="fx_offload.place")
     if registry.state_for_model(model) is not None:
         raise OffloadError(f"{type(model).__name__} is already offloaded; call "
                            "fx_offload.restore(model) first", where="fx_offload.place")
@@ -72,14 +87,16 @@ def place(model: nn.Module, device: str | torch.device = "cuda", *, checkpoint=N
         # what is made here outlives the caller's inference_mode: plain tensors, which later
         # calls under no_grad may write in place
         with torch.inference_mode(False):
-            return _place(model, device, opts, source, example_inputs)
+            return _place(model, device, opts, source, example_inputs,
+                          {k: getattr(opts, k) for k in COMPILE_KEYS
+                           if options.get(k) is not None})
     finally:
         if source is not None:
             source.close()
 
 
 def _place(model: nn.Module, device: torch.device, opts: OffloadOptions,
-           source: Checkpoint | None, example_inputs) -> nn.Module:
+           source: Checkpoint | None, example_inputs, placed_with: dict) -> nn.Module:
     sources = check_model(model, source)
     planner, order = (plan_from_example(model, opts, example_inputs, device) if opts.planned
                       else (None, None))
@@ -94,6 +111,7 @@ def _place(model: nn.Module, device: torch.device, opts: OffloadOptions,
         registry.record_nothing_offloaded(model, choice)
         return model
     state = OffloadState(model, choice)
+    state.placed_with = placed_with
     fill = None if source is None else _filler(choice, source, sources)
     try:
         activate(state, model, hand_over=True, fill=fill, progress=progress)

@@ -174,6 +174,55 @@ def _check_what_users_do_to_a_tp_model(rank):
                            torch.compile(reference, backend="aot_eager")(x.half()))
 
 
+def _check_new_weights_for_a_tp_model(rank):
+    """update_weights with a DTensor or a whole tensor, a write through a DTensor state_dict
+    gave, and a memory_budget plan: each next call equals the TP model not offloaded given
+    the same change; a bad entry among good ones writes nothing and names the weight."""
+    import fx_offload
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    model, x = _tp_mlp_stack()
+    reference = copy.deepcopy(model)
+    expected = torch.compile(reference, backend="aot_eager")
+    compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+    ref = dict(reference.named_parameters())
+    with torch.no_grad():
+        compiled(x)
+        # the DTensor state_dict gives is written through: the next call reads it
+        model.state_dict()["layers.1.fc1.weight"].mul_(2)
+        ref["layers.1.fc1.weight"].mul_(2)
+        assert torch.equal(compiled(x), expected(x))
+        def whole_for(name, seed):
+            return torch.randn(ref[name].shape, generator=torch.Generator().manual_seed(seed))
+
+        def placed_as(name, value):
+            p = ref[name]
+            return distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
+        whole = whole_for("layers.1.fc2.weight", 5)         # every rank gives the same
+        placed = placed_as("layers.3.fc1.weight", whole_for("layers.3.fc1.weight", 6))
+        fx_offload.update_weights(model, {"layers.1.fc2.weight": whole,
+                                          "layers.3.fc1.weight": placed})
+        ref["layers.1.fc2.weight"].copy_(placed_as("layers.1.fc2.weight", whole))
+        ref["layers.3.fc1.weight"].copy_(placed)
+        assert torch.equal(compiled(x), expected(x))
+        before = {k: v.to_local().clone() for k, v in model.state_dict().items()}
+        other = ref["layers.3.fc2.weight"].redistribute(placements=[Replicate()])
+        with pytest.raises(fx_offload.OffloadError, match=r"layers.3.fc2.weight is a DTensor "
+                                                          r"placed .* got one placed"):
+            fx_offload.update_weights(model, {"layers.1.fc1.weight": placed_as(
+                "layers.1.fc1.weight", whole_for("layers.1.fc1.weight", 7)),
+                "layers.3.fc2.weight": other})
+        assert all(torch.equal(v.to_local(), before[k]) for k, v in model.state_dict().items())
+        assert torch.equal(compiled(x), expected(x))
+    # memory_budget counts each rank's shards
+    budgeted, _ = _tp_mlp_stack()
+    plain = copy.deepcopy(budgeted)
+    run = torch.compile(budgeted, backend="prefetch_offload",
+                        options={"inner_backend": "aot_eager", "memory_budget": "20KiB"})
+    with torch.no_grad():
+        assert torch.equal(run(x), torch.compile(plain, backend="aot_eager")(x))
+    assert fx_offload.report(budgeted).layers
+
+
 class _HandSharded(nn.Module):
     """A column-split up projection, a row-split down projection and a functional
     all_reduce: tensor parallelism written by hand, plain tensors."""
@@ -311,8 +360,9 @@ def _check_hugging_face_tp_plan(rank):
 
 
 @pytest.mark.parametrize("check", [_check_dtensor_parameters, _check_what_users_do_to_a_tp_model,
-                                   _check_hand_sharded, _check_llama_tp_plans],
-                         ids=["dtensor_parameters", "user_calls", "hand_sharded",
+                                   _check_new_weights_for_a_tp_model, _check_hand_sharded,
+                                   _check_llama_tp_plans],
+                         ids=["dtensor_parameters", "user_calls", "new_weights", "hand_sharded",
                               "llama_sequence_parallel_and_hugging_face_tp_plan"])
 def test_tensor_parallel_ranks_offload_their_shards(check, tmp_path, monkeypatch):
     monkeypatch.setenv("FX_OFFLOAD_TEST_DCP", str(tmp_path / "dcp"))

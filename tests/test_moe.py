@@ -153,7 +153,7 @@ def test_a_graph_that_reads_every_expert_moves_them_whole():
         layer.mlp.experts.num_experts = layer.mlp.experts.w13_weight.shape[0]
     assert all(_builtin_calls(model, x.shape))
     rep = fx_offload.report(model)
-    assert rep.experts[1].startswith("whole: ") and "reads every expert of" in rep.experts[1]
+    assert rep.experts[1].startswith("whole: ") and "reads rows of mlp.experts.w13_weight_scale other than its router's picks" in rep.experts[1]
     assert registry.state_for_model(model).routed.gathered.item() == 0
 
 
@@ -188,8 +188,9 @@ def test_the_verifier_refuses_a_routed_wait_before_a_read_of_every_expert(monkey
         layer.mlp.experts.num_experts = 8
     compiled = torch.compile(model, backend="prefetch_offload",
                              options={"inner_backend": "aot_eager"})
-    with pytest.raises(Exception, match="reads every expert of .*fills only the experts its "
-                                        "router picked"), torch.no_grad():
+    with pytest.raises(Exception, match="reads rows of .* other than its router's picks, "
+                                        "but .*fills only the experts its router picked"), \
+            torch.no_grad():
         compiled(x)
 
 
@@ -364,3 +365,46 @@ def test_a_restored_routed_model_runs_its_compiled_graph():
     fx_offload.restore(model)
     with torch.no_grad():
         assert torch.equal(compiled(x), reference(x))
+
+
+def _reading_through(transform):
+    """The built-in routed MoE, each layer reading its experts' rows by ``transform(ids)``
+    instead of the router's ids themselves."""
+    model, (x,) = models.build("moe", num_layers=4, routed=True, seq=1, batch=1)
+
+    def forward(self, x, idx, weights):
+        return models.RoutedExperts.forward(self, x, transform(self, idx), weights)
+    for layer in model.layers:
+        experts = layer.mlp.experts
+        if isinstance(experts, models.RoutedExperts):
+            experts.register_buffer("expert_map", torch.tensor([3, 7, 0, 5, 1, 6, 2, 4]))
+            experts.forward = forward.__get__(experts)
+    return model, x
+
+
+@pytest.mark.parametrize("transform,why", [
+    (lambda experts, idx: experts.expert_map[idx], "getitem"),     # a logical -> physical map
+    (lambda experts, idx: torch.where(idx > 5, 0, idx), "getitem"),     # dropped onto one
+    (lambda experts, idx: (idx + 1) % 8, "getitem"),
+    (lambda experts, idx: idx.reshape(-1).sort()[1].reshape(idx.shape), "getitem"),  # positions
+], ids=["a table", "a drop", "arithmetic", "sort positions"])
+def test_rows_taken_by_other_values_than_the_picks_move_whole(transform, why):
+    """Rows read by values computed from the router's ids but other than them (a remap, a
+    drop, arithmetic, sort positions) are rows no gather fills: those chunks move whole,
+    report says why, and every call equals the model without offloading."""
+    model, x = _reading_through(transform)
+    assert all(_builtin_calls(model, x.shape, calls=4))
+    experts = fx_offload.report(model).experts
+    assert set(experts) == {1, 3}, experts
+    for text in experts.values():
+        assert text.startswith("whole: ") and f"({why}) reads rows of mlp.experts.w13_weight" \
+            in text and "other than its router's picks" in text, text
+
+
+def test_rows_taken_by_a_view_or_a_reordering_of_the_picks_stay_routed():
+    """A view, a sort's values, a selection of the ids hold only picked values: routed."""
+    model, x = _reading_through(
+        lambda experts, idx: idx.reshape(-1).sort()[0][idx.reshape(-1).argsort().argsort()]
+        .reshape(idx.shape).long())
+    assert all(_builtin_calls(model, x.shape, calls=3))
+    assert all(text.startswith("routed") for text in fx_offload.report(model).experts.values())

@@ -785,10 +785,32 @@ def test_place_refuses_what_it_cannot_do():
     with pytest.raises(fx_offload.OffloadError, match=r"memory_budget weighs the model's "
                                                       r"graph: pass example_inputs=\(input_ids"):
         fx_offload.place(model, "cpu", memory_budget="1MiB")
+    # an option place would drop is refused; place's own errors name it
+    with pytest.raises(fx_offload.OffloadError, match=r"^fx_offload.place: kv_cache is an "
+                                                      r"option of fx_offload.compile_forward"):
+        fx_offload.place(model, "cpu", group_size=2, kv_cache="host")
+    with pytest.raises(fx_offload.OffloadError, match=r"^fx_offload.place: .*experts"):
+        fx_offload.place(model, "cpu", experts="some")
     fx_offload.place(model, "cpu")
     with pytest.raises(fx_offload.OffloadError, match="already offloaded; call "
                                                       r"fx_offload.restore\(model\) first"):
         fx_offload.place(model, "cpu")
+
+
+@pytest.mark.parametrize("compile_options,used", [(None, "aot_eager"),
+                                                   ({"inner_backend": "eager"}, "eager")])
+def test_the_inner_backend_given_to_place_is_what_a_later_compile_uses(compile_options, used):
+    """place(inner_backend=...) then torch.compile with no options: the graph is compiled
+    by place's inner backend (bitwise equal to the same backend without offloading), not
+    dropped; a compile that names its own uses that."""
+    model, (x,) = models.build("mlp", num_layers=4)
+    reference = copy.deepcopy(model)
+    fx_offload.place(model, "cpu", group_size=2, num_in_group=1, inner_backend="aot_eager")
+    compiled = torch.compile(model, backend="prefetch_offload", options=compile_options)
+    with torch.no_grad():
+        got = compiled(x)
+        assert torch.equal(got, torch.compile(reference, backend=used)(x))
+    assert fx_offload.registry.state_for_model(model).compiled_with.inner_backend == used
 
 
 def test_a_graph_of_another_instance_offloaded_differently():

@@ -6,18 +6,19 @@ routed when, in this graph:
 
 * the layer computes exactly one top-k over as many scores as the tensors have experts
   (the router's); its indices (``ids``) are what ``wait_routed`` is given;
-* every read of the chunk's bytes takes rows by values computed from ``ids``::
+* every read of the chunk's bytes takes rows the ids name (:mod:`.picks` says which
+  nodes hold only values of ``ids``)::
 
       ids = topk(scores[T, E], k)[1]
-      w[idx]                        # idx computed from ids   (eager loop, batched_mm)
+      w[idx]                        # idx holds values of ids   (eager loop, batched_mm)
       index_select(w, 0, idx)
-      grouped_mm(x, w.mT, offs=o)   # o computed from ids: rows of experts no token
-                                    # picked are read by no group           (grouped_mm)
+      grouped_mm(x, w.mT, offs=o)   # o counts the ids per expert: rows of experts no
+                                    # token picked are read by no group  (grouped_mm)
 
   and nothing else reads the tensor's values (its shape may be read).
 
-Anything else (a dense product over every expert, weighted by zero gates) would read rows
-no copy filled, so the chunk then moves whole, and :func:`route` records why in
+Anything else (a dense product over every expert, weighted by zero gates; rows taken by
+ids remapped through a table) would read rows no copy filled, so the chunk then moves whole, and :func:`route` records why in
 ``choice.routing`` (``report`` and ``explain`` show it).  The verifier re-checks the
 same rule on the rewritten graph (:func:`unrouted_read`).
 """
@@ -30,6 +31,7 @@ from torch import fx
 
 from ..graph_inputs import value_of
 from ..ops import OpCall
+from .picks import counts_picks, picked_values, rows_of
 
 _TOPK = {torch.topk, torch.ops.aten.topk.default}
 _SELECT = {torch.index_select, torch.ops.aten.index_select.default}
@@ -60,13 +62,14 @@ def route(layer: int, weights: dict[fx.Node, int], names: dict[fx.Node, str],
         count = counts.pop()
         if count not in routers:        # one router per layer: looked for once
             ids, why = _router_ids(members, count)
-            routers[count] = (ids, why, None if ids is None else computed_from(ids, members))
-        ids, why, derived = routers[count]
+            routers[count] = (ids, why, None if ids is None else picked_values(ids, members))
+        ids, why, picks = routers[count]
         if ids is not None:
-            bad = next((r for w in ws for r in [unrouted_read(w, derived)] if r), None)
+            bad = next((r for w in ws for r in [unrouted_read(w, picks)] if r), None)
             if bad is not None:
-                why = (f"{bad.name} ({_what(bad)}) reads every expert of "
-                       f"{names[bad_weight(bad, ws)].removeprefix(prefix)}")
+                why = (f"{bad.name} ({_what(bad)}) reads rows of "
+                       f"{names[bad_weight(bad, ws)].removeprefix(prefix)} other than its "
+                       "router's picks")
         outcome[chunk.index] = "routed" if why is None else why
         if why is None:
             routed[chunk.index] = ids
@@ -108,34 +111,27 @@ def _router_ids(members: list[fx.Node], count: int) -> tuple[fx.Node | None, str
     return None, f"{len(found)} top-k over the {count} experts' scores in this graph"
 
 
-def computed_from(ids: fx.Node, members) -> set[fx.Node]:
-    """``ids`` and the nodes among ``members`` (in graph order) computed from it."""
-    derived = {ids}
-    for node in members:
-        if any(a in derived for a in node.all_input_nodes):
-            derived.add(node)
-    return derived
-
-
-def unrouted_read(w: fx.Node, derived: set[fx.Node]) -> fx.Node | None:
-    """The first node that reads the values of expert tensor ``w`` other than by rows picked
-    by values in ``derived`` (computed from the router's ids); None if there is none."""
+def unrouted_read(w: fx.Node, picks: set[fx.Node]) -> fx.Node | None:
+    """The first node that reads the values of expert tensor ``w`` other than by rows the
+    router picked (``picks``: the nodes holding only values of its ids, :mod:`.picks`);
+    None if there is none."""
+    count = rows_of(w)
     for user in w.users:
         if isinstance(value_of(user), _METADATA) or OpCall.is_ours(user):
             continue            # a shape read from the weight reads no rows; our ops none
-        if _picks_rows(user, w, derived):
+        if _picks_rows(user, w, picks):
             continue
-        if _is_view(user, w) and all(_grouped(u, user, derived) or OpCall.is_ours(u)
+        if _is_view(user, w) and all(_grouped(u, user, picks, count) or OpCall.is_ours(u)
                                      for u in user.users):
             continue
-        if _grouped(user, w, derived):
+        if _grouped(user, w, picks, count):
             continue
         return user
     return None
 
 
-def _picks_rows(user: fx.Node, w: fx.Node, derived) -> bool:
-    """``user`` takes rows of ``w`` (its first dimension) by an index in ``derived``."""
+def _picks_rows(user: fx.Node, w: fx.Node, picks) -> bool:
+    """``user`` takes rows of ``w`` (its first dimension) by an index in ``picks``."""
     if user.op != "call_function" or user.target not in _INDEX or len(user.args) < 2 \
             or user.args[0] is not w:
         return False
@@ -146,7 +142,7 @@ def _picks_rows(user: fx.Node, w: fx.Node, derived) -> bool:
     else:
         index = user.args[1]
     first = index[0] if isinstance(index, (list, tuple)) and index else index
-    return isinstance(first, fx.Node) and first in derived
+    return isinstance(first, fx.Node) and first in picks
 
 
 def _is_view(user: fx.Node, w: fx.Node) -> bool:
@@ -154,11 +150,13 @@ def _is_view(user: fx.Node, w: fx.Node) -> bool:
     return user.args[:1] == (w,) and name in _VIEWS
 
 
-def _grouped(user: fx.Node, w: fx.Node, derived) -> bool:
+def _grouped(user: fx.Node, w: fx.Node, picks, count: int | None) -> bool:
     """``user`` is a grouped matmul taking ``w`` as its per-expert weight, with group offsets
-    computed from the router's ids (so an expert no token picked is in no group)."""
+    counted from the router's picks over its ``count`` experts (so an expert no token
+    picked is in no group)."""
     if user.op != "call_function" or "grouped_mm" not in _what(user):
         return False
     args = list(user.args) + list(user.kwargs.values())
     offs = user.kwargs.get("offs", user.args[2] if len(user.args) > 2 else None)
-    return w in args and isinstance(offs, fx.Node) and offs in derived
+    return w in args and isinstance(offs, fx.Node) and count is not None \
+        and counts_picks(offs, picks, count)

@@ -31,7 +31,8 @@ from torch import fx
 
 from ..errors import ScheduleError
 from ..ops import OpCall
-from .routing import computed_from, unrouted_read
+from .picks import picked_values
+from .routing import unrouted_read
 from ..schedule import Schedule
 
 
@@ -128,16 +129,17 @@ def verify_graph(gm: fx.GraphModule, weight_chunk: dict[fx.Node, tuple[int, int]
 def _check_routed(node: fx.Node, call: OpCall, weight_chunk, gm: fx.GraphModule,
                   routers: dict) -> None:
     """Every read of the expert tensors a ``wait_routed`` waits for takes rows its ids pick
-    (``routers``: ids node -> the nodes computed from it, filled as they are needed)."""
+    (``routers``: ids node -> the nodes holding only its values, filled as they are
+    needed)."""
     if call.ids not in routers:
-        routers[call.ids] = computed_from(call.ids, gm.graph.nodes)
-    derived = routers[call.ids]
+        routers[call.ids] = picked_values(call.ids, gm.graph.nodes)
+    picks = routers[call.ids]
     for w, (layer, chunk) in weight_chunk.items():
         if (layer, chunk) != (call.layer, call.chunk):
             continue
-        bad = unrouted_read(w, derived)
+        bad = unrouted_read(w, picks)
         if bad is not None:
             raise ScheduleError(
-                f"{bad.format_node()}: reads every expert of {w.name} (layer {layer} chunk "
-                f"{chunk}), but {node.format_node()} fills only the experts its router "
-                "picked; the other rows hold whatever the slot held")
+                f"{bad.format_node()}: reads rows of {w.name} (layer {layer} chunk {chunk}) "
+                f"other than its router's picks, but {node.format_node()} fills only the "
+                "experts its router picked; the other rows hold whatever the slot held")

@@ -92,7 +92,8 @@ class TruthInStateDict(OurHook):
             for p in state.params[layer]:
                 if p.param is dtensor.local(param):
                     truth = state.truth_of(layer, p) if state.swapped_in else p.param
-                    state_dict[key] = dtensor.as_saved(param, truth)
+                    state_dict[key] = state.saved_dtensor(p, param, truth) \
+                        if dtensor.is_dtensor(param) else truth
         return state_dict
 
 

@@ -24,9 +24,28 @@ class ParamVersions:
     def _read_versions(self, layer: int) -> tuple:
         if not self.dtensor_params:          # every call: plain parameters stay cheap
             return tuple(p.versions() for p in self.params[layer])
-        # a DTensor parameter's own counter too: a write through it leaves its shard's alone
-        return tuple((p.versions(), dtensor.version(p.owner, p.attr))
-                     for p in self.params[layer])
+        # a DTensor parameter's own counter too: a write through it leaves its shard's
+        # alone; and the counters of the DTensors state_dict gave for it (saved_dtensor)
+        saved = self.__dict__.get("_saved", {})
+        return tuple((p.versions(), dtensor.version(p.owner, p.attr),
+                      _saved_version(saved.get(p.name))) for p in self.params[layer])
+
+    def saved_dtensor(self, p, param, truth):
+        """What ``state_dict`` gives for the offloaded DTensor parameter ``param`` whose true
+        shard is ``truth``: a DTensor around it, the same one while the truth is the same
+        tensor.  A write through that DTensor moves only its own version counter (not its
+        shard's, not the parameter's), so it is kept here, and the counters read at each
+        call include it: the next call then loads the layer anew, as after a write through
+        the parameter."""
+        saved = self.__dict__.setdefault("_saved", {})
+        entry = saved.get(p.name)
+        if entry is None or entry[1] is not truth or \
+                entry[0]._local_tensor.data_ptr() != truth.data_ptr():
+            # a truth replaced (a load with assign=True, another thread's call): its
+            # writes so far stay counted
+            retired = _saved_version(entry)
+            entry = saved[p.name] = (dtensor.as_saved(param, truth), truth, retired)
+        return entry[0]
 
     @property
     def dtensor_params(self) -> list:
@@ -41,3 +60,9 @@ class ParamVersions:
         """DTensor parameters describe their shards' storage again (see ``dtensor``)."""
         for owner, attr in self.dtensor_params:
             dtensor.rewrap(owner, attr)
+
+
+def _saved_version(entry) -> int:
+    """Writes through the DTensors ``state_dict`` gave for one parameter (its entry in
+    ``saved_dtensor``'s table, or None)."""
+    return 0 if entry is None else entry[0]._version + entry[2]

@@ -14,7 +14,7 @@ from typing import Iterator, Mapping
 import torch
 from torch import nn
 
-from .. import registry, subclass
+from .. import dtensor, registry, subclass
 from . import hooks
 from ..errors import OffloadError
 
@@ -103,24 +103,30 @@ def _staged(name, value, targets, model, where: str) -> tuple[torch.Tensor, torc
     if not isinstance(value, torch.Tensor):
         raise OffloadError(f"{name}: {type(value).__name__} is not a tensor; nothing was "
                            "written", where=where)
-    problem = subclass.mismatch(target, value) or (
+    sharded = dtensor.is_dtensor(target) or dtensor.is_dtensor(value)
+    problem = (dtensor.mismatch(target, value) if sharded else subclass.mismatch(target, value)) \
+        or (
         "is on the meta device (it holds no data): load its values first" if value.is_meta
         else f"is a {value.layout} tensor: give a dense one (.to_dense())"
         if value.layout != torch.strided
         else "is a nested tensor: give a dense one" if value.is_nested
         else "is a quantized tensor: give it dequantized (.dequantize())" if value.is_quantized
-        else f"has shape {tuple(target.shape)}, got {tuple(value.shape)}"
-        if tuple(value.shape) != tuple(target.shape)
+        else f"has shape {tuple(target.shape)}, got {tuple(value.shape)}" + (
+            " (a DTensor: give the whole tensor, or a DTensor placed as it is)" if sharded
+            else "") if tuple(value.shape) != tuple(target.shape)
         else f"is {target.dtype}, got {value.dtype}"
         if value.is_floating_point() != target.is_floating_point()
         or value.is_complex() != target.is_complex()
         else None)
     if problem is not None:
         raise OffloadError(f"{name} {problem}; nothing was written", where=where)
-    if subclass.is_subclass(target):       # the same kind of tensor: copied as it is
+    if subclass.is_subclass(target) and not sharded:    # the same kind: copied as it is
         return target, value.detach()
     try:
-        return target, value.detach().to(dtype=target.dtype)
+        value = value.detach().to(dtype=target.dtype)
+        # a DTensor parameter: this rank's shard of a whole tensor (every rank gives the
+        # same), taken here without communication
+        return target, dtensor.placed_like(target, value) if sharded else value
     except Exception as error:      # out of memory, a tensor subclass that cannot convert
         raise OffloadError(f"{name} could not be converted to {target.dtype} ({error}); "
                            "nothing was written", where=where) from error

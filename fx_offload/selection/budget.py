@@ -289,6 +289,7 @@ def weights_bytes(model: nn.Module, device: torch.device) -> int:
         device = torch.device("cuda", torch.cuda.current_device())
     seen, total = set(), 0
     for t in itertools.chain(model.parameters(), model.buffers()):
+        t = dtensor.local(t)            # this rank's shard of a DTensor
         if t.device.type == "meta":
             key = ("meta", id(t))
         elif t.device != device:
@@ -296,7 +297,6 @@ def weights_bytes(model: nn.Module, device: torch.device) -> int:
         elif subclass.is_subclass(t):   # a quantized weight: the bytes of its inner tensors
             key = ("subclass", id(t))
         else:
-            t = dtensor.local(t)        # this rank's shard of a DTensor
             key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
         if key in seen:
             continue

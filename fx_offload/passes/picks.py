@@ -1,0 +1,104 @@
+"""Which nodes of a graph hold only values of the router's picks.
+
+The routed wait copies the rows of the experts the router's top-k indices (``ids``) name,
+and nothing else.  A read of an expert tensor is safe only where the rows it takes are
+among those: its index holds values of ``ids`` (a view, a reordering, a selection of them),
+or it is a grouped matmul whose groups are counted from them.  Anything else computed from
+``ids`` may name other experts: a remap through a table (``expert_map[ids]``), a drop onto
+a fixed expert (``where(ids > 5, 0, ids)``), arithmetic (``(ids + 1) % E``).  Such a read
+takes rows no copy filled, so its chunk moves whole::
+
+    ids = topk(scores, k)[1]                      picks
+    flat = ids.reshape(-1)                        picks      (a view)
+    order = sort(flat)                            values: picks; indices: positions, not picks
+    sorted_ids = order[0]                         picks
+    w[flat], index_select(w, 0, sorted_ids)       routed: rows of picked experts
+    offs = cumsum(histc(sorted_ids.float(), bins=E, min=0, max=E - 1))
+    grouped_mm(x, w.mT, offs=offs)                routed: experts no token picked have
+                                                  empty groups
+    w[expert_map[flat]], w[where(flat > 5, 0, flat)]      not routed: other rows
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from ..graph_inputs import value_of
+
+# one tensor argument in, its values (some of them, reordered, converted) out
+_KEEPS = {"view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "expand",
+          "expand_as", "permute", "transpose", "t", "contiguous", "clone", "detach", "alias",
+          "_unsafe_view", "to", "_to_copy", "convert_element_type", "type", "int", "long",
+          "short", "float", "double", "half", "bfloat16", "narrow", "select", "slice",
+          "repeat", "flip", "roll", "masked_select", "index_select",
+          "gather", "take", "getitem", "index", "msort", "ravel"}
+# a tuple whose first output holds the input's values (the others: positions, counts)
+_TUPLES = {"sort", "unique", "_unique2", "unique_consecutive", "topk", "kthvalue", "mode",
+           "max", "min"}
+_JOINS = {"cat", "stack", "concat", "concatenate", "where"}     # every value input a pick
+_COUNTS = {"histc", "bincount"}
+_KEEP_COUNTS = {"cumsum", "to", "_to_copy", "convert_element_type", "type", "int", "long",
+                "float", "view", "reshape", "contiguous", "clone", "_unsafe_view"}
+
+
+def _name(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return node.target
+    if node.op != "call_function":
+        return ""
+    if node.target is operator.getitem:
+        return "getitem"
+    name = getattr(node.target, "__name__", str(node.target))
+    return name.split(".")[0]           # aten's overload names: "view.default" -> "view"
+
+
+def picked_values(ids: fx.Node, members) -> set[fx.Node]:
+    """``ids`` and the nodes among ``members`` (in graph order) that hold only values
+    ``ids`` holds."""
+    picks, tuples = {ids}, set()
+    for node in members:
+        name = _name(node)
+        first = node.args[0] if node.args else None
+        if name == "getitem" and first in tuples:
+            if node.args[1] == 0:
+                picks.add(node)
+        elif name in _KEEPS and first in picks:
+            picks.add(node)
+        elif name in _TUPLES and first in picks:
+            tuples.add(node)
+        elif name in _JOINS:
+            values = node.args[1:] if name == "where" else (first or ())
+            if name == "where" and len(node.args) != 3:
+                continue
+            if values and all(isinstance(v, fx.Node) and v in picks for v in values):
+                picks.add(node)
+    return picks
+
+
+def counts_picks(offs: fx.Node, picks: set[fx.Node], count: int) -> bool:
+    """``offs`` (a grouped matmul's group offsets) is a running sum of how many picks fell
+    on each of the ``count`` experts: ``cumsum(histc(p, bins=count, min=0, max=count - 1))``
+    or ``bincount(p, minlength=count)``, ``p`` in ``picks``, through conversions and views."""
+    node = offs
+    while isinstance(node, fx.Node) and _name(node) in _KEEP_COUNTS:
+        node = node.args[0] if node.args else None
+    if not isinstance(node, fx.Node) or _name(node) not in _COUNTS or not node.args:
+        return False
+    if node.args[0] not in picks:
+        return False
+    args = dict(zip(("bins", "min", "max") if _name(node) == "histc" else ("weights",
+                                                                         "minlength"),
+                    node.args[1:]))
+    args.update(node.kwargs)
+    if _name(node) == "bincount":
+        return args.get("weights") is None and args.get("minlength") == count
+    return args.get("bins", 100) == count and args.get("min", 0) == 0 \
+        and args.get("max", 0) == count - 1
+
+
+def rows_of(node: fx.Node) -> int | None:
+    """The number of experts (rows) of an expert tensor node, if known."""
+    value = value_of(node)
+    return int(value.shape[0]) if isinstance(value, torch.Tensor) and value.dim() else None
