@@ -367,6 +367,29 @@ def test_a_restored_routed_model_runs_its_compiled_graph():
         assert torch.equal(compiled(x), reference(x))
 
 
+def test_the_link_profile_counts_the_gather_kernels_as_busy():
+    """``moe --profile``'s summary: a gather kernel reads host memory, so the link is busy
+    while it runs, beside the copy stream's copies; compute kernels leave it idle."""
+    import types
+    from fx_offload.tools.profiling import link_gaps
+    cuda = types.SimpleNamespace(name="CUDA")
+
+    def event(name, start, end):
+        return types.SimpleNamespace(name=name, device_type=cuda,
+                                     time_range=types.SimpleNamespace(start=start, end=end))
+    events = [event("Memcpy HtoD (Pinned -> Device)", 0, 1000),
+              event("_gather_rows", 500, 3000),            # overlaps the copy
+              event("triton_poi_fused_mm", 3000, 3400),    # compute: the link idles
+              event("_gather_rows", 3400, 6000),
+              event("Memcpy HtoD (Pinned -> Device)", 9000, 10000)]
+    got = link_gaps(events, kernels=("_gather_rows",))
+    assert got.startswith("link busy 6.60 of 10.00 ms (66.0%) (copies 2.00 ms, _gather_rows "
+                          "5.10 ms)"), got
+    assert "longest idle gaps: 3.00 ms at 6.0, 0.40 ms at 3.0" in got, got
+    # without naming the kernel, only the copies count
+    assert link_gaps(events).startswith("link busy 2.00 of 10.00 ms"), link_gaps(events)
+
+
 def _reading_through(transform):
     """The built-in routed MoE, each layer reading its experts' rows by ``transform(ids)``
     instead of the router's ids themselves."""

@@ -15,7 +15,9 @@ of the timed ``generate(max_new_tokens=N)`` calls (a clock in ``generate``'s sto
 criteria, reached once a token).  The bound of a decode step is the bytes its last forward copied
 (every offloaded byte but the expert tensors', plus the rows of the experts it picked,
 counted on the device) over the pinned host-to-device bandwidth measured in
-the same process.  Tokens are compared with the resident model's.  Needs a GPU and
+the same process.  Tokens are compared with the resident model's.  ``--profile`` also
+traces one ``generate`` per fx_offload row and batch and prints how busy the link was over
+its decode steps, the gather kernels counted with the copies.  Needs a GPU and
 ``transformers``.
 """
 from __future__ import annotations
@@ -43,6 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--methods", default="resident,fx_offload,accelerate",
                         help="comma-separated among resident, fx_offload, accelerate")
+    parser.add_argument("--profile", action="store_true",
+                        help="after each fx_offload row's timing, profile the decode steps of "
+                             "one generate and print how busy the link was (copies and the "
+                             "routed experts' gather) and its longest idle gaps")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="decode through transformers' own compile route instead: a static "
                              "cache and CompileConfig (reduce-overhead: CUDA graphs), naming "
@@ -104,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
             rows[(name, b)], tokens[(name, b)] = measure(model, prompts[b], args, extra=extra,
                                                          steps=True)
             moved[(name, b)] = _step_bytes(model)
+            if args.profile:
+                _profile(model, prompts[b], extra)
         print(report(model), flush=True)
         del model
         _free()
@@ -124,6 +132,32 @@ def run(args: argparse.Namespace) -> int:
     torch.cuda.empty_cache()
     _print_table(rows, tokens, moved, bandwidth)
     return 0
+
+
+def _profile(model, prompt, extra, new_tokens: int = 6) -> None:
+    """The link's busy time and idle gaps over the decode steps of one ``generate`` (from
+    the second decode step on: the prefill and the first step excluded), the routed
+    experts' gather kernels counted with the copies."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    from transformers import StoppingCriteria, StoppingCriteriaList
+    from .profiling import link_gaps
+
+    class _Mark(StoppingCriteria):          # reached once a step, before its token is read
+        def __call__(self, input_ids, scores, **kwargs):
+            with record_function("fx_offload_step"):
+                pass
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, \
+            torch.no_grad():
+        model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                       do_sample=False, stopping_criteria=StoppingCriteriaList([_Mark()]),
+                       **(extra or {}))
+        torch.cuda.synchronize()
+    events = prof.events()
+    marks = sorted(ev.time_range.start for ev in events if ev.name == "fx_offload_step")
+    after = marks[1] if len(marks) > 1 else 0.0
+    print(f"  batch {prompt.shape[0]}, {max(len(marks) - 2, 0)} decode steps profiled: "
+          f"{link_gaps(events, after, kernels=('_gather_rows',))}", flush=True)
 
 
 def _print_table(rows, tokens, moved, bandwidth) -> None:

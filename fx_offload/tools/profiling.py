@@ -92,19 +92,30 @@ def copies_alone(model, chunked: bool = True, repeats: int = 3) -> float:
     return statistics.median(times) * 1e3
 
 
-def link_gaps(events, after_us: float = 0.0, top: int = 4) -> str:
+def link_gaps(events, after_us: float = 0.0, top: int = 4, kernels: tuple = ()) -> str:
     """How busy the link was from the first host-to-device copy that starts ``after_us``
     (profiler time) to the last one: busy and idle ms, and the longest idle gaps, each
-    with where it began (ms after the first copy)."""
-    copies = [(ev.time_range.start, ev.time_range.end) for ev in events
-              if getattr(getattr(ev, "device_type", None), "name", "") == "CUDA"
-              and "Memcpy HtoD" in ev.name and ev.time_range.start >= after_us]
-    busy = _merge(copies)
+    with where it began (ms after the first copy).  ``kernels``: names of kernels that
+    move bytes across the link too (the routed experts' gather reads host memory): they
+    count as busy, and their total time is given."""
+    copies, moving = [], []
+    for ev in events:
+        if getattr(getattr(ev, "device_type", None), "name", "") != "CUDA" or \
+                ev.time_range.start < after_us:
+            continue
+        span = (ev.time_range.start, ev.time_range.end)
+        if "Memcpy HtoD" in ev.name:
+            copies.append(span)
+        elif any(k in ev.name for k in kernels):
+            moving.append(span)
+    busy = _merge(copies + moving)
     if not busy:
         return "no host-to-device copy in the trace"
     first, last = busy[0][0], busy[-1][1]
     gaps = sorted(((b[0] - a[1], a[1] - first) for a, b in zip(busy, busy[1:])), reverse=True)
     busy_us = sum(e - s for s, e in busy)
     longest = ", ".join(f"{g / 1e3:.2f} ms at {at / 1e3:.1f}" for g, at in gaps[:top])
+    split = (f" (copies {sum(e - s for s, e in copies) / 1e3:.2f} ms, {'/'.join(kernels)} "
+             f"{sum(e - s for s, e in moving) / 1e3:.2f} ms)") if kernels else ""
     return (f"link busy {busy_us / 1e3:.2f} of {(last - first) / 1e3:.2f} ms "
-            f"({busy_us / (last - first):.1%}); longest idle gaps: {longest or '-'}")
+            f"({busy_us / (last - first):.1%}){split}; longest idle gaps: {longest or '-'}")
