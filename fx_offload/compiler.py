@@ -13,7 +13,6 @@ hands it, the compile sequence :func:`compile_graph`:
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import weakref
 from typing import Any, Mapping

@@ -43,7 +43,8 @@ _KEEP_COUNTS = {"cumsum", "to", "_to_copy", "convert_element_type", "type", "int
                 "float", "view", "reshape", "contiguous", "clone", "_unsafe_view"}
 
 
-def _name(node: fx.Node) -> str:
+def op_name(node: fx.Node) -> str:
+    """The name of what ``node`` calls ("getitem", "view", "grouped_mm"), or ""."""
     if node.op == "call_method":
         return node.target
     if node.op != "call_function":
@@ -59,7 +60,7 @@ def picked_values(ids: fx.Node, members) -> set[fx.Node]:
     ``ids`` holds."""
     picks, tuples = {ids}, set()
     for node in members:
-        name = _name(node)
+        name = op_name(node)
         first = node.args[0] if node.args else None
         if name == "getitem" and first in tuples:
             if node.args[1] == 0:
@@ -82,17 +83,17 @@ def counts_picks(offs: fx.Node, picks: set[fx.Node], count: int) -> bool:
     on each of the ``count`` experts: ``cumsum(histc(p, bins=count, min=0, max=count - 1))``
     or ``bincount(p, minlength=count)``, ``p`` in ``picks``, through conversions and views."""
     node = offs
-    while isinstance(node, fx.Node) and _name(node) in _KEEP_COUNTS:
+    while isinstance(node, fx.Node) and op_name(node) in _KEEP_COUNTS:
         node = node.args[0] if node.args else None
-    if not isinstance(node, fx.Node) or _name(node) not in _COUNTS or not node.args:
+    if not isinstance(node, fx.Node) or op_name(node) not in _COUNTS or not node.args:
         return False
     if node.args[0] not in picks:
         return False
-    args = dict(zip(("bins", "min", "max") if _name(node) == "histc" else ("weights",
+    args = dict(zip(("bins", "min", "max") if op_name(node) == "histc" else ("weights",
                                                                          "minlength"),
                     node.args[1:]))
     args.update(node.kwargs)
-    if _name(node) == "bincount":
+    if op_name(node) == "bincount":
         return args.get("weights") is None and args.get("minlength") == count
     return args.get("bins", 100) == count and args.get("min", 0) == 0 \
         and args.get("max", 0) == count - 1

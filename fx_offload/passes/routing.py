@@ -18,8 +18,8 @@ routed when, in this graph:
   and nothing else reads the tensor's values (its shape may be read).
 
 Anything else (a dense product over every expert, weighted by zero gates; rows taken by
-ids remapped through a table) would read rows no copy filled, so the chunk then moves whole, and :func:`route` records why in
-``choice.routing`` (``report`` and ``explain`` show it).  The verifier re-checks the
+ids remapped through a table) would read rows no copy filled, so the chunk then moves
+whole, and :func:`route` records why in ``choice.routing`` (``report`` and ``explain`` show it).  The verifier re-checks the
 same rule on the rewritten graph (:func:`unrouted_read`).
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from torch import fx
 
 from ..graph_inputs import value_of
 from ..ops import OpCall
-from .picks import counts_picks, picked_values, rows_of
+from .picks import counts_picks, op_name, picked_values, rows_of
 
 _TOPK = {torch.topk, torch.ops.aten.topk.default}
 _SELECT = {torch.index_select, torch.ops.aten.index_select.default}
@@ -67,18 +67,13 @@ def route(layer: int, weights: dict[fx.Node, int], names: dict[fx.Node, str],
         if ids is not None:
             bad = next((r for w in ws for r in [unrouted_read(w, picks)] if r), None)
             if bad is not None:
-                why = (f"{bad.name} ({_what(bad)}) reads rows of "
+                why = (f"{bad.name} ({op_name(bad)}) reads rows of "
                        f"{names[bad_weight(bad, ws)].removeprefix(prefix)} other than its "
                        "router's picks")
         outcome[chunk.index] = "routed" if why is None else why
         if why is None:
             routed[chunk.index] = ids
     return routed
-
-
-def _what(node: fx.Node) -> str:
-    target = node.target
-    return target if isinstance(target, str) else getattr(target, "__name__", str(target))
 
 
 def bad_weight(node: fx.Node, ws) -> fx.Node:
@@ -146,15 +141,14 @@ def _picks_rows(user: fx.Node, w: fx.Node, picks) -> bool:
 
 
 def _is_view(user: fx.Node, w: fx.Node) -> bool:
-    name = user.target if user.op == "call_method" else getattr(user.target, "__name__", "")
-    return user.args[:1] == (w,) and name in _VIEWS
+    return user.args[:1] == (w,) and op_name(user) in _VIEWS
 
 
 def _grouped(user: fx.Node, w: fx.Node, picks, count: int | None) -> bool:
     """``user`` is a grouped matmul taking ``w`` as its per-expert weight, with group offsets
     counted from the router's picks over its ``count`` experts (so an expert no token
     picked is in no group)."""
-    if user.op != "call_function" or "grouped_mm" not in _what(user):
+    if user.op != "call_function" or "grouped_mm" not in op_name(user):
         return False
     args = list(user.args) + list(user.kwargs.values())
     offs = user.kwargs.get("offs", user.args[2] if len(user.args) > 2 else None)

@@ -49,6 +49,7 @@ class Ownership(ParamVersions):
         self._handover: dict[str, tuple] = {}    # name -> (data_ptr, version) of the tensor
         #   a parameter held when the truth was copied from it; taken over without a copy
         self._dtensor_params: list | None = None  # (owner, attr) of DTensor parameters
+        self._saved: dict = {}  # name -> the DTensor state_dict gives for it (versions)
         self._fingerprint: Fingerprint | None = None  # of the last full look, if one applies
         self._call_versions: dict[int, tuple] | None = None   # during a call: _versions's
 

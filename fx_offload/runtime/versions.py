@@ -1,7 +1,7 @@
 """What the offloaded parameters' version counters say: autograd moves a tensor's counter at
 every in-place write, so a layer whose counters moved since its copy holds stale bytes in
 its slot.  A mixin of :class:`~.ownership.Ownership`, which sets ``_call_versions`` (the
-memo of one call) and ``_dtensor_params``."""
+memo of one call), ``_dtensor_params`` and ``_saved``."""
 from __future__ import annotations
 
 from .. import dtensor
@@ -26,9 +26,8 @@ class ParamVersions:
             return tuple(p.versions() for p in self.params[layer])
         # a DTensor parameter's own counter too: a write through it leaves its shard's
         # alone; and the counters of the DTensors state_dict gave for it (saved_dtensor)
-        saved = self.__dict__.get("_saved", {})
         return tuple((p.versions(), dtensor.version(p.owner, p.attr),
-                      _saved_version(saved.get(p.name))) for p in self.params[layer])
+                      _saved_version(self._saved.get(p.name))) for p in self.params[layer])
 
     def saved_dtensor(self, p, param, truth):
         """What ``state_dict`` gives for the offloaded DTensor parameter ``param`` whose true
@@ -37,14 +36,13 @@ class ParamVersions:
         shard's, not the parameter's), so it is kept here, and the counters read at each
         call include it: the next call then loads the layer anew, as after a write through
         the parameter."""
-        saved = self.__dict__.setdefault("_saved", {})
-        entry = saved.get(p.name)
+        entry = self._saved.get(p.name)
         if entry is None or entry[1] is not truth or \
                 entry[0]._local_tensor.data_ptr() != truth.data_ptr():
             # a truth replaced (a load with assign=True, another thread's call): its
             # writes so far stay counted
             retired = _saved_version(entry)
-            entry = saved[p.name] = (dtensor.as_saved(param, truth), truth, retired)
+            entry = self._saved[p.name] = (dtensor.as_saved(param, truth), truth, retired)
         return entry[0]
 
     @property

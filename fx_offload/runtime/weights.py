@@ -104,20 +104,7 @@ def _staged(name, value, targets, model, where: str) -> tuple[torch.Tensor, torc
         raise OffloadError(f"{name}: {type(value).__name__} is not a tensor; nothing was "
                            "written", where=where)
     sharded = dtensor.is_dtensor(target) or dtensor.is_dtensor(value)
-    problem = (dtensor.mismatch(target, value) if sharded else subclass.mismatch(target, value)) \
-        or (
-        "is on the meta device (it holds no data): load its values first" if value.is_meta
-        else f"is a {value.layout} tensor: give a dense one (.to_dense())"
-        if value.layout != torch.strided
-        else "is a nested tensor: give a dense one" if value.is_nested
-        else "is a quantized tensor: give it dequantized (.dequantize())" if value.is_quantized
-        else f"has shape {tuple(target.shape)}, got {tuple(value.shape)}" + (
-            " (a DTensor: give the whole tensor, or a DTensor placed as it is)" if sharded
-            else "") if tuple(value.shape) != tuple(target.shape)
-        else f"is {target.dtype}, got {value.dtype}"
-        if value.is_floating_point() != target.is_floating_point()
-        or value.is_complex() != target.is_complex()
-        else None)
+    problem = _problem(target, value, sharded)
     if problem is not None:
         raise OffloadError(f"{name} {problem}; nothing was written", where=where)
     if subclass.is_subclass(target) and not sharded:    # the same kind: copied as it is
@@ -130,3 +117,27 @@ def _staged(name, value, targets, model, where: str) -> tuple[torch.Tensor, torc
     except Exception as error:      # out of memory, a tensor subclass that cannot convert
         raise OffloadError(f"{name} could not be converted to {target.dtype} ({error}); "
                            "nothing was written", where=where) from error
+
+
+def _problem(target: torch.Tensor, value: torch.Tensor, sharded: bool) -> str | None:
+    """Why ``value`` cannot be written into the weight ``target`` (``sharded``: either is a
+    DTensor), or None."""
+    kind = dtensor.mismatch(target, value) if sharded else subclass.mismatch(target, value)
+    if kind is not None:
+        return kind
+    if value.is_meta:
+        return "is on the meta device (it holds no data): load its values first"
+    if value.layout != torch.strided:
+        return f"is a {value.layout} tensor: give a dense one (.to_dense())"
+    if value.is_nested:
+        return "is a nested tensor: give a dense one"
+    if value.is_quantized:
+        return "is a quantized tensor: give it dequantized (.dequantize())"
+    if tuple(value.shape) != tuple(target.shape):
+        return f"has shape {tuple(target.shape)}, got {tuple(value.shape)}" + (
+            " (a DTensor: give the whole tensor, or a DTensor placed as it is)" if sharded
+            else "")
+    if value.is_floating_point() != target.is_floating_point() or \
+            value.is_complex() != target.is_complex():
+        return f"is {target.dtype}, got {value.dtype}"
+    return None
