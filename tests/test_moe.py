@@ -410,7 +410,12 @@ def _reading_through(transform):
     (lambda experts, idx: torch.where(idx > 5, 0, idx), "getitem"),     # dropped onto one
     (lambda experts, idx: (idx + 1) % 8, "getitem"),
     (lambda experts, idx: idx.reshape(-1).sort()[1].reshape(idx.shape), "getitem"),  # positions
-], ids=["a table", "a drop", "arithmetic", "sort positions"])
+    (lambda experts, idx: idx.clamp(0, 5), "getitem"),      # a clamp that changes picks
+    (lambda experts, idx: _in_place(idx, lambda t: t.__setitem__(t > 5, 0)), "getitem"),
+    (lambda experts, idx: _in_place(idx, lambda t: t.add_(1).remainder_(8)), "getitem"),
+    (lambda experts, idx: _in_place(idx, lambda t: t.reshape(-1).clamp_(max=5)), "getitem"),
+], ids=["a table", "a drop", "arithmetic", "sort positions", "a narrowing clamp",
+        "a drop in place", "arithmetic in place", "a narrowing clamp in place of a view"])
 def test_rows_taken_by_other_values_than_the_picks_move_whole(transform, why):
     """Rows read by values computed from the router's ids but other than them (a remap, a
     drop, arithmetic, sort positions) are rows no gather fills: those chunks move whole,
@@ -424,10 +429,23 @@ def test_rows_taken_by_other_values_than_the_picks_move_whole(transform, why):
             in text and "other than its router's picks" in text, text
 
 
-def test_rows_taken_by_a_view_or_a_reordering_of_the_picks_stay_routed():
-    """A view, a sort's values, a selection of the ids hold only picked values: routed."""
-    model, x = _reading_through(
-        lambda experts, idx: idx.reshape(-1).sort()[0][idx.reshape(-1).argsort().argsort()]
-        .reshape(idx.shape).long())
+def _in_place(idx, change):
+    """A copy of ``idx`` after ``change`` wrote into it (or into a view of it) in place."""
+    copy = idx.clone()
+    change(copy)
+    return copy
+
+
+@pytest.mark.parametrize("transform", [
+    lambda experts, idx: idx.reshape(-1).sort()[0][idx.reshape(-1).argsort().argsort()]
+    .reshape(idx.shape).long(),
+    # transformers' batched_mm clamps expert-parallel sentinels: identity on a top-k over 8
+    lambda experts, idx: idx.clamp(0, 7),
+    lambda experts, idx: _in_place(idx, lambda t: t.clamp_(max=7)),
+], ids=["a reordering", "a clamp to the experts", "a clamp in place"])
+def test_rows_taken_by_a_view_or_a_reordering_of_the_picks_stay_routed(transform):
+    """A view, a sort's values, a selection of the ids, a clamp that keeps every expert's
+    id hold only picked values: routed, and every call equals the model not offloaded."""
+    model, x = _reading_through(transform)
     assert all(_builtin_calls(model, x.shape, calls=3))
     assert all(text.startswith("routed") for text in fx_offload.report(model).experts.values())

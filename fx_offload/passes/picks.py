@@ -16,7 +16,11 @@ takes rows no copy filled, so its chunk moves whole::
     offs = cumsum(histc(sorted_ids.float(), bins=E, min=0, max=E - 1))
     grouped_mm(x, w.mT, offs=offs)                routed: experts no token picked have
                                                   empty groups
+    w[clamp(flat, 0, E - 1)]                      routed: a top-k over E scores picks
+                                                  in [0, E), which such a clamp keeps
     w[expert_map[flat]], w[where(flat > 5, 0, flat)]      not routed: other rows
+    flat.add_(1); w[flat]                         not routed: an in-place change of the
+                                                  picks (or of a view of them) ends them
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ import operator
 import torch
 from torch import fx
 
-from ..graph_inputs import value_of
+from ..graph_inputs import storage_of, value_of
 
 # one tensor argument in, its values (some of them, reordered, converted) out
 _KEEPS = {"view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "expand",
@@ -38,6 +42,11 @@ _KEEPS = {"view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "ex
 _TUPLES = {"sort", "unique", "_unique2", "unique_consecutive", "topk", "kthvalue", "mode",
            "max", "min"}
 _JOINS = {"cat", "stack", "concat", "concatenate", "where"}     # every value input a pick
+_CLAMPS = {"clamp", "clip", "clamp_min", "clamp_max", "clamp_", "clip_", "clamp_min_",
+           "clamp_max_"}
+_IN_PLACE = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
+             operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior,
+             operator.ixor, operator.ilshift, operator.irshift, operator.setitem}
 _COUNTS = {"histc", "bincount"}
 _KEEP_COUNTS = {"cumsum", "to", "_to_copy", "convert_element_type", "type", "int", "long",
                 "float", "view", "reshape", "contiguous", "clone", "_unsafe_view"}
@@ -55,14 +64,25 @@ def op_name(node: fx.Node) -> str:
     return name.split(".")[0]           # aten's overload names: "view.default" -> "view"
 
 
-def picked_values(ids: fx.Node, members) -> set[fx.Node]:
+def picked_values(ids: fx.Node, members, count: int | None = None) -> set[fx.Node]:
     """``ids`` and the nodes among ``members`` (in graph order) that hold only values
-    ``ids`` holds."""
+    ``ids`` holds; ``count``: the experts the top-k chose among (a clamp to ``[0, count)``
+    keeps every pick), None if not known."""
     picks, tuples = {ids}, set()
     for node in members:
         name = op_name(node)
         first = node.args[0] if node.args else None
-        if name == "getitem" and first in tuples:
+        changed = _mutated(node)
+        if name in _CLAMPS and first in picks and _keeps_range(node, count):
+            picks.add(node)         # clamp_ too: what it changes in place stays the picks
+        elif changed is not None:
+            # whatever the op writes, the picks it writes over (and their views) no
+            # longer hold only picks; the values copied from them earlier still do
+            storage = storage_of(changed)
+            picks -= {p for p in picks if p is changed or
+                      (storage is not None and storage_of(p) == storage)}
+            tuples -= {t for t in tuples if t is changed}
+        elif name == "getitem" and first in tuples:
             if node.args[1] == 0:
                 picks.add(node)
         elif name in _KEEPS and first in picks:
@@ -76,6 +96,41 @@ def picked_values(ids: fx.Node, members) -> set[fx.Node]:
             if values and all(isinstance(v, fx.Node) and v in picks for v in values):
                 picks.add(node)
     return picks
+
+
+def _mutated(node: fx.Node) -> fx.Node | None:
+    """The node whose value ``node`` changes in place (``x.add_(1)``, ``x += 1``,
+    ``x[i] = v``, ``out=x``), or None."""
+    out = node.kwargs.get("out")
+    if isinstance(out, fx.Node):
+        return out
+    first = node.args[0] if node.args else None
+    if not isinstance(first, fx.Node):
+        return None
+    if node.op == "call_function" and node.target in _IN_PLACE:
+        return first
+    name = op_name(node)
+    return first if name.endswith("_") and not name.startswith("_") else None
+
+
+def _keeps_range(node: fx.Node, count: int | None) -> bool:
+    """A clamp whose bounds let every value in ``[0, count)`` through unchanged."""
+    if count is None:
+        return False
+    name = op_name(node).rstrip("_")
+    if name == "clamp_min":
+        names = ("min",)
+    elif name == "clamp_max":
+        names = ("max",)
+    else:
+        names = ("min", "max")
+    bounds = dict(zip(names, node.args[1:]))
+    bounds.update({k: v for k, v in node.kwargs.items() if k in names})
+    low, high = bounds.get("min"), bounds.get("max")
+    if not all(b is None or isinstance(b, int) for b in (low, high)):
+        return False        # a tensor or a symbolic bound: not known here
+    return (low is None or low <= 0) and (high is None or high >= count - 1) \
+        and (low is not None or high is not None)
 
 
 def counts_picks(offs: fx.Node, picks: set[fx.Node], count: int) -> bool:

@@ -62,7 +62,8 @@ def route(layer: int, weights: dict[fx.Node, int], names: dict[fx.Node, str],
         count = counts.pop()
         if count not in routers:        # one router per layer: looked for once
             ids, why = _router_ids(members, count)
-            routers[count] = (ids, why, None if ids is None else picked_values(ids, members))
+            picks = None if ids is None else picked_values(ids, members, count)
+            routers[count] = (ids, why, picks)
         ids, why, picks = routers[count]
         if ids is not None:
             bad = next((r for w in ws for r in [unrouted_read(w, picks)] if r), None)

@@ -31,7 +31,7 @@ from torch import fx
 
 from ..errors import ScheduleError
 from ..ops import OpCall
-from .picks import picked_values
+from .picks import picked_values, rows_of
 from .routing import unrouted_read
 from ..schedule import Schedule
 
@@ -131,12 +131,13 @@ def _check_routed(node: fx.Node, call: OpCall, weight_chunk, gm: fx.GraphModule,
     """Every read of the expert tensors a ``wait_routed`` waits for takes rows its ids pick
     (``routers``: ids node -> the nodes holding only its values, filled as they are
     needed)."""
-    if call.ids not in routers:
-        routers[call.ids] = picked_values(call.ids, gm.graph.nodes)
-    picks = routers[call.ids]
     for w, (layer, chunk) in weight_chunk.items():
         if (layer, chunk) != (call.layer, call.chunk):
             continue
+        key = (call.ids, rows_of(w))
+        if key not in routers:
+            routers[key] = picked_values(call.ids, gm.graph.nodes, rows_of(w))
+        picks = routers[key]
         bad = unrouted_read(w, picks)
         if bad is not None:
             raise ScheduleError(
