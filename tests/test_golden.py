@@ -56,6 +56,12 @@ SCENARIOS = {
     # experts read only by the router's picks: their chunks get wait_routed (experts="routed")
     "moe_routed_experts": ("moe", {"num_layers": 4, "routed": True, "batch": 1, "seq": 1},
                            dict(group_size=2, num_in_group=1), False, False),
+    # every layer offloaded in two slots: the refill's other chunks start behind the routed
+    # waits (the link idles there while the gathered experts are computed on)
+    "moe_routed_refills_behind_gathers": ("moe", {"num_layers": 4, "routed": True, "batch": 1,
+                                                  "seq": 1},
+                                          dict(group_size=1, num_in_group=1,
+                                               prefetch_step=2), False, False),
     # dense and MoE layers (different parameters) offloaded into one slot, sized to the MoE
     "moe_dense_and_moe_layers_share_a_slot": ("moe", {"num_layers": 6, "dense_every": 3},
                                               dict(group_size=1, num_in_group=1,

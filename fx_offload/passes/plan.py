@@ -58,6 +58,8 @@ class ChunkStart:
     after: fx.Node                      # the start goes immediately after it
     acts: list[fx.Node]
     reads: list[fx.Node]
+    behind: ChunkWait | None = None     # placed right after this routed wait instead, tied
+    #                                     to its values, still reading acts and reads
 
 
 @dataclasses.dataclass
@@ -138,6 +140,7 @@ def plan_graph(gm: fx.GraphModule, gi: GraphInputs, choice: Choice, handle: int)
                            param_nodes, input_storages, weight_storages)
         if plan is not None:
             plan.routed = route(layer, weights[layer], param_nodes, plan.members, choice)
+            _starts_into_link_gaps(plan, order, choice)
             plans.append(plan)
 
     _check_not_interleaved(plans, order, choice)
@@ -284,6 +287,31 @@ def _plan_layer(layer, weights: dict[fx.Node, int], layer_nodes, order, choice, 
 
 _METADATA = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool, torch.dtype,
              torch.device, torch.Size)
+
+
+def _starts_into_link_gaps(lp: LayerPlan, order, choice: Choice) -> None:
+    """Put the refill's starts that come before ``lp``'s first routed wait behind its routed
+    waits instead: the first half of their bytes behind the first, the rest behind the last.
+
+    A decode step's link carries each routed wait's gather, then idles while the gathered
+    experts are computed on (the next gather waits for that compute, or for the next
+    layer's router).  A copy started before the gathers only shares the link with them (a
+    gather and a copy together take the sum of their times apart, measured on an H100), so
+    its bytes cost nothing more in those idle gaps.  A later start is always safe; it must
+    only not hold up the layer that reads it: with one slot the refill is the next layer,
+    which would wait behind the last gap, so there everything goes behind the first."""
+    waits = [w for w in lp.waits if any(c in lp.routed for c in w.chunks)]
+    if lp.refill is None or not waits:
+        return
+    gaps = [waits[0], waits[-1]] if choice.schedule.num_slots > 1 else waits[:1]
+    if choice.schedule.num_slots == 1 and len(waits) == 1:
+        return      # the only gap is the last one
+    early = [s for s in lp.starts if order[s.after] < order[waits[0].first_use]]
+    size = {c.index: c.end - c.start for c in choice.layout[lp.refill]}
+    half, moved = sum(size[s.chunk] for s in early) / 2, 0
+    for start in early:
+        start.behind = gaps[0] if moved < half else gaps[-1]
+        moved += size[start.chunk]
 
 
 def _slot_readers(ws, members, order) -> list[fx.Node]:

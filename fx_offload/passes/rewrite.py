@@ -36,6 +36,7 @@ import torch
 from torch import fx
 
 from .. import ops
+from ..graph_inputs import storage_of
 from .plan import ChunkWait, GraphPlan, LayerPlan
 
 
@@ -110,6 +111,7 @@ def apply_plan(gm: fx.GraphModule, plan: GraphPlan) -> None:
     entry_anchor = _entry_anchor(graph, plan)
     tied = set() if plan.entry is None else {id(w) for w in plan.entry.tied}
     for lp in plan.layers:
+        tied_to: dict[int, list[fx.Node]] = {}          # id(wait) -> the values it declares
         for wait in lp.waits:
             clones = _insert_clones(graph, lp, wait)
             acts = wait.acts + clones
@@ -119,6 +121,7 @@ def apply_plan(gm: fx.GraphModule, plan: GraphPlan) -> None:
                     tied.clear()            # the first of these waits, tied to its values
                 else:
                     acts = acts + [entry_anchor]
+            tied_to[id(wait)] = acts
             for chunk in wait.chunks:
                 ids = lp.routed.get(chunk)
                 with graph.inserting_before(wait.first_use):
@@ -128,6 +131,15 @@ def apply_plan(gm: fx.GraphModule, plan: GraphPlan) -> None:
                             ops.WAIT_ROUTED, (acts, ids, plan.handle, lp.layer, chunk)))
         placed_after: dict[fx.Node, fx.Node] = {}     # keeps starts after one node in order
         for start in lp.starts:
+            if start.behind is not None:    # after the wait's ops, before the read it guards
+                acts = tied_to[id(start.behind)]
+                taken = {storage_of(a) for a in acts}
+                reads = [n for n in start.acts + start.reads if storage_of(n) not in taken]
+                with graph.inserting_before(start.behind.first_use):
+                    _no_value(graph.call_function(
+                        ops.START, (acts, reads, plan.handle, lp.layer, lp.refill,
+                                    start.chunk)))
+                continue
             anchor = placed_after.get(start.after, start.after)
             with graph.inserting_after(anchor):
                 placed_after[start.after] = _no_value(graph.call_function(

@@ -61,7 +61,10 @@ class Explanation:
                     at_entry[leaving] = f"next call, g{record.index}: at entry"
             for lp in record.plan.layers if record.plan else []:
                 befores = ", ".join(w.first_use.name for w in lp.waits)
-                afters = ", ".join(dict.fromkeys(st.after.name for st in lp.starts))
+                afters = ", ".join(dict.fromkeys(
+                    st.after.name if st.behind is None else
+                    f"{st.after.name} (placed before {st.behind.first_use.name})"
+                    for st in lp.starts))
                 where[lp.layer] = (f"g{record.index}: before {befores}",
                                    f"after {afters}" if lp.starts else "-")
         rows = [("layer", "slot", "params", "bytes", "wait", "start", "prefetches")]
