@@ -390,10 +390,11 @@ def test_the_link_profile_counts_the_gather_kernels_as_busy():
     assert link_gaps(events).startswith("link busy 2.00 of 10.00 ms"), link_gaps(events)
 
 
-def _reading_through(transform):
-    """The built-in routed MoE, each layer reading its experts' rows by ``transform(ids)``
-    instead of the router's ids themselves."""
-    model, (x,) = models.build("moe", num_layers=4, routed=True, seq=1, batch=1)
+def _reading_through(transform, **kw):
+    """The built-in routed MoE (``kw`` for its builder), each layer reading its experts'
+    rows by ``transform(ids)`` instead of the router's ids themselves."""
+    model, (x,) = models.build("moe", **{"num_layers": 4, "routed": True, "seq": 1,
+                                         "batch": 1, **kw})
 
     def forward(self, x, idx, weights):
         return models.RoutedExperts.forward(self, x, transform(self, idx), weights)
@@ -427,6 +428,21 @@ def test_rows_taken_by_other_values_than_the_picks_move_whole(transform, why):
     for text in experts.values():
         assert text.startswith("whole: ") and f"({why}) reads rows of mlp.experts.w13_weight" \
             in text and "other than its router's picks" in text, text
+
+
+def test_ids_converted_to_a_dtype_that_cannot_hold_them_move_whole():
+    """300 experts: ids as uint8 wrap above 255 onto experts nobody picked, so the layers
+    move their experts whole; an int16 holds them all, so those stay routed."""
+    def build(dtype):
+        return _reading_through(lambda experts, idx: idx.to(dtype).long(), num_experts=300,
+                                top_k=8, batch=4)
+    model, x = build(torch.uint8)
+    assert all(_builtin_calls(model, x.shape, calls=3))
+    for text in fx_offload.report(model).experts.values():
+        assert text.startswith("whole: ") and "other than its router's picks" in text, text
+    model, x = build(torch.int16)
+    assert all(_builtin_calls(model, x.shape, calls=3))
+    assert all(t.startswith("routed") for t in fx_offload.report(model).experts.values())
 
 
 def _in_place(idx, change):

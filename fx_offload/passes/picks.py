@@ -85,7 +85,7 @@ def picked_values(ids: fx.Node, members, count: int | None = None) -> set[fx.Nod
         elif name == "getitem" and first in tuples:
             if node.args[1] == 0:
                 picks.add(node)
-        elif name in _KEEPS and first in picks:
+        elif name in _KEEPS and first in picks and _exact(node, count):
             picks.add(node)
         elif name in _TUPLES and first in picks:
             tuples.add(node)
@@ -96,6 +96,26 @@ def picked_values(ids: fx.Node, members, count: int | None = None) -> set[fx.Nod
             if values and all(isinstance(v, fx.Node) and v in picks for v in values):
                 picks.add(node)
     return picks
+
+
+# the largest id each dtype holds exactly (a view as another dtype reinterprets the bits)
+_EXACT_UP_TO = {torch.int8: 127, torch.uint8: 255, torch.int16: 2 ** 15 - 1,
+                torch.float16: 2 ** 11, torch.bfloat16: 2 ** 8, torch.float32: 2 ** 24,
+                torch.bool: 1}
+
+
+def _exact(node: fx.Node, count: int | None) -> bool:
+    """``node`` (one of :data:`_KEEPS` over picks) holds the same ids: not a view of their
+    bits as another dtype, nor a conversion to a dtype that cannot hold each of ``count``
+    ids exactly (``ids.to(torch.int8)`` of 256 experts wraps)."""
+    if op_name(node) in ("view", "view_as") and any(
+            isinstance(a, torch.dtype) for a in (*node.args[1:], *node.kwargs.values())):
+        return False
+    value = value_of(node)
+    if not isinstance(value, torch.Tensor):
+        return True
+    largest = _EXACT_UP_TO.get(value.dtype)
+    return largest is None or (count is not None and count - 1 <= largest)
 
 
 def _mutated(node: fx.Node) -> fx.Node | None:
