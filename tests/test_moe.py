@@ -465,3 +465,122 @@ def test_rows_taken_by_a_view_or_a_reordering_of_the_picks_stay_routed(transform
     model, x = _reading_through(transform)
     assert all(_builtin_calls(model, x.shape, calls=3))
     assert all(text.startswith("routed") for text in fx_offload.report(model).experts.values())
+
+
+@torch.library.custom_op("fx_offload_tests::remap_into", mutates_args={"out"})
+def _remap_into(ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor) -> None:
+    """A library kernel that writes ``table[ids]`` into its third argument."""
+    out.copy_(table[ids])
+
+
+@torch.library.custom_op("fx_offload_tests::take", mutates_args=())
+def _library_take(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """A library op named like torch's ``take`` that remaps the ids through a table."""
+    return table[ids]
+
+
+@_library_take.register_fake
+def _(ids, table):
+    return torch.empty_like(ids)
+
+
+def _written_by(change):
+    """A transform: a copy of the ids after ``change(experts, copy, ids)`` wrote into it."""
+    def transform(experts, idx):
+        copy = idx.clone()
+        change(experts, copy, idx)
+        return copy
+    return transform
+
+
+@pytest.mark.parametrize("transform,kw", [
+    (lambda e, idx: torch.max(idx, torch.full_like(idx, 7))[0][None], {}),   # elementwise
+    (lambda e, idx: torch.zeros_like(idx).where(idx.to(torch.bool), idx),      # where method
+     {"num_experts": 2, "top_k": 1}),
+    (lambda e, idx: idx.to(torch.float8_e5m2).long(), {"num_experts": 10}),   # 9 -> 8
+    (_written_by(lambda e, c, idx: torch._foreach_mul_([c], 0)), {}),
+    (_written_by(lambda e, c, idx: c.__imul__(0)), {}),
+    (_written_by(lambda e, c, idx: torch.ops.aten._index_put_impl_.default(
+        c, [torch.tensor([0])], torch.tensor(0), False, False)), {}),
+    (_written_by(lambda e, c, idx: torch.sort(torch.tensor([[5, 3]]), out=(
+        torch.empty(1, 2, dtype=torch.long), c))), {}),
+    (_written_by(lambda e, c, idx: torch.ops.aten.topk.values(
+        torch.tensor([[5., 3.]]), 2, -1, True, True, values=torch.empty(1, 2), indices=c)), {}),
+    (_written_by(lambda e, c, idx: torch.ops.fx_offload_tests.remap_into(idx, e.expert_map, c)),
+     {}),
+    (lambda e, idx: torch.ops.fx_offload_tests.take(idx, e.expert_map), {}),
+], ids=["elementwise max", "where method", "float8", "foreach in place", "dunder in place",
+        "private aten in place", "out tuple", "aten values= indices=", "library op writes",
+        "library op named take"])
+def test_ids_changed_in_ways_the_rule_must_see_move_whole(transform, kw):
+    """Each of these reads rows other than the picks (found by an adversarial run, each
+    routed before and wrong from the second call): the experts move whole, every call
+    equals the model not offloaded."""
+    model, x = _reading_through(transform, **kw)
+    if kw.get("num_experts", 8) != 8:
+        for layer in model.layers:
+            experts = layer.mlp.experts
+            if isinstance(experts, models.RoutedExperts):
+                experts.expert_map = torch.randperm(kw["num_experts"],
+                                                    generator=torch.Generator().manual_seed(0))
+    assert all(_builtin_calls(model, x.shape, calls=4))
+    for text in fx_offload.report(model).experts.values():
+        assert text.startswith("whole: ") and "other than its router's picks" in text, text
+
+
+def _grouped_experts(offsets, extra_view=None):
+    """An experts forward through grouped matmuls: ``offsets(counts)`` gives the group
+    offsets from the per-expert counts of the picks; ``extra_view(w13)``, if given, is a
+    view of the weight that one more grouped matmul reads (its sum is added)."""
+    def forward(self, x, idx, weights):
+        tokens, k = idx.shape
+        flat = idx.reshape(-1)
+        order = flat.argsort(stable=True)
+        sorted_ids, token = flat[order], order // k
+        counts = torch.histc(sorted_ids.float(), bins=self.num_experts, min=0,
+                             max=self.num_experts - 1)
+        offs = offsets(counts)
+        xs = torch.cat([x[token], x.new_zeros(64 - token.shape[0], x.shape[1])])
+        h = torch._grouped_mm(xs, self.w13_weight.transpose(-2, -1), offs=offs)
+        valid = (torch.arange(h.shape[0]) < offs[-1])[:, None]
+        h = torch.where(valid, h, torch.zeros_like(h))[:token.shape[0]]
+        h = h * self.w13_weight_scale[sorted_ids][..., 0]
+        gate, up = h.chunk(2, dim=-1)
+        y = torch._grouped_mm(torch.nn.functional.silu(gate) * up,
+                              self.w2_weight.transpose(-2, -1), offs=offs.clone())
+        y = y * self.w2_weight_scale[sorted_ids][..., 0] * weights.reshape(-1)[order][:, None]
+        out = torch.zeros(tokens, x.shape[1], dtype=x.dtype).index_add_(0, token, y)
+        if extra_view is not None:
+            extra = torch._grouped_mm(xs[:, :self.num_experts].contiguous(),
+                                      extra_view(self.w13_weight), offs=offs)
+            out = out + torch.where(valid, extra, torch.zeros_like(extra)).sum() * 1e-2
+        return out
+    return forward
+
+
+@pytest.mark.parametrize("offsets,extra_view,routed", [
+    (lambda c: c.cumsum(0).to(torch.int32), None, True),
+    (lambda c: c.cumsum(0).cumsum(0).to(torch.int32), None, False),
+    # group g reads row g of every expert: [E, 2I, H] seen as [2I, E, H] (2I = E here)
+    (lambda c: c.cumsum(0).to(torch.int32), lambda w: w.transpose(0, 1), False),
+], ids=["one running sum", "two running sums", "experts moved off the first dimension"])
+def test_grouped_matmuls_route_only_groups_counted_from_the_picks(offsets, extra_view, routed):
+    """A second running sum gives unpicked experts rows; a weight viewed with its experts
+    off the first dimension is read across every expert: those move whole; the plain
+    grouped form stays routed. Every call equals the model not offloaded."""
+    model, (x,) = models.build("moe", num_layers=4, routed=True, seq=1, batch=1,
+                               num_experts=16, inner=8)
+    for layer in model.layers:
+        if isinstance(layer.mlp.experts, models.RoutedExperts):
+            layer.mlp.experts.forward = _grouped_experts(offsets, extra_view).__get__(
+                layer.mlp.experts)
+    model.to(torch.bfloat16)        # _grouped_mm takes bf16
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "aot_eager"})
+    with torch.no_grad():
+        for seed in range(6):
+            x = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed))
+            assert torch.equal(compiled(x.bfloat16()), reference(x.bfloat16())), seed
+    for text in fx_offload.report(model).experts.values():
+        assert text.startswith("routed" if routed else "whole: "), text

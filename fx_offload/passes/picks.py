@@ -24,12 +24,15 @@ takes rows no copy filled, so its chunk moves whole::
 """
 from __future__ import annotations
 
+import functools
+import math
 import operator
 
 import torch
 from torch import fx
 
 from ..graph_inputs import storage_of, value_of
+from ..ops import OpCall
 
 # one tensor argument in, its values (some of them, reordered, converted) out
 _KEEPS = {"view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "expand",
@@ -46,7 +49,9 @@ _CLAMPS = {"clamp", "clip", "clamp_min", "clamp_max", "clamp_", "clip_", "clamp_
            "clamp_max_"}
 _IN_PLACE = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
              operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior,
-             operator.ixor, operator.ilshift, operator.irshift, operator.setitem}
+             operator.ixor, operator.ilshift, operator.irshift, operator.imatmul,
+             operator.setitem}
+_IN_PLACE_METHODS = {f"__{op.__name__}__" for op in _IN_PLACE}     # x.__imul__(2)
 _COUNTS = {"histc", "bincount"}
 _KEEP_COUNTS = {"cumsum", "to", "_to_copy", "convert_element_type", "type", "int", "long",
                 "float", "view", "reshape", "contiguous", "clone", "_unsafe_view"}
@@ -61,6 +66,12 @@ def op_name(node: fx.Node) -> str:
     if node.target is operator.getitem:
         return "getitem"
     name = getattr(node.target, "__name__", str(node.target))
+    qualified = getattr(node.target, "_qualified_op_name", None)   # "aten::view", an op's
+    namespace = getattr(node.target, "namespace", None) or \
+        (qualified.split("::")[0] if isinstance(qualified, str) else None)
+    if namespace not in (None, "aten", "prims"):
+        # a library's own op: whatever it is named, it is not torch's op of that name
+        return f"{namespace}::{name.split('.')[0]}"
     return name.split(".")[0]           # aten's overload names: "view.default" -> "view"
 
 
@@ -72,65 +83,106 @@ def picked_values(ids: fx.Node, members, count: int | None = None) -> set[fx.Nod
     for node in members:
         name = op_name(node)
         first = node.args[0] if node.args else None
-        changed = _mutated(node)
+        written = _written(node)
         if name in _CLAMPS and first in picks and _keeps_range(node, count):
             picks.add(node)         # clamp_ too: what it changes in place stays the picks
-        elif changed is not None:
+        elif written:
             # whatever the op writes, the picks it writes over (and their views) no
             # longer hold only picks; the values copied from them earlier still do
-            storage = storage_of(changed)
-            picks -= {p for p in picks if p is changed or
-                      (storage is not None and storage_of(p) == storage)}
-            tuples -= {t for t in tuples if t is changed}
+            storages = {storage_of(w) for w in written} - {None}
+            picks -= {p for p in picks if p in written or storage_of(p) in storages}
+            tuples -= set(written)
         elif name == "getitem" and first in tuples:
             if node.args[1] == 0:
                 picks.add(node)
         elif name in _KEEPS and first in picks and _exact(node, count):
             picks.add(node)
         elif name in _TUPLES and first in picks:
-            tuples.add(node)
+            if isinstance(value_of(node), (tuple, list)):
+                tuples.add(node)    # (values, positions)
+            elif not any(isinstance(a, fx.Node) for a in (*node.args[1:],
+                                                           *node.kwargs.values())):
+                picks.add(node)     # max(ids): a reduction to one of them
+            # max(ids, other) is elementwise: not the picks
         elif name in _JOINS:
-            values = node.args[1:] if name == "where" else (first or ())
-            if name == "where" and len(node.args) != 3:
-                continue
+            if name == "where":
+                if len(node.args) != 3:
+                    continue
+                # where(cond, a, b); the method form: a.where(cond, b)
+                values = (first, node.args[2]) if node.op == "call_method" else node.args[1:]
+            else:
+                values = first or ()
             if values and all(isinstance(v, fx.Node) and v in picks for v in values):
                 picks.add(node)
     return picks
 
 
-# the largest id each dtype holds exactly (a view as another dtype reinterprets the bits)
-_EXACT_UP_TO = {torch.int8: 127, torch.uint8: 255, torch.int16: 2 ** 15 - 1,
-                torch.float16: 2 ** 11, torch.bfloat16: 2 ** 8, torch.float32: 2 ** 24,
-                torch.bool: 1}
+def _written(node: fx.Node) -> list[fx.Node]:
+    """The nodes whose values ``node`` changes in place: ``x.add_(1)``, ``x += 1``,
+    ``x.__imul__(2)``, ``x[i] = v``, ``torch._foreach_mul_([x], 2)``, ``out=`` (one tensor
+    or several), and what an op's schema says it writes (``values=``/``indices=`` of aten's
+    out variants, a custom op's ``mutates_args``)."""
+    found: list[fx.Node] = []
+    if OpCall.is_ours(node):
+        return found        # our ops declare their activations written only to be ordered
+
+    def add(value):
+        if isinstance(value, fx.Node):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                add(v)
+    add(node.kwargs.get("out"))
+    for position, arg in _schema_writes(node.target):
+        add(node.args[position] if position < len(node.args) else node.kwargs.get(arg))
+    name = op_name(node)
+    if (node.op == "call_function" and node.target in _IN_PLACE) \
+            or name in _IN_PLACE_METHODS or (name.endswith("_") and not name.endswith("__")):
+        add(node.args[0] if node.args else None)
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def _schema_writes(target) -> list[tuple[int, str]]:
+    """(position, name) of each argument an op overload (or any overload of a packet)
+    declares written (``Tensor(a!)``); none for Python functions and methods."""
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        overloads = [getattr(target, o) for o in target.overloads()]
+    elif isinstance(target, torch._ops.OpOverload):
+        overloads = [target]
+    else:
+        return []
+    return [(i, a.name) for o in overloads for i, a in enumerate(o._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write]
+
+
+def _exact_up_to(dtype: torch.dtype) -> int:
+    """The largest id ``dtype`` holds exactly, with every smaller one; -1 where ids do not
+    survive it (bool indexes as a mask; a float without mantissa bits)."""
+    if dtype == torch.bool or dtype.is_complex:
+        return -1
+    if dtype.is_floating_point:
+        mantissa = round(-math.log2(torch.finfo(dtype).eps))    # eps = 2 ** -mantissa bits
+        return 2 ** (mantissa + 1) if mantissa > 0 else -1
+    return torch.iinfo(dtype).max
 
 
 def _exact(node: fx.Node, count: int | None) -> bool:
     """``node`` (one of :data:`_KEEPS` over picks) holds the same ids: not a view of their
     bits as another dtype, nor a conversion to a dtype that cannot hold each of ``count``
-    ids exactly (``ids.to(torch.int8)`` of 256 experts wraps)."""
-    if op_name(node) in ("view", "view_as") and any(
+    ids exactly (``ids.to(torch.uint8)`` of 300 experts wraps; with ``count`` unknown, the
+    dtype must hold every int32)."""
+    if op_name(node) == "view" and any(
             isinstance(a, torch.dtype) for a in (*node.args[1:], *node.kwargs.values())):
         return False
     value = value_of(node)
     if not isinstance(value, torch.Tensor):
         return True
-    largest = _EXACT_UP_TO.get(value.dtype)
-    return largest is None or (count is not None and count - 1 <= largest)
-
-
-def _mutated(node: fx.Node) -> fx.Node | None:
-    """The node whose value ``node`` changes in place (``x.add_(1)``, ``x += 1``,
-    ``x[i] = v``, ``out=x``), or None."""
-    out = node.kwargs.get("out")
-    if isinstance(out, fx.Node):
-        return out
-    first = node.args[0] if node.args else None
-    if not isinstance(first, fx.Node):
-        return None
-    if node.op == "call_function" and node.target in _IN_PLACE:
-        return first
-    name = op_name(node)
-    return first if name.endswith("_") and not name.startswith("_") else None
+    try:
+        largest = _exact_up_to(value.dtype)
+    except (TypeError, RuntimeError):
+        return False
+    return largest >= (count - 1 if count is not None else 2 ** 31 - 1)
 
 
 def _keeps_range(node: fx.Node, count: int | None) -> bool:
@@ -156,11 +208,18 @@ def _keeps_range(node: fx.Node, count: int | None) -> bool:
 def counts_picks(offs: fx.Node, picks: set[fx.Node], count: int) -> bool:
     """``offs`` (a grouped matmul's group offsets) is a running sum of how many picks fell
     on each of the ``count`` experts: ``cumsum(histc(p, bins=count, min=0, max=count - 1))``
-    or ``bincount(p, minlength=count)``, ``p`` in ``picks``, through conversions and views."""
-    node = offs
+    or ``bincount(p, minlength=count)``, ``p`` in ``picks``, through conversions (to a
+    dtype that holds any count a batch gives) and views.  One running sum: a second one
+    would give experts nobody picked rows."""
+    node, sums = offs, 0
     while isinstance(node, fx.Node) and op_name(node) in _KEEP_COUNTS:
+        value = value_of(node)
+        if isinstance(value, torch.Tensor) and _exact_up_to(value.dtype) < 2 ** 24:
+            return False
+        sums += op_name(node) == "cumsum"
         node = node.args[0] if node.args else None
-    if not isinstance(node, fx.Node) or op_name(node) not in _COUNTS or not node.args:
+    if sums != 1 or not isinstance(node, fx.Node) or op_name(node) not in _COUNTS \
+            or not node.args:
         return False
     if node.args[0] not in picks:
         return False

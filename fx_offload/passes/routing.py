@@ -36,7 +36,7 @@ from .picks import counts_picks, op_name, picked_values, rows_of
 _TOPK = {torch.topk, torch.ops.aten.topk.default}
 _SELECT = {torch.index_select, torch.ops.aten.index_select.default}
 _INDEX = {operator.getitem, torch.ops.aten.index.Tensor} | _SELECT
-_VIEWS = {"transpose", "mT", "permute", "t"}        # views a grouped mm reads its weight as
+_VIEWS = {"transpose", "mT", "permute"}        # views a grouped mm reads its weight as
 _METADATA = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool, torch.dtype,
              torch.device, torch.Size)
 
@@ -142,7 +142,26 @@ def _picks_rows(user: fx.Node, w: fx.Node, picks) -> bool:
 
 
 def _is_view(user: fx.Node, w: fx.Node) -> bool:
-    return user.args[:1] == (w,) and op_name(user) in _VIEWS
+    """``user`` is a view of the expert tensor ``w`` that keeps the experts its first
+    dimension (``w.mT``, ``w.transpose(-2, -1)``, ``w.permute(0, 2, 1)``): a grouped matmul
+    reads expert ``e``'s group from row ``e`` of it."""
+    if user.args[:1] != (w,) or op_name(user) not in _VIEWS:
+        return False
+    value = value_of(w)
+    if not isinstance(value, torch.Tensor) or value.dim() < 3:
+        return False
+    dims = [a for a in user.args[1:]]
+    if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
+        dims = list(dims[0])        # permute([0, 2, 1])
+    if not all(isinstance(d, int) for d in dims):
+        return False
+    dims = [d % value.dim() for d in dims]
+    name = op_name(user)
+    if name == "mT":
+        return True
+    if name == "transpose":
+        return len(dims) == 2 and 0 not in dims
+    return name == "permute" and len(dims) == value.dim() and dims[0] == 0
 
 
 def _grouped(user: fx.Node, w: fx.Node, picks, count: int | None) -> bool:
