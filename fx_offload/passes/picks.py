@@ -25,6 +25,7 @@ takes rows no copy filled, so its chunk moves whole::
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import operator
 
@@ -75,11 +76,20 @@ def op_name(node: fx.Node) -> str:
     return name.split(".")[0]           # aten's overload names: "view.default" -> "view"
 
 
-def picked_values(ids: fx.Node, members, count: int | None = None) -> set[fx.Node]:
+class Picks(set):
+    """The nodes holding only values of the router's ids (a set), and the storages the
+    layer writes in place anywhere (``written``: a count or an offset written after it was
+    computed is not what it was)."""
+    written: set
+
+
+def picked_values(ids: fx.Node, members, count: int | None = None) -> Picks:
     """``ids`` and the nodes among ``members`` (in graph order) that hold only values
     ``ids`` holds; ``count``: the experts the top-k chose among (a clamp to ``[0, count)``
-    keeps every pick), None if not known."""
-    picks, tuples = {ids}, set()
+    keeps every pick), None if not known.  ``ids`` itself is left out if something writes
+    it (the wait would gather by what it holds then)."""
+    picks, tuples = Picks({ids}), set()
+    picks.written = set()
     for node in members:
         name = op_name(node)
         first = node.args[0] if node.args else None
@@ -90,6 +100,7 @@ def picked_values(ids: fx.Node, members, count: int | None = None) -> set[fx.Nod
             # whatever the op writes, the picks it writes over (and their views) no
             # longer hold only picks; the values copied from them earlier still do
             storages = {storage_of(w) for w in written} - {None}
+            picks.written |= storages | {w for w in written}
             picks -= {p for p in picks if p in written or storage_of(p) in storages}
             tuples -= set(written)
         elif name == "getitem" and first in tuples:
@@ -139,7 +150,28 @@ def _written(node: fx.Node) -> list[fx.Node]:
     if (node.op == "call_function" and node.target in _IN_PLACE) \
             or name in _IN_PLACE_METHODS or (name.endswith("_") and not name.endswith("__")):
         add(node.args[0] if node.args else None)
+    bound = _bound(node)
+    if bound.get("inplace") is True:            # F.relu(x, inplace=True), F.hardtanh(...)
+        add(node.args[0] if node.args else None)
+    for stat in ("running_mean", "running_var"):    # updated by a training batch norm
+        add(bound.get(stat))
+    if bound.get("max_norm") is not None:       # F.embedding renormalizes its weight
+        add(bound.get("weight"))
     return found
+
+
+def _bound(node: fx.Node) -> dict:
+    """``node``'s arguments by name where its target is a Python function with a
+    signature (``torch.nn.functional``), else its keyword arguments."""
+    if node.op == "call_function" and callable(node.target) \
+            and not isinstance(node.target, (torch._ops.OpOverload,
+                                             torch._ops.OpOverloadPacket)):
+        try:
+            return dict(inspect.signature(node.target).bind(*node.args,
+                                                            **node.kwargs).arguments)
+        except (TypeError, ValueError):
+            pass
+    return dict(node.kwargs)
 
 
 @functools.lru_cache(maxsize=None)
@@ -211,11 +243,16 @@ def counts_picks(offs: fx.Node, picks: set[fx.Node], count: int) -> bool:
     or ``bincount(p, minlength=count)``, ``p`` in ``picks``, through conversions (to a
     dtype that holds any count a batch gives) and views.  One running sum: a second one
     would give experts nobody picked rows."""
+    written = getattr(picks, "written", set())
     node, sums = offs, 0
-    while isinstance(node, fx.Node) and op_name(node) in _KEEP_COUNTS:
+    while isinstance(node, fx.Node) and op_name(node) in _KEEP_COUNTS | _COUNTS:
         value = value_of(node)
-        if isinstance(value, torch.Tensor) and _exact_up_to(value.dtype) < 2 ** 24:
-            return False
+        if not isinstance(value, torch.Tensor) or value.dim() != 1 \
+                or _exact_up_to(value.dtype) < 2 ** 24 \
+                or node in written or storage_of(node) in written:
+            return False        # reshaped, too narrow, or written after it was counted
+        if op_name(node) in _COUNTS:
+            break
         sums += op_name(node) == "cumsum"
         node = node.args[0] if node.args else None
     if sums != 1 or not isinstance(node, fx.Node) or op_name(node) not in _COUNTS \

@@ -36,6 +36,9 @@ from .picks import counts_picks, op_name, picked_values, rows_of
 _TOPK = {torch.topk, torch.ops.aten.topk.default}
 _SELECT = {torch.index_select, torch.ops.aten.index_select.default}
 _INDEX = {operator.getitem, torch.ops.aten.index.Tensor} | _SELECT
+# torch's grouped matmuls, and transformers' fallback for other dtypes (its custom op:
+# group g multiplies rows offs[g-1]:offs[g] by weight[g], an empty group reads nothing)
+_GROUPED_MM = {"_grouped_mm", "grouped_mm", "transformers::grouped_mm_fallback"}
 _VIEWS = {"transpose", "mT", "permute"}        # views a grouped mm reads its weight as
 _METADATA = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool, torch.dtype,
              torch.device, torch.Size)
@@ -65,7 +68,9 @@ def route(layer: int, weights: dict[fx.Node, int], names: dict[fx.Node, str],
             picks = None if ids is None else picked_values(ids, members, count)
             routers[count] = (ids, why, picks)
         ids, why, picks = routers[count]
-        if ids is not None:
+        if ids is not None and ids not in picks:
+            why = f"the layer writes its router's ids ({ids.name}) in place"
+        elif ids is not None:
             bad = next((r for w in ws for r in [unrouted_read(w, picks)] if r), None)
             if bad is not None:
                 why = (f"{bad.name} ({op_name(bad)}) reads rows of "
@@ -168,9 +173,12 @@ def _grouped(user: fx.Node, w: fx.Node, picks, count: int | None) -> bool:
     """``user`` is a grouped matmul taking ``w`` as its per-expert weight, with group offsets
     counted from the router's picks over its ``count`` experts (so an expert no token
     picked is in no group)."""
-    if user.op != "call_function" or "grouped_mm" not in op_name(user):
-        return False
-    args = list(user.args) + list(user.kwargs.values())
+    if user.op != "call_function" or op_name(user) not in _GROUPED_MM:
+        return False        # another library's op of that name may read anything
+    # the per-group weight is the second operand, experts first: [E, K, N]
+    second = user.kwargs.get("mat_b", user.args[1] if len(user.args) > 1 else None)
+    value = value_of(w)
     offs = user.kwargs.get("offs", user.args[2] if len(user.args) > 2 else None)
-    return w in args and isinstance(offs, fx.Node) and count is not None \
+    return second is w and isinstance(value, torch.Tensor) and value.dim() == 3 \
+        and w not in user.args[:1] and isinstance(offs, fx.Node) and count is not None \
         and counts_picks(offs, picks, count)

@@ -138,6 +138,11 @@ def _check_routed(node: fx.Node, call: OpCall, weight_chunk, gm: fx.GraphModule,
         if key not in routers:
             routers[key] = picked_values(call.ids, gm.graph.nodes, rows_of(w))
         picks = routers[key]
+        if call.ids not in picks:
+            raise ScheduleError(
+                f"{node.format_node()} gathers the experts {call.ids.name} names, but the "
+                "graph writes those ids in place: the gather would copy other rows than the "
+                "reads take")
         bad = unrouted_read(w, picks)
         if bad is not None:
             raise ScheduleError(
