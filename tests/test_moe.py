@@ -174,15 +174,18 @@ def test_a_missing_expert_copy_changes_the_output(monkeypatch):
     assert not all(_builtin_calls(model, x.shape, before=drop))
 
 
+def _route_everything(layer, weights, names, members, choice):
+    """A planted planner bug: every chunk of expert tensors routed, whatever reads them."""
+    ids, _ = routing._router_ids(members, 8)
+    chunks = {c.index for c in choice.layout[layer]
+              if all(s in choice.experts[layer] for s in c.suffixes)}
+    return {c: ids for c in chunks}
+
+
 def test_the_verifier_refuses_a_routed_wait_before_a_read_of_every_expert(monkeypatch):
     """A planted planner bug: every chunk of expert tensors routed, though the graph reads
     every expert (the built-in dense MoE).  The verifier names the read."""
-    def route_everything(layer, weights, names, members, choice):
-        ids, _ = routing._router_ids(members, 8)
-        chunks = {c.index for c in choice.layout[layer]
-                  if all(s in choice.experts[layer] for s in c.suffixes)}
-        return {c: ids for c in chunks}
-    monkeypatch.setattr(plan_module, "route", route_everything)
+    monkeypatch.setattr(plan_module, "route", _route_everything)
     model, (x,) = models.build("moe", num_layers=4)
     for layer in model.layers:
         layer.mlp.experts.num_experts = 8
@@ -406,15 +409,40 @@ def _reading_through(transform, **kw):
     return model, x
 
 
+def test_the_verifier_refuses_a_routed_wait_whose_ids_the_layer_writes(monkeypatch):
+    """A planted planner bug routes a layer that reads its experts by a copy of the ids
+    and then writes the ids: the gather would copy the rows the written ids name."""
+    def transform(experts, idx):
+        copy = idx.clone()
+        idx.add_(1).remainder_(8)
+        return copy
+    monkeypatch.setattr(plan_module, "route", _route_everything)
+    model, x = _reading_through(transform)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "aot_eager"})
+    with pytest.raises(Exception, match="graph writes those ids in place"), torch.no_grad():
+        compiled(x)
+
+
+def _written_by(change, dtype=None):
+    """A transform: a copy of the ids (as ``dtype``, read back as ids) after
+    ``change(experts, copy, ids)`` wrote into it (or into a view of it)."""
+    def transform(experts, idx):
+        copy = idx.clone() if dtype is None else idx.to(dtype)
+        change(experts, copy, idx)
+        return copy.long()
+    return transform
+
+
 @pytest.mark.parametrize("transform,why", [
     (lambda experts, idx: experts.expert_map[idx], "getitem"),     # a logical -> physical map
     (lambda experts, idx: torch.where(idx > 5, 0, idx), "getitem"),     # dropped onto one
     (lambda experts, idx: (idx + 1) % 8, "getitem"),
     (lambda experts, idx: idx.reshape(-1).sort()[1].reshape(idx.shape), "getitem"),  # positions
     (lambda experts, idx: idx.clamp(0, 5), "getitem"),      # a clamp that changes picks
-    (lambda experts, idx: _in_place(idx, lambda t: t.__setitem__(t > 5, 0)), "getitem"),
-    (lambda experts, idx: _in_place(idx, lambda t: t.add_(1).remainder_(8)), "getitem"),
-    (lambda experts, idx: _in_place(idx, lambda t: t.reshape(-1).clamp_(max=5)), "getitem"),
+    (_written_by(lambda e, t, idx: t.__setitem__(t > 5, 0)), "getitem"),
+    (_written_by(lambda e, t, idx: t.add_(1).remainder_(8)), "getitem"),
+    (_written_by(lambda e, t, idx: t.reshape(-1).clamp_(max=5)), "getitem"),
 ], ids=["a table", "a drop", "arithmetic", "sort positions", "a narrowing clamp",
         "a drop in place", "arithmetic in place", "a narrowing clamp in place of a view"])
 def test_rows_taken_by_other_values_than_the_picks_move_whole(transform, why):
@@ -445,19 +473,12 @@ def test_ids_converted_to_a_dtype_that_cannot_hold_them_move_whole():
     assert all(t.startswith("routed") for t in fx_offload.report(model).experts.values())
 
 
-def _in_place(idx, change):
-    """A copy of ``idx`` after ``change`` wrote into it (or into a view of it) in place."""
-    copy = idx.clone()
-    change(copy)
-    return copy
-
-
 @pytest.mark.parametrize("transform", [
     lambda experts, idx: idx.reshape(-1).sort()[0][idx.reshape(-1).argsort().argsort()]
     .reshape(idx.shape).long(),
     # transformers' batched_mm clamps expert-parallel sentinels: identity on a top-k over 8
     lambda experts, idx: idx.clamp(0, 7),
-    lambda experts, idx: _in_place(idx, lambda t: t.clamp_(max=7)),
+    _written_by(lambda e, t, idx: t.clamp_(max=7)),
 ], ids=["a reordering", "a clamp to the experts", "a clamp in place"])
 def test_rows_taken_by_a_view_or_a_reordering_of_the_picks_stay_routed(transform):
     """A view, a sort's values, a selection of the ids, a clamp that keeps every expert's
@@ -484,13 +505,6 @@ def _(ids, table):
     return torch.empty_like(ids)
 
 
-def _float_written(idx, change):
-    """The ids as floats, after ``change`` may have written them, back as ids."""
-    f = idx.float()
-    change(f)
-    return f.long()
-
-
 def test_ids_written_after_a_copy_was_taken_move_whole():
     """A copy of the ids holds the picks, but the wait gathers by the ids themselves,
     which the layer then changes: the experts move whole and report says why."""
@@ -503,14 +517,6 @@ def test_ids_written_after_a_copy_was_taken_move_whole():
     for text in fx_offload.report(model).experts.values():
         assert text.startswith("whole: the layer writes its router's ids"), text
 
-
-def _written_by(change):
-    """A transform: a copy of the ids after ``change(experts, copy, ids)`` wrote into it."""
-    def transform(experts, idx):
-        copy = idx.clone()
-        change(experts, copy, idx)
-        return copy
-    return transform
 
 
 @pytest.mark.parametrize("transform,kw", [
@@ -529,10 +535,10 @@ def _written_by(change):
     (_written_by(lambda e, c, idx: torch.ops.fx_offload_tests.remap_into(idx, e.expert_map, c)),
      {}),
     (lambda e, idx: torch.ops.fx_offload_tests.take(idx, e.expert_map), {}),
-    (lambda e, idx: _float_written(idx, lambda f: torch.nn.functional.hardtanh(
-        f, 0., 1., inplace=True)), {}),
-    (lambda e, idx: _float_written(idx, lambda f: torch.nn.functional.embedding(
-        torch.tensor([0]), f.view(1, -1), max_norm=1.0)), {}),
+    (_written_by(lambda e, f, idx: torch.nn.functional.hardtanh(f, 0., 1., inplace=True),
+                 torch.float32), {}),
+    (_written_by(lambda e, f, idx: torch.nn.functional.embedding(
+        torch.tensor([0]), f.view(1, -1), max_norm=1.0), torch.float32), {}),
 ], ids=["elementwise max", "where method", "float8", "foreach in place", "dunder in place",
         "private aten in place", "out tuple", "aten values= indices=", "library op writes",
         "library op named take", "a function's inplace=True", "embedding's max_norm"])

@@ -53,6 +53,7 @@ _IN_PLACE = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
              operator.ixor, operator.ilshift, operator.irshift, operator.imatmul,
              operator.setitem}
 _IN_PLACE_METHODS = {f"__{op.__name__}__" for op in _IN_PLACE}     # x.__imul__(2)
+_WRITING_ARGUMENTS = {"inplace", "running_mean", "running_var", "max_norm"}
 _COUNTS = {"histc", "bincount"}
 _KEEP_COUNTS = {"cumsum", "to", "_to_copy", "convert_element_type", "type", "int", "long",
                 "float", "view", "reshape", "contiguous", "clone", "_unsafe_view"}
@@ -77,9 +78,9 @@ def op_name(node: fx.Node) -> str:
 
 
 class Picks(set):
-    """The nodes holding only values of the router's ids (a set), and the storages the
-    layer writes in place anywhere (``written``: a count or an offset written after it was
-    computed is not what it was)."""
+    """The nodes holding only values of the router's ids (a set), and ``written``: the
+    nodes the layer writes in place, with their storages (a count or an offset written
+    after it was computed is not what it was)."""
     written: set
 
 
@@ -100,7 +101,7 @@ def picked_values(ids: fx.Node, members, count: int | None = None) -> Picks:
             # whatever the op writes, the picks it writes over (and their views) no
             # longer hold only picks; the values copied from them earlier still do
             storages = {storage_of(w) for w in written} - {None}
-            picks.written |= storages | {w for w in written}
+            picks.written |= storages | set(written)
             picks -= {p for p in picks if p in written or storage_of(p) in storages}
             tuples -= set(written)
         elif name == "getitem" and first in tuples:
@@ -161,17 +162,35 @@ def _written(node: fx.Node) -> list[fx.Node]:
 
 
 def _bound(node: fx.Node) -> dict:
-    """``node``'s arguments by name where its target is a Python function with a
-    signature (``torch.nn.functional``), else its keyword arguments."""
-    if node.op == "call_function" and callable(node.target) \
-            and not isinstance(node.target, (torch._ops.OpOverload,
-                                             torch._ops.OpOverloadPacket)):
+    """``node``'s arguments by name where its target is a Python function whose signature
+    names an argument that makes it write (``torch.nn.functional``), else its keyword
+    arguments."""
+    signature = None
+    if node.op == "call_function":
         try:
-            return dict(inspect.signature(node.target).bind(*node.args,
-                                                            **node.kwargs).arguments)
-        except (TypeError, ValueError):
+            signature = _writing_signature(node.target)
+        except TypeError:       # an unhashable target
+            pass
+    if signature is not None:
+        try:
+            return dict(signature.bind(*node.args, **node.kwargs).arguments)
+        except TypeError:
             pass
     return dict(node.kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _writing_signature(target) -> inspect.Signature | None:
+    """``target``'s signature if it has an argument that makes it write one of its inputs
+    (``inplace``, a batch norm's running statistics, ``max_norm``); looked up once per
+    target (it is slow: a builtin's is parsed from its text)."""
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return None             # their schema says what they write
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):
+        return None
+    return signature if _WRITING_ARGUMENTS & set(signature.parameters) else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -237,19 +256,18 @@ def _keeps_range(node: fx.Node, count: int | None) -> bool:
         and (low is not None or high is not None)
 
 
-def counts_picks(offs: fx.Node, picks: set[fx.Node], count: int) -> bool:
+def counts_picks(offs: fx.Node, picks: Picks, count: int) -> bool:
     """``offs`` (a grouped matmul's group offsets) is a running sum of how many picks fell
     on each of the ``count`` experts: ``cumsum(histc(p, bins=count, min=0, max=count - 1))``
     or ``bincount(p, minlength=count)``, ``p`` in ``picks``, through conversions (to a
     dtype that holds any count a batch gives) and views.  One running sum: a second one
     would give experts nobody picked rows."""
-    written = getattr(picks, "written", set())
     node, sums = offs, 0
     while isinstance(node, fx.Node) and op_name(node) in _KEEP_COUNTS | _COUNTS:
         value = value_of(node)
         if not isinstance(value, torch.Tensor) or value.dim() != 1 \
                 or _exact_up_to(value.dtype) < 2 ** 24 \
-                or node in written or storage_of(node) in written:
+                or node in picks.written or storage_of(node) in picks.written:
             return False        # reshaped, too narrow, or written after it was counted
         if op_name(node) in _COUNTS:
             break

@@ -301,11 +301,9 @@ def _starts_into_link_gaps(lp: LayerPlan, order, choice: Choice) -> None:
     only not hold up the layer that reads it: with one slot the refill is the next layer,
     which would wait behind the last gap, so there everything goes behind the first."""
     waits = [w for w in lp.waits if any(c in lp.routed for c in w.chunks)]
-    if lp.refill is None or not waits:
+    gaps = waits[:1] + waits[-1:] if choice.schedule.num_slots > 1 else waits[:-1][:1]
+    if lp.refill is None or not gaps:
         return
-    gaps = [waits[0], waits[-1]] if choice.schedule.num_slots > 1 else waits[:1]
-    if choice.schedule.num_slots == 1 and len(waits) == 1:
-        return      # the only gap is the last one
     early = [s for s in lp.starts if order[s.after] < order[waits[0].first_use]]
     size = {c.index: c.end - c.start for c in choice.layout[lp.refill]}
     half, moved = sum(size[s.chunk] for s in early) / 2, 0

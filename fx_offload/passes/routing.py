@@ -19,8 +19,9 @@ routed when, in this graph:
 
 Anything else (a dense product over every expert, weighted by zero gates; rows taken by
 ids remapped through a table) would read rows no copy filled, so the chunk then moves
-whole, and :func:`route` records why in ``choice.routing`` (``report`` and ``explain`` show it).  The verifier re-checks the
-same rule on the rewritten graph (:func:`unrouted_read`).
+whole, and :func:`route` records why in ``choice.routing`` (``report`` and ``explain``
+show it).  The verifier re-checks the same rule on the rewritten graph
+(:func:`unrouted_read`).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from torch import fx
 
 from ..graph_inputs import value_of
 from ..ops import OpCall
-from .picks import counts_picks, op_name, picked_values, rows_of
+from .picks import Picks, counts_picks, op_name, picked_values, rows_of
 
 _TOPK = {torch.topk, torch.ops.aten.topk.default}
 _SELECT = {torch.index_select, torch.ops.aten.index_select.default}
@@ -112,7 +113,7 @@ def _router_ids(members: list[fx.Node], count: int) -> tuple[fx.Node | None, str
     return None, f"{len(found)} top-k over the {count} experts' scores in this graph"
 
 
-def unrouted_read(w: fx.Node, picks: set[fx.Node]) -> fx.Node | None:
+def unrouted_read(w: fx.Node, picks: Picks) -> fx.Node | None:
     """The first node that reads the values of expert tensor ``w`` other than by rows the
     router picked (``picks``: the nodes holding only values of its ids, :mod:`.picks`);
     None if there is none."""
@@ -155,18 +156,17 @@ def _is_view(user: fx.Node, w: fx.Node) -> bool:
     value = value_of(w)
     if not isinstance(value, torch.Tensor) or value.dim() < 3:
         return False
-    dims = [a for a in user.args[1:]]
+    name, dims = op_name(user), list(user.args[1:])
     if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
         dims = list(dims[0])        # permute([0, 2, 1])
     if not all(isinstance(d, int) for d in dims):
         return False
     dims = [d % value.dim() for d in dims]
-    name = op_name(user)
-    if name == "mT":
-        return True
     if name == "transpose":
         return len(dims) == 2 and 0 not in dims
-    return name == "permute" and len(dims) == value.dim() and dims[0] == 0
+    if name == "permute":
+        return len(dims) == value.dim() and dims[0] == 0
+    return True                     # mT: the last two dimensions
 
 
 def _grouped(user: fx.Node, w: fx.Node, picks, count: int | None) -> bool:
@@ -180,5 +180,5 @@ def _grouped(user: fx.Node, w: fx.Node, picks, count: int | None) -> bool:
     value = value_of(w)
     offs = user.kwargs.get("offs", user.args[2] if len(user.args) > 2 else None)
     return second is w and isinstance(value, torch.Tensor) and value.dim() == 3 \
-        and w not in user.args[:1] and isinstance(offs, fx.Node) and count is not None \
+        and isinstance(offs, fx.Node) and count is not None \
         and counts_picks(offs, picks, count)

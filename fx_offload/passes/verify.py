@@ -60,7 +60,9 @@ def verify_graph(gm: fx.GraphModule, weight_chunk: dict[fx.Node, tuple[int, int]
     # per slot: (layer, chunk) whose bytes it holds -> readable (waited for since filled)
     held: list[dict[tuple[int, int], bool]] = [
         {(layer, c.index): False for c in model.chunks[layer]} for layer in model.entry_owner]
-    routers: dict = {}      # a routed wait's ids -> nodes computed from them (_check_routed)
+    nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    routers: dict = {}      # (ids, experts, last read) -> their picks (_check_routed)
 
     def chunks_of(layer, chunk):
         return model.chunks[layer] if chunk < 0 else [model.chunks[layer][chunk]]
@@ -87,7 +89,7 @@ def verify_graph(gm: fx.GraphModule, weight_chunk: dict[fx.Node, tuple[int, int]
                         f"{layer} chunk {c.index} precedes this wait")
                 held[slot][(layer, c.index)] = True
             if call.ids is not None:
-                _check_routed(node, call, weight_chunk, gm, routers)
+                _check_routed(node, call, weight_chunk, nodes, position, routers)
         elif kind == "start":
             layer, refill = call.layer, call.refill
             slot = model.slot_of[layer]
@@ -126,17 +128,21 @@ def verify_graph(gm: fx.GraphModule, weight_chunk: dict[fx.Node, tuple[int, int]
                 "not put it")
 
 
-def _check_routed(node: fx.Node, call: OpCall, weight_chunk, gm: fx.GraphModule,
-                  routers: dict) -> None:
+def _check_routed(node: fx.Node, call: OpCall, weight_chunk, nodes: list[fx.Node],
+                  position: dict[fx.Node, int], routers: dict) -> None:
     """Every read of the expert tensors a ``wait_routed`` waits for takes rows its ids pick
-    (``routers``: ids node -> the nodes holding only its values, filled as they are
-    needed)."""
-    for w, (layer, chunk) in weight_chunk.items():
-        if (layer, chunk) != (call.layer, call.chunk):
-            continue
-        key = (call.ids, rows_of(w))
+    (``routers``: (ids node, experts, position of the last read) -> the nodes holding only
+    the ids' values, found from the ids to the last read of those tensors: what comes
+    later cannot change which rows they took)."""
+    ws = [w for w, at in weight_chunk.items() if at == (call.layer, call.chunk)]
+    last = max((position[r] for w in ws for u in w.users for r in (u, *u.users)),
+               default=position[node])
+    layer, chunk = call.layer, call.chunk
+    for w in ws:
+        key = (call.ids, rows_of(w), last)
         if key not in routers:
-            routers[key] = picked_values(call.ids, gm.graph.nodes, rows_of(w))
+            routers[key] = picked_values(call.ids, nodes[position[call.ids]:last + 1],
+                                         rows_of(w))
         picks = routers[key]
         if call.ids not in picks:
             raise ScheduleError(
