@@ -44,6 +44,9 @@ class OffloadOptions:
     # folder where that is on a disk), "memory", or a folder (runtime.file_backed)
     uncompressed_weights: str = "auto"
     experts: str = "routed"     # an MoE layer's experts: only those its tokens picked move
+    # device bytes for each routed MoE layer's most-picked experts (runtime.expert_cache);
+    # "auto": what memory_budget's plan leaves of it, none without memory_budget
+    expert_cache: int | str = "auto"
     # the planner (used instead of group_size/num_in_group/prefetch_step)
     memory_budget: int | None = None
     plan_tokens: tuple[int, ...] | None = None
@@ -61,6 +64,12 @@ class OffloadOptions:
     def planned(self) -> bool:
         """True when the planner chooses the layers and the slot count."""
         return self.memory_budget is not None
+
+    @property
+    def expert_cache_asked(self) -> int:
+        """The device bytes ``expert_cache`` asks for (0: ``"auto"``, which takes only what
+        the plan leaves)."""
+        return 0 if self.expert_cache == "auto" else self.expert_cache
 
     @property
     def circular_start(self) -> str:
@@ -90,7 +99,7 @@ class OffloadOptions:
         return (self.group_size, self.num_in_group, self.prefetch_step,
                 self.offload_params, self.layers, self.copy_chunks,
                 self.circular_prefetch, self.compress, self.uncompressed_weights,
-                self.experts) + tuple(
+                self.experts, self.expert_cache) + tuple(
                     getattr(self, name) for name in PLANNER_KEYS)
 
     def describe(self, placement_only: bool = False) -> str:
@@ -116,6 +125,8 @@ class OffloadOptions:
             parts.append(f"uncompressed_weights={self.uncompressed_weights!r}")
         if self.experts != OffloadOptions.experts:
             parts.append(f"experts={self.experts!r}")
+        if self.expert_cache_asked:
+            parts.append(f"expert_cache={format_bytes(self.expert_cache, as_option=True)}")
         if self.kv_cache != OffloadOptions.kv_cache:
             parts.append(f"kv_cache={self.kv_cache!r}, kv_block_size={self.kv_block_size}, "
                          f"kv_slots={self.kv_slots}")
@@ -135,7 +146,7 @@ PLANNER_KEYS = ("memory_budget", "plan_tokens", "flop_rate", "memory_bandwidth",
 HAND_PICKED_KEYS = ("group_size", "num_in_group", "prefetch_step")
 PLACEMENT_KEYS = HAND_PICKED_KEYS + ("offload_params", "layers", "copy_chunks",
                                      "circular_prefetch", "compress", "uncompressed_weights",
-                                     "experts") + PLANNER_KEYS
+                                     "experts", "expert_cache") + PLANNER_KEYS
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -301,6 +312,7 @@ def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None 
     _check_meaning("experts", experts, EXPERTS,
                    "'routed': an MoE layer's expert tensors move only the experts its tokens "
                    "were routed to; 'whole': every expert, every call")
+    expert_cache = _check_expert_cache(options, experts)
     inner_backend = _check_choice("inner_backend", options.get("inner_backend", "inductor"),
                                   INNER_BACKENDS)
     mode_name = _check_choice("mode", options.get("mode") or "default", MODES)
@@ -329,9 +341,30 @@ def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None 
         compress=compress,
         uncompressed_weights=uncompressed,
         experts=experts,
+        expert_cache=expert_cache,
         **planner,
         **_check_kv_options(options),
     )
+
+
+def _check_expert_cache(options: Mapping[str, Any], experts: str) -> int | str:
+    value = options.get("expert_cache", "auto")
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and
+                           value == 0):
+        return value
+    try:
+        size = parse_size("expert_cache", value)
+    except OffloadError:
+        raise OffloadError(
+            "option 'expert_cache' must be 'auto' (what memory_budget's plan leaves of it; "
+            "none without memory_budget), 0 (none), or a positive number of bytes (an int) "
+            f"or a string such as '4GiB', '512MiB' or '2.5GB', got {value!r}") from None
+    if experts != "routed":
+        raise OffloadError(
+            f"option 'expert_cache' ({format_bytes(size, as_option=True)}) keeps the most "
+            "picked experts of each routed MoE layer on the device, and applies with "
+            f"experts='routed' only, got experts={experts!r}: drop one of them")
+    return size
 
 
 def _check_kv_options(options: Mapping[str, Any]) -> dict[str, Any]:

@@ -47,12 +47,17 @@ class Report:
     # MoE layers: layer -> how its expert tensors move ("routed (128 experts)": only the
     # experts its tokens picked; "whole: <why>")
     experts: dict[int, str] = dataclasses.field(default_factory=dict)
+    # option expert_cache: (experts kept per routed layer, device bytes, bytes the last
+    # call's picked experts found there instead of crossing the link)
+    expert_cache: tuple[int, int, int] | None = None
     # kv_cache="host": HostKV.summary() (host and slot bytes, what a decode step moves)
     kv: dict = dataclasses.field(default_factory=dict)
 
     @property
     def saved_bytes(self) -> int:
-        return self.offloaded_bytes - self.buffer_bytes
+        """Device memory the offload saves: the slots and the expert cache take some back."""
+        cache = 0 if self.expert_cache is None else self.expert_cache[1]
+        return self.offloaded_bytes - self.buffer_bytes - cache
 
     # the names of the first releases, kept so that scripts reading them keep working
     slots = property(lambda self: self.num_slots, doc="The same as ``num_slots``.")
@@ -91,7 +96,9 @@ class Report:
             host += " and files"
         lines.append(f"  offloaded to {host}: {format_bytes(self.offloaded_bytes)}; "
                      f"{self.num_slots} slot buffer(s): {format_bytes(self.buffer_bytes)} on "
-                     f"{self.device}; device memory saved: {format_bytes(self.saved_bytes)}")
+                     f"{self.device}" + ("" if self.expert_cache is None else
+                                         " (and the expert cache below)") +
+                     f"; device memory saved: {format_bytes(self.saved_bytes)}")
         if self.compressed:
             raw, moved = sum(self.layer_bytes.values()), sum(self.call_bytes.values())
             lines.append(f"  compressed (lossless, {self.codec} codec): the offloaded layers' "
@@ -104,6 +111,11 @@ class Report:
                             "files (read from disk only when you read the weights) and "
                             f"{format_bytes(raw - in_file)} in host memory" if in_file
                             else " besides the weights"))
+        if self.expert_cache is not None:
+            rows, nbytes, hit = self.expert_cache
+            lines.append(f"  expert cache: the {rows} most picked expert(s) of each routed "
+                         f"layer on the device ({format_bytes(nbytes)}); the last call found "
+                         f"{format_bytes(hit)} of its picked experts there")
         if self.copied_bytes_last_call:
             lines.append(f"  the last call copied {format_bytes(self.copied_bytes_last_call)}"
                          + (" outside CUDA graphs (a replay's own copies are not counted)"
@@ -133,9 +145,18 @@ def _copied(state) -> int:
     return state.buffers.copied + extra
 
 
+def _expert_cache(state) -> tuple[int, int, int] | None:
+    routed = getattr(state, "routed", None)
+    cache = None if routed is None else routed.cache
+    if cache is None or not cache.tensors:
+        return None
+    return cache.rows, cache.nbytes, int(routed.cached_bytes)
+
+
 def experts_moved(choice, routed=None) -> dict[int, str]:
     """Layer -> how its expert tensors move, in words (with ``routed``, the state's
-    :class:`~fx_offload.runtime.routed.RoutedExperts`: how many the latest call gathered)."""
+    :class:`~fx_offload.runtime.routed.RoutedExperts`: how many the latest call gathered,
+    and how many of them its expert cache held)."""
     found = {}
     last = routed.gathered_last_call() if routed is not None and choice.experts else {}
     for layer, tensors in choice.experts.items():
@@ -145,7 +166,9 @@ def experts_moved(choice, routed=None) -> dict[int, str]:
             found[layer] = f"{count} experts; routed if a graph reads them by its router"
             continue
         why = [w for w in outcome.values() if w != "routed"]
-        gathered = f"; {last[layer]} gathered in the last call" if last.get(layer) else ""
+        picked, hits = last.get(layer, (0, 0))
+        gathered = "" if not picked else f"; {picked} gathered in the last call" + (
+            f", {hits} of them from the expert cache" if hits else "")
         found[layer] = f"routed ({count} experts{gathered})" if not why else f"whole: {why[0]}"
     return found
 
@@ -194,7 +217,8 @@ def _weights_report(model: nn.Module) -> Report:
             uncompressed_in_file_bytes=state.buffers.in_file_bytes if state.buffers else 0,
             copied_bytes_last_call=_copied(state),
             copies_captured=bool(state.buffers and state.buffers.captured),
-            experts=experts_moved(choice, getattr(state, "routed", None)))
+            experts=experts_moved(choice, getattr(state, "routed", None)),
+            expert_cache=_expert_cache(state))
     kept = registry.nothing_offloaded(model)
     if kept is not None:
         return Report(model=kept.model_name, stack=kept.stack.path,

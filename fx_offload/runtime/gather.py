@@ -11,6 +11,7 @@ address space) and writes them into the slot::
     mask[:] = 0 ; mask[ids] = 1                 # on the compute stream, after the router
     gather_rows(host[E, row], slot[E, row], mask)    # program (e, b): if mask[e], copy
                                                       # block b of row e across the link
+                                                      # (or from the device's expert cache)
 
 The rows of experts not picked are not touched (they hold whatever the slot held: the
 layer's reads of them are what the pass proves absent).  Only the union of the picked
@@ -32,13 +33,22 @@ BLOCK = 4096                # words of 4 bytes per program: 16 KiB in flight per
 
 if triton is not None:
     @triton.jit
-    def _gather_rows(src, dst, mask, row_words, BLOCK: tl.constexpr):
+    def _gather_rows(src, dst, mask, cache, where, row_words, CACHED: tl.constexpr,
+                     BLOCK: tl.constexpr):
         expert = tl.program_id(0)
         if tl.load(mask + expert) != 0:
             offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
             base = expert.to(tl.int64) * row_words
             keep = offs < row_words
-            tl.store(dst + base + offs, tl.load(src + base + offs, mask=keep), mask=keep)
+            if CACHED:
+                held = tl.load(where + expert)      # the expert's row in the device cache
+                if held >= 0:
+                    values = tl.load(cache + held.to(tl.int64) * row_words + offs, mask=keep)
+                else:
+                    values = tl.load(src + base + offs, mask=keep)
+            else:
+                values = tl.load(src + base + offs, mask=keep)
+            tl.store(dst + base + offs, values, mask=keep)
 
 
 def words(t: torch.Tensor) -> torch.Tensor:
@@ -59,15 +69,26 @@ def mark(mask: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-def gather_rows(host: torch.Tensor, slot: torch.Tensor, mask: torch.Tensor) -> None:
+def gather_rows(host: torch.Tensor, slot: torch.Tensor, mask: torch.Tensor,
+                cache: torch.Tensor | None = None, where: torch.Tensor | None = None) -> None:
     """Copy the rows ``e`` of ``host`` (page-locked, or plain memory on a CPU run) with
-    ``mask[e]`` set into the same rows of ``slot``, on the current stream."""
+    ``mask[e]`` set into the same rows of ``slot``, on the current stream; with ``cache``
+    (device rows of some experts, :mod:`.expert_cache`), those with ``where[e] >= 0`` from
+    ``cache[where[e]]`` instead."""
     src, dst = words(host), words(slot)
+    held = None if cache is None else words(cache)
     if slot.device.type == "cpu":
         picked = mask[:-1].nonzero().reshape(-1)
+        if held is not None:
+            rows = where[picked]
+            cached = rows >= 0
+            dst.index_copy_(0, picked[cached], held.index_select(0, rows[cached]))
+            picked = picked[~cached]
         dst.index_copy_(0, picked, src.index_select(0, picked))
         return
     row = src.shape[1]
     grid = (src.shape[0], triton.cdiv(row, BLOCK))
     with torch.cuda.device(slot.device):    # Triton launches on the current device
-        _gather_rows[grid](src, dst, mask, row, BLOCK=BLOCK)
+        _gather_rows[grid](src, dst, mask, src if held is None else held,
+                           mask if where is None else where, row, CACHED=held is not None,
+                           BLOCK=BLOCK)

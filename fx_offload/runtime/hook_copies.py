@@ -67,7 +67,9 @@ class HookCopies:
         not of a layer on its own).  Under CUDA graphs, a hook copy it replaced with a
         synchronous reload (the layer's weights changed) is begun again, so that a capture
         in this call still finds one to wait for: every later replay's hook copies outside
-        the graph."""
+        the graph.  The expert cache may choose anew which experts it keeps."""
+        if root and not capturing():
+            self.routed.between_calls(self._versions)
         if not (root and self.under_cuda_graphs) or self.copy_stream is None or capturing():
             return
         for leaving, refill in self._hook_refills:

@@ -219,10 +219,10 @@ class Ownership(ParamVersions):
             self._fingerprint = Fingerprint(self.params)
 
     def _reload_stale(self, layers: set[int]) -> None:
-        """Reload every chunk a slot holds that was copied before its layer last changed
-        (or of ``layers``, whose every chunk changed), as the call begins."""
-        for key in [k for k in self._copied if k not in self.contents.slot(k[0])]:
-            del self._copied[key]           # overwritten since: its next copy is fresh
+        """Reload what a slot or the expert cache holds of a layer changed since its copy
+        (or in ``layers``); chunks overwritten since are forgotten: copied afresh anyway."""
+        self.routed.reload_changed(layers, self._versions)
+        self._copied = {k: v for k, v in self._copied.items() if k in self.contents.slot(k[0])}
         for (layer, index), seen in list(self._copied.items()):
             if layer in layers or seen != self._versions(layer):
                 log.debug("fx_offload: layer %d changed since its chunk %d was copied; "

@@ -25,6 +25,7 @@ import torch
 
 from . import gather
 from .contents import capturing
+from .expert_cache import ExpertCache
 
 log = logging.getLogger("fx_offload")
 WHOLE_ABOVE = 0.5       # expected share of a layer's experts a call picks: above it, whole
@@ -57,6 +58,10 @@ class RoutedExperts:
         # experts gathered per layer in the call (0: none, or the chunk was whole), for report
         self._row_of = {layer: i for i, layer in enumerate(sorted(choice.experts))}
         self.picked = torch.zeros(len(self._row_of), dtype=torch.int64, device=choice.device)
+        # of those, found in the device's expert cache (option expert_cache): not copied
+        # across the link, and their bytes not in ``gathered`` but here
+        self.hit = torch.zeros_like(self.picked)
+        self.cached_bytes = torch.zeros_like(self.gathered) if choice.experts else None
         self.usable = choice.device.type == "cpu" or \
             bool(buffers.pinned and gather.triton is not None)
         if choice.experts and not self.usable:
@@ -64,6 +69,10 @@ class RoutedExperts:
                 "its host memory is not page-locked"
             log.warning("fx_offload: %s: %s, so the device cannot read expert rows from the "
                         "host: its expert tensors move whole", choice.model_name, why)
+        asked = getattr(choice, "options", None) is None or \
+            choice.options.expert_cache != "auto"
+        self.cache = ExpertCache(choice, buffers.masters, choice.expert_cache, asked) \
+            if choice.experts and choice.expert_cache and self.usable else None
 
     def routes(self, layer: int, chunk) -> bool:
         """``layer``'s ``chunk`` is routed (some graph waits for it with ``wait_routed``)."""
@@ -95,13 +104,26 @@ class RoutedExperts:
         mask = self._masks[count]
         gather.mark(mask, ids.to(mask.device))
         masters, views = self.buffers.masters[layer], self.buffers.views[layer]
-        row = 0
+        row = cached = 0
         for suffix in chunk.suffixes:
-            gather.gather_rows(masters[suffix], views[suffix], mask)
-            row += views[suffix][0].numel() * views[suffix].element_size()
+            rows, where = (None, None) if self.cache is None else \
+                self.cache.source(layer, suffix)
+            if rows is None:
+                gather.gather_rows(masters[suffix], views[suffix], mask)
+            else:
+                gather.gather_rows(masters[suffix], views[suffix], mask, rows, where)
+            size = views[suffix][0].numel() * views[suffix].element_size()
+            row += size
+            cached += 0 if rows is None else size
         picked = mask[:count].sum()
         self.picked[self._row_of[layer]] = picked
-        self.gathered.add_(picked * row)
+        if cached:
+            hit = self.cache.hits(layer, mask, count)
+            self.hit[self._row_of[layer]] = hit
+            self.gathered.add_(picked * row - hit * cached)
+            self.cached_bytes.add_(hit * cached)
+        else:
+            self.gathered.add_(picked * row)
 
     def begin_call(self, tokens: int | None) -> None:
         """A call of ``tokens`` tokens begins (outside a CUDA graph): count its gathered
@@ -110,14 +132,33 @@ class RoutedExperts:
         if self.gathered is None:
             return
         self.gathered.zero_()
+        self.cached_bytes.zero_()
         self.picked.zero_()
+        self.hit.zero_()
         if tokens and self.picks:
             self.share = expected_share(*self.picks, tokens)
 
-    def gathered_last_call(self) -> dict[int, int]:
-        """Layer -> experts its routed waits gathered in the latest call (reads the device)."""
-        counts = self.picked.tolist()
-        return {layer: counts[i] for layer, i in self._row_of.items()}
+    def gathered_last_call(self) -> dict[int, tuple[int, int]]:
+        """Layer -> (experts its routed waits gathered in the latest call, of them found in
+        the expert cache) (reads the device)."""
+        counts, hits = self.picked.tolist(), self.hit.tolist()
+        return {layer: (counts[i], hits[i]) for layer, i in self._row_of.items()}
+
+    def between_calls(self, versions) -> None:
+        """A call begins, its look at what the user changed done: the expert cache may
+        choose anew which experts it keeps."""
+        if self.cache is not None:
+            self.cache.between_calls(self.buffers.masters, versions)
+
+    def reload_changed(self, layers: set[int], versions) -> None:
+        """Cached experts of layers whose weights changed are copied again."""
+        if self.cache is not None:
+            self.cache.reload_changed(layers, self.buffers.masters, versions)
+
+    def release(self) -> None:
+        """Free the expert cache's device memory (the model is restored or detached)."""
+        if self.cache is not None:
+            self.cache.release()
 
     def _count(self, layer: int, chunk) -> int:
         return self.experts[layer][chunk.suffixes[0]]

@@ -117,6 +117,7 @@ class OffloadState(Ownership, RoutedWait, HookCopies):
         handover = {p.name: (p.ptrs(), p.versions()) for ps in self.params.values() for p in ps}
         layout.arrange(self.choice)     # a model placed before any graph: arranged now
         buffers = SlotBuffers(self.choice, take if hand_over else None, fill)
+        self.routed = RoutedExperts(self.choice, buffers)   # the expert cache's memory too
         if self.device.type == "cuda":
             self.copy_stream = torch.cuda.Stream(self.device)
             # made once: no event is created on the forward path
@@ -125,7 +126,6 @@ class OffloadState(Ownership, RoutedWait, HookCopies):
             self._make_hook_events()
         self.buffers = buffers
         _make_twins(self.params, buffers.masters)
-        self.routed = RoutedExperts(self.choice, buffers)
         self._handover = {p.name: handover[p.name] for layer, ps in self.params.items()
                           for p in ps if not hand_over and
                           handover[p.name][0] != p.ptrs_in(buffers.masters[layer])}
@@ -172,6 +172,7 @@ class OffloadState(Ownership, RoutedWait, HookCopies):
         self.hooks.clear()
         if self.buffers is not None:
             self.buffers.release()
+            self.routed.release()
         self.restored = True
         registry.unregister(self, self.model_ref())
 
@@ -183,8 +184,7 @@ class OffloadState(Ownership, RoutedWait, HookCopies):
 
     # ---- the operations the graph calls ------------------------------------------------
     def wait(self, layer: int, chunk: int = -1) -> None:
-        """Before ``layer`` reads the weights of ``chunk`` (-1: all of them): make sure its
-        slot holds them."""
+        """Before ``layer`` reads ``chunk``'s weights (-1: all): make sure its slot holds them."""
         if self.restored:
             return
         held = self.contents.slot(layer)

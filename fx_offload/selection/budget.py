@@ -231,6 +231,12 @@ class PlannerResult:
     seconds: float                       # time the planner took
     fitting: list[Candidate] = dataclasses.field(default_factory=list, repr=False)
     reserved: int = 0                    # of memory_budget, the KV cache's device bytes
+    expert_cache: int = 0                # of memory_budget, the expert cache's (its option)
+
+    @property
+    def reserved_words(self) -> str:
+        """What of the budget is set aside before the weights, in words."""
+        return reserved_words(self.reserved, self.expert_cache)
 
     def best_for(self, tokens) -> Scored:
         """The plan this budget would get for another workload (``plan_tokens``)."""
@@ -244,8 +250,7 @@ class PlannerResult:
     def __str__(self) -> str:
         cm = self.cost_model
         toks = list(self.plan_tokens)
-        kv = "" if not self.reserved else \
-            f" (after the KV cache's {format_bytes(self.reserved)} on the device)"
+        kv = "" if not (self.reserved or self.expert_cache) else f" (after {self.reserved_words})"
         head = [f"planner: memory_budget {format_bytes(self.budget, as_option=True)}{kv} for "
                 f"{format_bytes(self.weights_bytes)} of weights (minimum "
                 f"{format_bytes(self.minimum_bytes)}); {self.considered} plans fit, chosen for "
@@ -360,16 +365,15 @@ def candidates(model: nn.Module, stack: LayerStack, options: OffloadOptions,
 def plan(model: nn.Module, stack: LayerStack, options: OffloadOptions, costs: GraphCosts,
          rates: DeviceRates, device: torch.device, runner_ups: int = 4,
          reserved: int = 0) -> PlannerResult:
-    """``reserved``: device bytes of the budget the KV cache takes (fx_offload.kv.plan)."""
+    """``reserved``: device bytes of the budget the KV cache takes (fx_offload.kv.plan);
+    the bytes the option ``expert_cache`` asks for are set aside too."""
     started = time.perf_counter()
-    budget = options.memory_budget - reserved
+    budget = options.memory_budget - reserved - options.expert_cache_asked
     all_plans, total, minimum = candidates(model, stack, options, device)
     if budget < minimum:
-        least = minimum + reserved
-        kv = "" if not reserved else (
-            f" and the KV cache's {format_bytes(reserved)} on the device (the layers it "
-            "keeps there and its slots: a shorter max_cache_len, a smaller batch or fewer "
-            "kv_slots make it smaller)")
+        least = minimum + reserved + options.expert_cache_asked
+        kv = "" if not (reserved or options.expert_cache_asked) else (
+            f" and {reserved_words(reserved, options.expert_cache_asked, advice=True)}")
         raise BudgetError(
             f"option 'memory_budget' ({format_bytes(options.memory_budget, as_option=True)}, "
             f"{options.memory_budget} bytes) "
@@ -392,9 +396,23 @@ def plan(model: nn.Module, stack: LayerStack, options: OffloadOptions, costs: Gr
     best = rank(fitting, total <= budget, cost_model, tokens)[:runner_ups + 1]
     result = PlannerResult(budget, total, minimum, tuple(tokens), best[0], best[1:],
                            len(fitting) + (total <= budget), cost_model,
-                           time.perf_counter() - started, fitting, reserved)
+                           time.perf_counter() - started, fitting, reserved,
+                           options.expert_cache_asked)
     log.info("fx_offload: %s", result)
     return result
+
+
+def reserved_words(kv_bytes: int, cache_bytes: int, advice: bool = False) -> str:
+    """The device bytes of a budget set aside before the weights, in words (``advice``:
+    with how to make the KV cache's smaller)."""
+    parts = []
+    if kv_bytes:
+        parts.append(f"the KV cache's {format_bytes(kv_bytes)} on the device" + (
+            " (the layers it keeps there and its slots: a shorter max_cache_len, a smaller "
+            "batch or fewer kv_slots make it smaller)" if advice else ""))
+    if cache_bytes:
+        parts.append(f"expert_cache's {format_bytes(cache_bytes)}")
+    return " and ".join(parts)
 
 
 def rank(fitting: list[Candidate], resident_fits: bool, cost_model: CostModel,

@@ -43,6 +43,8 @@ class Choice:
     # (selection.experts); the pass routes a chunk of them where a graph reads only the rows
     # its router picked, and records here why it did not where it could not
     experts: dict = dataclasses.field(default_factory=dict)
+    # device bytes that keep each routed layer's most-picked experts (runtime.expert_cache)
+    expert_cache: int = 0
     # filled by the pass: layer -> {chunk: "routed"} or {chunk: why it moves whole}
     routing: dict = dataclasses.field(default_factory=dict)
 

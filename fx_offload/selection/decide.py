@@ -61,10 +61,24 @@ def choose(model: nn.Module, options: OffloadOptions, graph=None, layer_frame: b
                     hook_starts_entry=options.hook_starts_entry, compress=options.compress,
                     uncompressed_weights=options.uncompressed_weights,
                     under_cuda_graphs=options.mode == "reduce-overhead",
-                    experts=expert_tensors(params) if options.experts == "routed" else {})
+                    experts=expert_tensors(params) if options.experts == "routed" else {},
+                    expert_cache=_expert_cache(options, planner))
     if planner is None:
         _warn_if_little_saved(choice)
     return choice
+
+
+def _expert_cache(options: OffloadOptions, planner) -> int:
+    """Device bytes for the routed layers' most-picked experts: as asked, or under
+    ``"auto"`` what the plan leaves of ``memory_budget`` (the device memory the user gave
+    for weights; the cached experts are weights).  Without a budget, none: memory the user
+    did not give may be the KV cache's or the activations'."""
+    if options.experts != "routed":
+        return 0
+    if options.expert_cache != "auto":
+        return options.expert_cache
+    return 0 if planner is None else max(planner.budget - planner.chosen.candidate.weights_bytes,
+                                         0)
 
 
 LITTLE_SAVED = 0.1      # of the offloaded bytes: less saved than this earns a warning

@@ -1,0 +1,168 @@
+"""A device-resident cache of each routed MoE layer's most-picked experts (option
+``expert_cache``, bytes): a picked expert held there is copied into the slot from device
+memory, so it does not cross the link.  The gather (:mod:`.gather`) takes each picked row
+from one place or the other::
+
+    gather_rows(host, slot, mask, cache, where)   # program (e, b): if mask[e], block b of
+                                                  # row e from cache[where[e]] where that is
+                                                  # >= 0, else from host[e] (across the link)
+    counts[L] += mask                             # how often each expert was picked
+
+*How many.*  Each routed layer keeps the same number of experts, as many as the budget
+holds of one expert of every such layer (all its expert tensors).  The tensors are made
+when the slots are, before any CUDA graph is captured: a graph's gather reads them at fixed
+addresses, and what they hold may change between replays.
+
+*Which.*  The device counts the picks of every gather (a replayed graph counts too).
+Between calls, after 4, 8, 16, 32 and 64 calls and every 64 after that, the most-picked
+experts of each layer replace those cached (only the newcomers are copied, from the host
+block), and the counts are halved, so that recent calls weigh most.  Reading the counts
+waits for the device, once per refresh.
+
+*Correctness.*  The cache is a copy of the weights, as a slot is: a layer whose weights
+changed since its rows were copied (the version counters, or the call's look at what the
+user did) has them copied again as the call begins, before anything reads them.  Outputs do
+not depend on what is cached: a row comes from the cache or from the host, both the truth.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..errors import OffloadError
+from ..text import format_bytes
+
+log = logging.getLogger("fx_offload")
+FIRST_REFRESHES = (4, 8, 16, 32, 64)    # calls after which the cached experts are chosen
+REFRESH_EVERY = 64                      # and then every this many calls
+
+
+class ExpertCache:
+    """The cached experts of one model's routed layers: their device rows, and per layer
+    ``where`` (expert -> its row, -1 for none) and the pick counts."""
+
+    def __init__(self, choice, masters: dict[int, dict[str, torch.Tensor]], budget: int,
+                 asked: bool = True):
+        """``budget``: device bytes; ``asked``: given as the option (else what
+        ``memory_budget`` left, and too little for one expert is no news)."""
+        # per layer, the expert tensors of its largest expert count (a scale of another
+        # count is left to the host)
+        self.suffixes = {layer: tuple(s for s, n in tensors.items() if n == max(tensors.values()))
+                         for layer, tensors in choice.experts.items()}
+        counts = {layer: max(tensors.values()) for layer, tensors in choice.experts.items()}
+        one = sum(masters[layer][s][0].nbytes for layer, ss in self.suffixes.items()
+                  for s in ss)
+        self.rows = min([budget // max(one, 1)] + list(counts.values()))
+        self.tensors: dict[int, dict[str, torch.Tensor]] = {}
+        self.where: dict[int, torch.Tensor] = {}
+        self.held: dict[int, list[int]] = {}        # layer -> expert of each row (-1: none)
+        self._copied_at: dict[int, tuple] = {}      # layer -> its versions when copied
+        self.calls = 0
+        if not self.rows:
+            say = log.warning if asked else log.info
+            say("fx_offload: %s: expert_cache (%s) holds less than one expert of each routed "
+                "MoE layer (%s): nothing is cached; give it at least %s", choice.model_name,
+                format_bytes(budget), format_bytes(one), format_bytes(one))
+            self._counts = None
+            return
+        device, widest = choice.device, max(counts.values())
+        self._counts = torch.zeros((len(counts), widest), dtype=torch.int32, device=device)
+        self.counts = {layer: self._counts[i, :n] for i, (layer, n) in
+                       enumerate(sorted(counts.items()))}
+        try:
+            self.tensors = {layer: {s: _rows(self.rows, masters[layer][s], device) for s in ss}
+                            for layer, ss in self.suffixes.items()}
+        except torch.OutOfMemoryError as error:
+            raise OffloadError(
+                f"option 'expert_cache' ({format_bytes(budget, as_option=True)}) does not fit "
+                f"on {device} beside the slots: {error}. Lower it (one expert of each routed "
+                f"layer takes {format_bytes(one)})") from None
+        for layer in self.suffixes:
+            # one entry more than experts, as the gather's mask has (out-of-range ids)
+            self.where[layer] = torch.full((counts[layer] + 1,), -1, dtype=torch.int32,
+                                           device=device)
+            self.held[layer] = [-1] * self.rows
+        log.info("fx_offload: %s: expert_cache keeps %d expert(s) of each of %d routed "
+                 "layer(s) on the device (%s)", choice.model_name, self.rows, len(counts),
+                 format_bytes(self.nbytes))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for ts in self.tensors.values() for t in ts.values())
+
+    def source(self, layer: int, suffix: str):
+        """``(cache rows, where)`` of ``layer``'s expert tensor ``suffix``, or ``(None,
+        None)`` where it is not cached."""
+        rows = self.tensors.get(layer, {}).get(suffix)
+        return (None, None) if rows is None else (rows, self.where[layer])
+
+    def hits(self, layer: int, mask: torch.Tensor, count: int) -> torch.Tensor:
+        """Count the experts ``mask`` picks of ``layer`` (for the next refresh); the
+        number of them the cache holds, on the device."""
+        self.counts[layer].add_(mask[:count])
+        return (mask[:count] * (self.where[layer][:count] >= 0)).sum()
+
+    def between_calls(self, masters, versions) -> None:
+        """A call begins (outside any CUDA graph, after its look at what the user changed):
+        at a refresh, cache the most-picked experts of each layer."""
+        self.calls += 1
+        due = self.calls in FIRST_REFRESHES or (self.calls > FIRST_REFRESHES[-1] and
+                                                self.calls % REFRESH_EVERY == 0)
+        if not self.tensors or not due:
+            return
+        counts = self._counts.tolist()          # waits for the device
+        for i, layer in enumerate(sorted(self.counts)):
+            picked = counts[i][:self.counts[layer].numel()]
+            best = sorted(range(len(picked)), key=lambda e: -picked[e])    # room: unpicked too
+            self._cache(layer, set(best[:self.rows]), masters[layer], versions(layer))
+        self._counts.floor_divide_(2)
+        log.debug("fx_offload: expert_cache refreshed after %d calls", self.calls)
+
+    def reload_changed(self, layers: set[int], masters, versions) -> None:
+        """Copy the cached rows of every layer in ``layers`` (their weights changed) or
+        whose version counters moved since its rows were copied."""
+        for layer, held in self.held.items():
+            if any(e >= 0 for e in held) and \
+                    (layer in layers or self._copied_at.get(layer) != versions(layer)):
+                log.debug("fx_offload: layer %d changed: its cached experts copied again",
+                          layer)
+                self._copy_rows(layer, range(self.rows), masters[layer], versions(layer))
+
+    def _cache(self, layer: int, wanted: set[int], masters, version) -> None:
+        """Hold the experts ``wanted`` of ``layer``: newcomers take the rows of those not
+        wanted any more, or empty ones."""
+        held = self.held[layer]
+        free = [r for r, e in enumerate(held) if e not in wanted]
+        new = sorted(wanted - set(held))
+        for r, e in zip(free, new):
+            held[r] = e
+        self._copy_rows(layer, free[:len(new)], masters, version)
+
+    def _copy_rows(self, layer: int, rows, masters, version) -> None:
+        """Copy the held experts of ``rows`` from the host and publish ``where``, on the
+        current stream (after the replays begun before it, before those after)."""
+        held = self.held[layer]
+        with torch.no_grad():
+            for r in rows:
+                for s, t in self.tensors[layer].items():
+                    if held[r] >= 0:
+                        t[r].copy_(masters[s][held[r]])
+            where = [-1] * self.where[layer].numel()
+            for r, e in enumerate(held):
+                if e >= 0:
+                    where[e] = r
+            self.where[layer].copy_(torch.tensor(where, dtype=torch.int32))
+        self._copied_at[layer] = version
+
+    def held_last(self) -> dict[int, int]:
+        """Layer -> experts it holds."""
+        return {layer: sum(e >= 0 for e in held) for layer, held in self.held.items()}
+
+    def release(self) -> None:
+        self.tensors, self.where, self.held, self._counts = {}, {}, {}, None
+
+
+def _rows(count: int, like: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Room on ``device`` for ``count`` experts of the expert tensor ``like``."""
+    return torch.empty((count,) + like.shape[1:], dtype=like.dtype, device=device)
