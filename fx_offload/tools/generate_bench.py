@@ -260,8 +260,12 @@ def measure(model, prompt, args, repeats: int | None = None, extra=None, steps=F
     for ``generate``.  ``steps``: decode is the median time between two decode steps of the
     timed generates (a step clock in ``generate``'s stopping criteria, which ``generate``
     reaches once a token, just before it waits for the token), rather than the difference of
-    two medians (whose noise, a prefill's over ``N - 1``, grows with the prefill)."""
+    two medians (whose noise, a prefill's over ``N - 1``, grows with the prefill).
+    ``prompt`` may be a list: the warm-up and the prefill take the first, each timed
+    generate the next one (what a cache that learns from the calls before sees anew)."""
     from transformers import StoppingCriteria, StoppingCriteriaList
+    prompts = list(prompt) if isinstance(prompt, (list, tuple)) else [prompt]
+    prompt = prompts[0]
     repeats = repeats or args.repeats
     ticks: list[list[float]] = []
 
@@ -270,7 +274,7 @@ def measure(model, prompt, args, repeats: int | None = None, extra=None, steps=F
             ticks[-1].append(time.perf_counter())
             return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
-    def generate(n):
+    def generate(n, prompt=prompt):
         ticks.append([])
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -285,7 +289,8 @@ def measure(model, prompt, args, repeats: int | None = None, extra=None, steps=F
     generate(1)
     prefill = statistics.median(generate(1)[0] for _ in range(repeats))
     del ticks[:]
-    timed = [generate(args.new_tokens) for _ in range(repeats)]
+    timed = [generate(args.new_tokens, prompts[1 + i % (len(prompts) - 1)]
+                      if len(prompts) > 1 else prompt) for i in range(repeats)]
     full = statistics.median(ms for ms, _ in timed)
     decode = (full - prefill) / (args.new_tokens - 1)
     if steps:   # ticks[i][0] follows the prefill; each gap after it is one decode step

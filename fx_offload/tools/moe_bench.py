@@ -17,7 +17,11 @@ criteria, reached once a token).  The bound of a decode step is the bytes its la
 counted on the device) over the pinned host-to-device bandwidth measured in
 the same process.  Tokens are compared with the resident model's.  ``--profile`` also
 traces one ``generate`` per fx_offload row and batch and prints how busy the link was over
-its decode steps, the gather kernels counted with the copies.  Needs a GPU and
+its decode steps, the gather kernels counted with the copies.  ``--expert-cache`` adds
+routed rows with a device cache of each layer's most-picked experts (option
+``expert_cache``): ``cached`` is the GiB of picked experts a step found there (they did not
+cross the link), ``x routed`` the step against the bound of every routed byte, those
+included; ``x bound`` stays against the bytes that crossed.  Needs a GPU and
 ``transformers``.
 """
 from __future__ import annotations
@@ -42,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefetch-step", type=int, default=2)
     parser.add_argument("--experts", default="whole,routed",
                         help="comma-separated experts values of the fx_offload rows")
+    parser.add_argument("--expert-cache", default="0",
+                        help="comma-separated expert_cache sizes of the routed rows (bytes, or "
+                             "such as 1GiB; 0: none): a row each")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--methods", default="resident,fx_offload,accelerate",
                         help="comma-separated among resident, fx_offload, accelerate")
@@ -80,9 +87,11 @@ def run(args: argparse.Namespace) -> int:
     def build():
         return build_random(Qwen3MoeForCausalLM, config)
 
-    prompts = {b: torch.randint(0, config.vocab_size, (b, args.prompt), device="cuda",
-                                generator=torch.Generator("cuda").manual_seed(b))
-               for b in batches}
+    # a prompt to warm up on and one per timed generate: no row decodes a sequence it saw
+    # (an expert cache would learn its experts exactly)
+    prompts = {b: [torch.randint(0, config.vocab_size, (b, args.prompt), device="cuda",
+                                 generator=torch.Generator("cuda").manual_seed(1000 * b + i))
+                   for i in range(args.repeats + 1)] for b in batches}
     rows, tokens, moved = {}, {}, {}
     methods = [m for m in args.methods.split(",") if m]
     graphs = " + CUDA graphs" if args.cuda_graphs else ""
@@ -96,22 +105,25 @@ def run(args: argparse.Namespace) -> int:
                 measure(model, prompts[b], args, extra=extra, steps=True)
         del model
         _free()
-    for experts in [e for e in args.experts.split(",") if e] if "fx_offload" in methods else []:
+    rows_of = [(e, c) for e in args.experts.split(",") if e
+               for c in (args.expert_cache.split(",") if e == "routed" else ["0"])]
+    for experts, cache in rows_of if "fx_offload" in methods else []:
         torch._dynamo.reset()
         model = build()
         options = dict(group_size=1, num_in_group=1, prefetch_step=args.prefetch_step,
-                       experts=experts)
+                       experts=experts, expert_cache=cache if cache != "0" else None)
         extra = _graphs(backend(**options)) if args.cuda_graphs else {}
         if not args.cuda_graphs:
             compile_forward(model, dynamic=True, **options)
         name = (f"fx_offload, {args.layers} layers, {args.prefetch_step} slots, "
-                f"experts={experts!r}{graphs}")
+                f"experts={experts!r}" + (f", cache {cache}" if cache != "0" else "")
+                + graphs)
         for b in batches:
             rows[(name, b)], tokens[(name, b)] = measure(model, prompts[b], args, extra=extra,
                                                          steps=True)
             moved[(name, b)] = _step_bytes(model)
             if args.profile:
-                _profile(model, prompts[b], extra)
+                _profile(model, prompts[b][0], extra)
         print(report(model), flush=True)
         del model
         _free()
@@ -126,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
                 cpu_offload(layer, execution_device=torch.device("cuda"))
             name = f"accelerate cpu_offload, {args.layers} layers (eager)"
             for b in batches:
-                rows[(name, b)], tokens[(name, b)] = measure(model, prompts[b], args, 1,
+                first_last = [prompts[b][0], prompts[b][-1]]    # the others' last tokens
+                rows[(name, b)], tokens[(name, b)] = measure(model, first_last, args, 1,
                                                              steps=True)
             del model
     torch.cuda.empty_cache()
@@ -161,34 +174,39 @@ def _profile(model, prompt, extra, new_tokens: int = 6) -> None:
 
 
 def _print_table(rows, tokens, moved, bandwidth) -> None:
-    print(f"\n{'method':62s} {'batch':>5s} {'prefill ms':>10s} {'decode ms/tok':>13s} "
-          f"{'GiB/step':>8s} {'x bound':>8s} {'x whole':>8s} {'same tokens':>11s}")
+    print(f"\n{'method':72s} {'batch':>5s} {'prefill ms':>10s} {'decode ms/tok':>13s} "
+          f"{'GiB/step':>8s} {'x bound':>8s} {'cached':>8s} {'x routed':>8s} {'x whole':>8s} "
+          f"{'same tokens':>11s}")
     for (name, b), (prefill, decode) in rows.items():
         ref = tokens.get(("resident", b))
         same = "-" if ref is None or name.startswith("resident") else (
             "yes" if torch.equal(tokens[(name, b)], ref) else "NO")
-        nbytes = moved.get((name, b))
+        nbytes, cached = moved.get((name, b), (None, 0))
         bound = decode / (nbytes / bandwidth * 1e3) if nbytes else float("nan")
+        # against the bound of every routed byte, those the expert cache held included
+        routed = decode / ((nbytes + cached) / bandwidth * 1e3) if nbytes else float("nan")
         whole = next((d for (n, bb), (_, d) in rows.items()
                       if bb == b and "experts='whole'" in n), None)
         to_whole = decode / whole if whole and nbytes else float("nan")
         gib = f"{nbytes / 2**30:8.3f}" if nbytes else f"{'-':>8s}"
-        print(f"{name:62s} {b:5d} {prefill:10.1f} {decode:13.2f} {gib} {bound:8.3f} "
-              f"{to_whole:8.3f} {same:>11s}")
+        print(f"{name:72s} {b:5d} {prefill:10.1f} {decode:13.2f} {gib} {bound:8.3f} "
+              f"{cached / 2**30:8.3f} {routed:8.3f} {to_whole:8.3f} {same:>11s}")
 
 
-def _step_bytes(model) -> int:
+def _step_bytes(model) -> tuple[int, int]:
     """Bytes the last decode step had to move: every offloaded byte but the expert tensors',
-    plus the expert rows it gathered (counted on the device, replays of a CUDA graph too)
-    where experts are routed, else every expert's.  (``copied_bytes_last_call`` counts the
-    copies the host began: not those a replayed CUDA graph repeats.)"""
+    plus the expert rows it gathered across the link (counted on the device, replays of a
+    CUDA graph too) where experts are routed, else every expert's; and the bytes of picked
+    experts the expert cache held (they did not cross).  (``copied_bytes_last_call`` counts
+    the copies the host began: not those a replayed CUDA graph repeats.)"""
     rep = report(model)
     state = registry.state_for_model(model)
     expert_bytes = sum(p.nbytes for layer, tensors in state.choice.experts.items()
                        for p in state.params[layer] if p.suffix in tensors)
     routed = any(v.startswith("routed") for v in rep.experts.values())
     gathered = int(state.routed.gathered) if routed else expert_bytes
-    return sum(rep.layer_bytes.values()) - expert_bytes + gathered
+    cached = int(state.routed.cached_bytes) if routed else 0
+    return sum(rep.layer_bytes.values()) - expert_bytes + gathered, cached
 
 
 def _free() -> None:
