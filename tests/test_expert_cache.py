@@ -253,3 +253,9 @@ def test_a_cache_that_does_not_fit_on_the_device_says_what_to_lower(monkeypatch)
     with torch.no_grad():
         assert torch.equal(model(ids, use_cache=False).logits,
                            reference(ids, use_cache=False).logits)
+    # place() too: the cache is made before any host block, so no parameter moved
+    before = {n: p.data_ptr() for n, p in model.named_parameters()}
+    with pytest.raises(OffloadError, match="option 'expert_cache' .* does not fit"):
+        fx_offload.place(model, "cpu", expert_cache=2 * 16 * EXPERT)
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == before
+    assert registry.state_for_model(model) is None

@@ -279,8 +279,7 @@ def test_host_memory_the_device_cannot_read_moves_experts_whole(caplog):
     import types
     from fx_offload.runtime.routed import RoutedExperts
     choice = types.SimpleNamespace(routing={1: {1: "routed"}}, experts={1: {"w": 8}},
-                                   device=torch.device("meta"), model_name="M",
-                                   expert_cache=1 << 30)
+                                   device=torch.device("meta"), model_name="M")
     with caplog.at_level(logging.WARNING, "fx_offload"):
         routed = RoutedExperts(choice, types.SimpleNamespace(pinned=False))
     assert "not page-locked" in caplog.text

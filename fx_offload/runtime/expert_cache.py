@@ -42,17 +42,19 @@ class ExpertCache:
     """The cached experts of one model's routed layers: their device rows, and per layer
     ``where`` (expert -> its row, -1 for none) and the pick counts."""
 
-    def __init__(self, choice, masters: dict[int, dict[str, torch.Tensor]], budget: int,
-                 asked: bool = True):
+    def __init__(self, choice, budget: int, asked: bool = True):
         """``budget``: device bytes; ``asked``: given as the option (else what
-        ``memory_budget`` left, and too little for one expert is no news)."""
+        ``memory_budget`` left, and too little for one expert is no news).  Made before
+        the host blocks, from the parameters' shapes (expert tensors are plain ones), so
+        that running out of device memory here leaves every parameter untouched."""
         # per layer, the expert tensors of its largest expert count (a scale of another
         # count is left to the host)
         self.suffixes = {layer: tuple(s for s, n in tensors.items() if n == max(tensors.values()))
                          for layer, tensors in choice.experts.items()}
         counts = {layer: max(tensors.values()) for layer, tensors in choice.experts.items()}
-        one = sum(masters[layer][s][0].nbytes for layer, ss in self.suffixes.items()
-                  for s in ss)
+        like = {layer: {p.suffix: p.param for p in choice.params[layer] if p.suffix in ss}
+                for layer, ss in self.suffixes.items()}
+        one = sum(t[0].numel() * t.element_size() for ts in like.values() for t in ts.values())
         self.rows = min([budget // max(one, 1)] + list(counts.values()))
         self.tensors: dict[int, dict[str, torch.Tensor]] = {}
         self.where: dict[int, torch.Tensor] = {}
@@ -71,8 +73,8 @@ class ExpertCache:
         self.counts = {layer: self._counts[i, :n] for i, (layer, n) in
                        enumerate(sorted(counts.items()))}
         try:
-            self.tensors = {layer: {s: _rows(self.rows, masters[layer][s], device) for s in ss}
-                            for layer, ss in self.suffixes.items()}
+            self.tensors = {layer: {s: _rows(self.rows, t, device) for s, t in ts.items()}
+                            for layer, ts in like.items()}
         except torch.OutOfMemoryError as error:
             raise OffloadError(
                 f"option 'expert_cache' ({format_bytes(budget, as_option=True)}) does not fit "
@@ -164,5 +166,13 @@ class ExpertCache:
 
 
 def _rows(count: int, like: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Room on ``device`` for ``count`` experts of the expert tensor ``like``."""
+    """Room on ``device`` for ``count`` experts of the expert tensor ``like`` (which may be
+    on the meta device)."""
     return torch.empty((count,) + like.shape[1:], dtype=like.dtype, device=device)
+
+
+def make(choice) -> ExpertCache | None:
+    """The expert cache ``choice`` asks for, or None."""
+    if not (choice.experts and choice.expert_cache):
+        return None
+    return ExpertCache(choice, choice.expert_cache, choice.options.expert_cache != "auto")

@@ -41,7 +41,7 @@ class RoutedExperts:
     """The routed chunks of one model, the device-side copies of their picked rows, and the
     per-call choice between gathering and whole-chunk prefetch."""
 
-    def __init__(self, choice, buffers):
+    def __init__(self, choice, buffers, cache: ExpertCache | None = None):
         self.routing, self.experts = choice.routing, choice.experts
         self.buffers = buffers
         self.share: float | None = None     # of the latest call's routed waits
@@ -69,10 +69,7 @@ class RoutedExperts:
                 "its host memory is not page-locked"
             log.warning("fx_offload: %s: %s, so the device cannot read expert rows from the "
                         "host: its expert tensors move whole", choice.model_name, why)
-        asked = getattr(choice, "options", None) is None or \
-            choice.options.expert_cache != "auto"
-        self.cache = ExpertCache(choice, buffers.masters, choice.expert_cache, asked) \
-            if choice.experts and choice.expert_cache and self.usable else None
+        self.cache = cache if self.usable else None     # (expert_cache.make)
 
     def routes(self, layer: int, chunk) -> bool:
         """``layer``'s ``chunk`` is routed (some graph waits for it with ``wait_routed``)."""

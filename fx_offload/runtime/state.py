@@ -45,6 +45,7 @@ from torch import nn
 
 from .. import layout, registry
 from ..schedule import Schedule
+from . import expert_cache
 from .circular import CircularStart
 from .contents import Pending, SlotContents
 from .contents import capturing as _capturing
@@ -75,8 +76,7 @@ class OffloadState(Ownership, RoutedWait, HookCopies):
         self.buffers: SlotBuffers | None = None
         self.contents = SlotContents(choice.layout, self.schedule.slot_of, self.num_slots)
         self._events: dict[tuple[int, int], tuple] = {}   # (layer, chunk) -> (fork, done)
-        self.copy_stream, self.materialized, self.restored = None, False, False
-        self.hooks: list = []
+        self.copy_stream, self.materialized, self.restored, self.hooks = None, False, False, []
         self.stats = {"prefetches": 0, "sync_loads": 0}
         # the refills the call hook begins, worked out once rather than on every call
         self._init_hook_copies(choice)
@@ -116,8 +116,9 @@ class OffloadState(Ownership, RoutedWait, HookCopies):
         take = functools.partial(_hold_masters, self.params, placed)
         handover = {p.name: (p.ptrs(), p.versions()) for ps in self.params.values() for p in ps}
         layout.arrange(self.choice)     # a model placed before any graph: arranged now
+        cache = expert_cache.make(self.choice)     # before anything touches a parameter
         buffers = SlotBuffers(self.choice, take if hand_over else None, fill)
-        self.routed = RoutedExperts(self.choice, buffers)   # the expert cache's memory too
+        self.routed = RoutedExperts(self.choice, buffers, cache)
         if self.device.type == "cuda":
             self.copy_stream = torch.cuda.Stream(self.device)
             # made once: no event is created on the forward path
