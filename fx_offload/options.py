@@ -349,9 +349,10 @@ def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None 
 
 def _check_expert_cache(options: Mapping[str, Any], experts: str) -> int | str:
     value = options.get("expert_cache", "auto")
-    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and
-                           value == 0):
+    if value == "auto":
         return value
+    if _is_zero(value):
+        return 0
     try:
         size = parse_size("expert_cache", value)
     except OffloadError:
@@ -365,6 +366,16 @@ def _check_expert_cache(options: Mapping[str, Any], experts: str) -> int | str:
             "picked experts of each routed MoE layer on the device, and applies with "
             f"experts='routed' only, got experts={experts!r}: drop one of them")
     return size
+
+
+def _is_zero(value: Any) -> bool:
+    """``value`` is a size of nothing: ``0``, ``0.0``, ``"0"``, ``"0B"``, ``"0 GiB"``."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, (int, float)):
+        return value == 0
+    match = _SIZE.match(value) if isinstance(value, str) else None
+    return bool(match and match.group(2).lower() in _UNITS and float(match.group(1)) == 0)
 
 
 def _check_kv_options(options: Mapping[str, Any]) -> dict[str, Any]:

@@ -10,6 +10,8 @@ def format_bytes(n: int, as_option: bool = False) -> str:
     """``1.50 GiB`` for people; ``as_option``: ``1.5GiB``, the compact form an option value
     is written in (``memory_budget=1.5GiB``), which :func:`fx_offload.options.parse_size`
     reads back."""
+    if n < 0:       # a difference that came out negative (device memory "saved")
+        return "-" + format_bytes(-n, as_option)
     for unit, size in _BINARY_UNITS:
         if n >= size and (as_option or unit != "TiB"):
             return f"{n / size:.4g}{unit}" if as_option else f"{n / size:.2f} {unit}"

@@ -47,9 +47,9 @@ class Report:
     # MoE layers: layer -> how its expert tensors move ("routed (128 experts)": only the
     # experts its tokens picked; "whole: <why>")
     experts: dict[int, str] = dataclasses.field(default_factory=dict)
-    # option expert_cache: (experts kept per routed layer, device bytes, bytes the last
-    # call's picked experts found there instead of crossing the link)
-    expert_cache: tuple[int, int, int] | None = None
+    # option expert_cache: (room in experts per routed layer, device bytes, bytes the last
+    # call's picked experts found there instead of crossing the link, experts held now)
+    expert_cache: tuple[int, int, int, int] | None = None
     # kv_cache="host": HostKV.summary() (host and slot bytes, what a decode step moves)
     kv: dict = dataclasses.field(default_factory=dict)
 
@@ -112,10 +112,11 @@ class Report:
                             f"{format_bytes(raw - in_file)} in host memory" if in_file
                             else " besides the weights"))
         if self.expert_cache is not None:
-            rows, nbytes, hit = self.expert_cache
-            lines.append(f"  expert cache: the {rows} most picked expert(s) of each routed "
-                         f"layer on the device ({format_bytes(nbytes)}); the last call found "
-                         f"{format_bytes(hit)} of its picked experts there")
+            rows, nbytes, hit, held = self.expert_cache
+            lines.append(f"  expert cache: room for the {rows} most picked expert(s) of each "
+                         f"routed layer on the device ({format_bytes(nbytes)}), {held} held "
+                         f"now; the last call found {format_bytes(hit)} of its picked "
+                         "experts there")
         if self.copied_bytes_last_call:
             lines.append(f"  the last call copied {format_bytes(self.copied_bytes_last_call)}"
                          + (" outside CUDA graphs (a replay's own copies are not counted)"
@@ -150,7 +151,7 @@ def _expert_cache(state) -> tuple[int, int, int] | None:
     cache = None if routed is None else routed.cache
     if cache is None or not cache.tensors:
         return None
-    return cache.rows, cache.nbytes, int(routed.cached_bytes)
+    return cache.rows, cache.nbytes, int(routed.cached_bytes), cache.held_now()
 
 
 def experts_moved(choice, routed=None) -> dict[int, str]:

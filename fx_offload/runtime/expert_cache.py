@@ -15,14 +15,16 @@ addresses, and what they hold may change between replays.
 
 *Which.*  The device counts the picks of every gather (a replayed graph counts too).
 Between calls, after 4, 8, 16, 32 and 64 calls and every 64 after that, the most-picked
-experts of each layer replace those cached (only the newcomers are copied, from the host
-block), and the counts are halved, so that recent calls weigh most.  Reading the counts
-waits for the device, once per refresh.
+experts of each layer replace those cached, every held row is copied from the host block
+again, and the counts are halved, so that recent calls weigh most.  A refresh waits for
+the device.  A layer whose graph moves its experts whole keeps none.
 
 *Correctness.*  The cache is a copy of the weights, as a slot is: a layer whose weights
 changed since its rows were copied (the version counters, or the call's look at what the
-user did) has them copied again as the call begins, before anything reads them.  Outputs do
-not depend on what is cached: a row comes from the cache or from the host, both the truth.
+user did) has them copied again as the call begins, before anything reads them.  A write
+no counter sees (through ``.data``) reaches them at the next refresh.  A row being written
+is unpublished first, so an error part-way leaves none that ``where`` names half-filled.
+Outputs do not depend on what is cached: a row comes from the cache or from the host.
 """
 from __future__ import annotations
 
@@ -60,6 +62,7 @@ class ExpertCache:
         self.where: dict[int, torch.Tensor] = {}
         self.held: dict[int, list[int]] = {}        # layer -> expert of each row (-1: none)
         self._copied_at: dict[int, tuple] = {}      # layer -> its versions when copied
+        self.read: set[int] = set()                 # layers a gather was given rows of
         self.calls = 0
         if not self.rows:
             say = log.warning if asked else log.info
@@ -68,7 +71,8 @@ class ExpertCache:
                 format_bytes(budget), format_bytes(one), format_bytes(one))
             self._counts = None
             return
-        device, widest = choice.device, max(counts.values())
+        self.device = device = choice.device
+        widest = max(counts.values())
         self._counts = torch.zeros((len(counts), widest), dtype=torch.int32, device=device)
         self.counts = {layer: self._counts[i, :n] for i, (layer, n) in
                        enumerate(sorted(counts.items()))}
@@ -97,7 +101,10 @@ class ExpertCache:
         """``(cache rows, where)`` of ``layer``'s expert tensor ``suffix``, or ``(None,
         None)`` where it is not cached."""
         rows = self.tensors.get(layer, {}).get(suffix)
-        return (None, None) if rows is None else (rows, self.where[layer])
+        if rows is None:
+            return None, None
+        self.read.add(layer)        # a captured graph may hold these addresses: kept
+        return rows, self.where[layer]
 
     def hits(self, layer: int, mask: torch.Tensor, count: int) -> torch.Tensor:
         """Count the experts ``mask`` picks of ``layer`` (for the next refresh); the
@@ -105,61 +112,98 @@ class ExpertCache:
         self.counts[layer].add_(mask[:count])
         return (mask[:count] * (self.where[layer][:count] >= 0)).sum()
 
-    def between_calls(self, masters, versions) -> None:
+    def between_calls(self, masters, versions, routing) -> None:
         """A call begins (outside any CUDA graph, after its look at what the user changed):
-        at a refresh, cache the most-picked experts of each layer."""
+        free the rows of layers no gather has read (a CUDA graph captured with them would
+        read them at their addresses) that a graph moves whole (``routing``, the pass's)
+        or, at a refresh, that no graph routes (a layer compiled on its own frame); at a
+        refresh, cache the most-picked experts."""
         self.calls += 1
         due = self.calls in FIRST_REFRESHES or (self.calls > FIRST_REFRESHES[-1] and
                                                 self.calls % REFRESH_EVERY == 0)
+        for layer in [layer for layer in self.tensors if layer not in self.read and
+                      (layer in routing or due) and
+                      "routed" not in routing.get(layer, {}).values()]:
+            log.info("fx_offload: layer %d's experts move whole: the expert cache keeps "
+                     "none of them", layer)
+            self._drop(layer)
         if not self.tensors or not due:
             return
-        counts = self._counts.tolist()          # waits for the device
+        self._settle()
+        counts = self._counts.tolist()
         for i, layer in enumerate(sorted(self.counts)):
-            picked = counts[i][:self.counts[layer].numel()]
-            best = sorted(range(len(picked)), key=lambda e: -picked[e])    # room: unpicked too
-            self._cache(layer, set(best[:self.rows]), masters[layer], versions(layer))
+            if layer in self.tensors:
+                picked = counts[i][:self.counts[layer].numel()]
+                best = sorted(range(len(picked)), key=lambda e: -picked[e])  # room: unpicked too
+                self._cache(layer, set(best[:self.rows]), masters[layer], versions(layer))
         self._counts.floor_divide_(2)
         log.debug("fx_offload: expert_cache refreshed after %d calls", self.calls)
 
     def reload_changed(self, layers: set[int], masters, versions) -> None:
         """Copy the cached rows of every layer in ``layers`` (their weights changed) or
         whose version counters moved since its rows were copied."""
-        for layer, held in self.held.items():
-            if any(e >= 0 for e in held) and \
-                    (layer in layers or self._copied_at.get(layer) != versions(layer)):
-                log.debug("fx_offload: layer %d changed: its cached experts copied again",
-                          layer)
-                self._copy_rows(layer, range(self.rows), masters[layer], versions(layer))
+        changed = [layer for layer, held in self.held.items() if any(e >= 0 for e in held)
+                   and (layer in layers or self._copied_at.get(layer) != versions(layer))]
+        if changed:
+            self._settle()
+        for layer in changed:
+            log.debug("fx_offload: layer %d changed: its cached experts copied again", layer)
+            held = self.held[layer]
+            self._fill(layer, [(r, e) for r, e in enumerate(held) if e >= 0], masters[layer],
+                       versions(layer))
 
     def _cache(self, layer: int, wanted: set[int], masters, version) -> None:
         """Hold the experts ``wanted`` of ``layer``: newcomers take the rows of those not
-        wanted any more, or empty ones."""
+        wanted any more, or empty ones.  Those kept are copied again too: a write that
+        moves no version counter (through ``.data``) reaches them here at the latest."""
         held = self.held[layer]
         free = [r for r, e in enumerate(held) if e not in wanted]
         new = sorted(wanted - set(held))
-        for r, e in zip(free, new):
-            held[r] = e
-        self._copy_rows(layer, free[:len(new)], masters, version)
+        kept = [(r, e) for r, e in enumerate(held) if e in wanted]
+        self._fill(layer, kept + list(zip(free, new)), masters, version)
 
-    def _copy_rows(self, layer: int, rows, masters, version) -> None:
-        """Copy the held experts of ``rows`` from the host and publish ``where``, on the
-        current stream (after the replays begun before it, before those after)."""
+    def _fill(self, layer: int, rows, masters, version) -> None:
+        """Copy expert ``e`` from the host into row ``r`` for each ``(r, e)`` of ``rows``,
+        on the current stream (after the work begun before it, before the replays after).
+        A row is unpublished while it is written and counts as held only once its copy is
+        done, so an error part-way leaves no ``where`` entry naming a row it did not
+        fill."""
         held = self.held[layer]
-        with torch.no_grad():
-            for r in rows:
-                for s, t in self.tensors[layer].items():
-                    if held[r] >= 0:
-                        t[r].copy_(masters[s][held[r]])
-            where = [-1] * self.where[layer].numel()
-            for r, e in enumerate(held):
-                if e >= 0:
-                    where[e] = r
-            self.where[layer].copy_(torch.tensor(where, dtype=torch.int32))
+        for r, _ in rows:
+            held[r] = -1
+        self._publish(layer)
+        for r, e in rows:
+            self._copy_expert(layer, r, e, masters)
+            held[r] = e
+        self._publish(layer)
         self._copied_at[layer] = version
 
-    def held_last(self) -> dict[int, int]:
-        """Layer -> experts it holds."""
-        return {layer: sum(e >= 0 for e in held) for layer, held in self.held.items()}
+    @torch.no_grad()
+    def _copy_expert(self, layer: int, row: int, expert: int, masters) -> None:
+        for suffix, t in self.tensors[layer].items():
+            t[row].copy_(masters[suffix][expert])
+
+    def _publish(self, layer: int) -> None:
+        """``where`` of ``layer`` from what its rows hold."""
+        where = [-1] * self.where[layer].numel()
+        for r, e in enumerate(self.held[layer]):
+            if e >= 0:
+                where[e] = r
+        self.where[layer].copy_(torch.tensor(where, dtype=torch.int32))
+
+    def _settle(self) -> None:
+        """Wait for the device: a gather of a call on another stream may still read rows
+        about to be overwritten (and the counts are read)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _drop(self, layer: int) -> None:
+        for table in (self.tensors, self.where, self.held, self._copied_at):
+            table.pop(layer, None)
+
+    def held_now(self) -> int:
+        """Experts held, over all layers."""
+        return sum(e >= 0 for held in self.held.values() for e in held)
 
     def release(self) -> None:
         self.tensors, self.where, self.held, self._counts = {}, {}, {}, None

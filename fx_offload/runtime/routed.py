@@ -145,7 +145,7 @@ class RoutedExperts:
         """A call begins, its look at what the user changed done: the expert cache may
         choose anew which experts it keeps."""
         if self.cache is not None:
-            self.cache.between_calls(self.buffers.masters, versions)
+            self.cache.between_calls(self.buffers.masters, versions, self.routing)
 
     def reload_changed(self, layers: set[int], versions) -> None:
         """Cached experts of layers whose weights changed are copied again."""
