@@ -236,7 +236,7 @@ def activate(state: OffloadState, model: nn.Module, hand_over: bool, fill=None,
     hooks.strip_hooks(model, keep=kept)
     if not kept:
         spec = (state.choice.options, str(state.device),
-                layout.chunk_names(state.choice.layout))
+                layout.chunk_names(state.choice.layout), state.choice.planner)
         kept = [model.register_forward_pre_hook(EnterCall(*spec), with_kwargs=True),
                 model.register_forward_hook(LeaveCall(), always_call=True)]
     state.hooks = kept + hooks.install_layer_hooks(state)
@@ -244,8 +244,10 @@ def activate(state: OffloadState, model: nn.Module, hand_over: bool, fill=None,
 
 @torch.inference_mode(False)    # its tensors outlive a call under inference_mode
 def _offload_again(model: nn.Module, options: OffloadOptions, device: str,
-                   chunks=None) -> OffloadState:
-    choice = choose(model, options, device=torch.device(device))
+                   chunks=None, planner=None) -> OffloadState:
+    # under memory_budget, the plan the model had (no graph here to plan from; its layers
+    # are the same, in their new dtype or shape)
+    choice = choose(model, options, device=torch.device(device), planner=planner)
     if isinstance(choice, NothingOffloaded):   # pragma: no cover - place() refuses budgets
         raise OffloadError("nothing to offload", where="fx_offload")
     # the chunks the model had: a graph compiled for it (Dynamo shares one among copies)
@@ -263,8 +265,9 @@ class EnterCall(hooks.OurHook):
 
     at_root = True
 
-    def __init__(self, options: OffloadOptions, device: str, chunks=None):
-        self.options, self.device, self.chunks = options, device, chunks
+    def __init__(self, options: OffloadOptions, device: str, chunks=None, planner=None):
+        # planner: under memory_budget, the plan a copy (or the model in a new dtype) keeps
+        self.options, self.device, self.chunks, self.planner = options, device, chunks, planner
 
     @torch._dynamo.disable
     def __call__(self, module, args, kwargs=None):
@@ -309,7 +312,8 @@ class EnterCall(hooks.OurHook):
                     if old.restored:
                         return None         # fx_offload.restore got there first
                     old.detach(anew=True)
-            return _offload_again(module, self.options, self.device, self.chunks)
+            return _offload_again(module, self.options, self.device, self.chunks,
+                                  self.planner if old is None else old.choice.planner)
 
 
 def call_tokens(args, kwargs) -> int | None:

@@ -138,7 +138,7 @@ def test_the_cache_is_read_for_the_experts_it_holds(monkeypatch):
             t.zero_()
         for r, e in rows:
             self.held[layer][r] = e
-        self._publish(layer)                        # where[] published, no row copied
+        self._publish(layer, self.held[layer])      # where[] published, no row copied
     monkeypatch.setattr(expert_cache.ExpertCache, "_fill", publish_only)
     with pytest.raises(AssertionError):
         _calls(model, compiled, reference, "cpu", 6)
@@ -339,3 +339,45 @@ def test_layers_whose_experts_move_whole_keep_no_cache():
 @pytest.mark.parametrize("zero", [0, 0.0, "0", "0B", "0 GiB"])
 def test_a_cache_of_nothing_may_be_written_any_way_a_size_is(zero):
     assert fx_offload.backend(expert_cache=zero).options.expert_cache == 0
+
+
+@pytest.mark.parametrize("step", ["unpublish", "publish"])
+def test_a_fault_while_where_is_written_leaves_the_next_calls_right(monkeypatch, step):
+    """The reload after a change of the weights fails where it takes the rows out of
+    ``where`` (before any row is written) or where it names them again (after): that call
+    raises, the next ones compute with the new weights, and what the cache says it holds
+    is what it serves."""
+    model, compiled, reference = _offloaded(2 * 16 * EXPERT)
+    _calls(model, compiled, reference, "cpu", 5)
+    cache = registry.state_for_model(model).routed.cache
+    real, seen = expert_cache.ExpertCache._publish, {"n": 0}
+
+    def flaky(self, layer, held):
+        seen["n"] += 1
+        if seen["n"] == (1 if step == "unpublish" else 2):
+            raise RuntimeError("injected fault")
+        return real(self, layer, held)
+    theirs = reference._orig_mod.model.layers[3].mlp.experts
+    new = {k: v * 2 for k, v in theirs.state_dict().items()}
+    theirs.load_state_dict(new)
+    model.model.layers[3].mlp.experts.load_state_dict(new)
+    monkeypatch.setattr(expert_cache.ExpertCache, "_publish", flaky)
+    with pytest.raises(RuntimeError, match="injected fault"):
+        _calls(model, compiled, reference, "cpu", 1, first=5)
+    _calls(model, compiled, reference, "cpu", 2, first=6)   # before the next refresh
+    where = cache.where[3].tolist()
+    assert all(where[e] == r for r, e in enumerate(cache.held[3]) if e >= 0)
+    assert sum(w >= 0 for w in where) == sum(e >= 0 for e in cache.held[3])
+
+
+def test_restore_copies_no_cached_row(monkeypatch):
+    """A change of the weights then restore: the cache is dropped, not filled first."""
+    model, compiled, reference = _offloaded(2 * 16 * EXPERT)
+    _calls(model, compiled, reference, "cpu", 5)
+    with torch.no_grad():
+        model.model.layers[3].mlp.experts.down_proj.mul_(2)
+    copied = []
+    monkeypatch.setattr(expert_cache.ExpertCache, "_copy_expert",
+                        lambda self, *a: copied.append(a))
+    fx_offload.restore(model)
+    assert copied == []

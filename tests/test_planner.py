@@ -356,3 +356,27 @@ def test_the_planner_counts_only_the_routed_experts_a_call_moves():
     sizes = dict(zip(c.layers, c.layer_bytes))
     assert cm.predict(list(c.layers), c.num_slots, sizes, 1) < \
         whole.predict(list(c.layers), c.num_slots, sizes, 1)
+
+
+@pytest.mark.parametrize("change", ["half", "deepcopy"])
+def test_a_budgeted_model_offloaded_anew_keeps_its_plan(change):
+    """A model offloaded under memory_budget and then offloaded anew outside any compile
+    (``.half()``: its slots no longer fit; a deepcopy's first call) has no graph to plan
+    from: it keeps the plan it had, rather than failing inside the planner."""
+    import copy
+    model, (x,) = models.build("mlp")
+    reference = copy.deepcopy(model)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    compiled = torch.compile(model, backend="prefetch_offload", options={
+        "inner_backend": "aot_eager", "memory_budget": total // 2})
+    with torch.no_grad():
+        assert torch.equal(compiled(x), reference(x))
+        layers = fx_offload.report(model).layers
+        if change == "half":
+            model.half(), reference.half()
+            assert torch.equal(compiled(x.half()), reference(x.half()))
+            again = model
+        else:
+            again = copy.deepcopy(model)
+            assert torch.equal(again(x), reference(x))
+    assert fx_offload.report(again).layers == layers

@@ -168,14 +168,19 @@ class ExpertCache:
         A row is unpublished while it is written and counts as held only once its copy is
         done, so an error part-way leaves no ``where`` entry naming a row it did not
         fill."""
-        held = self.held[layer]
-        for r, _ in rows:
+        held, out = self.held[layer], {r for r, _ in rows}
+        self._publish(layer, [-1 if r in out else e for r, e in enumerate(held)])
+        for r in out:       # once where[] names none of them (not before: it might not)
             held[r] = -1
-        self._publish(layer)
         for r, e in rows:
             self._copy_expert(layer, r, e, masters)
             held[r] = e
-        self._publish(layer)
+        try:
+            self._publish(layer, held)
+        except BaseException:
+            for r in out:   # where[] still names none of them: neither does held
+                held[r] = -1
+            raise
         self._copied_at[layer] = version
 
     @torch.no_grad()
@@ -183,10 +188,10 @@ class ExpertCache:
         for suffix, t in self.tensors[layer].items():
             t[row].copy_(masters[suffix][expert])
 
-    def _publish(self, layer: int) -> None:
-        """``where`` of ``layer`` from what its rows hold."""
+    def _publish(self, layer: int, held: list[int]) -> None:
+        """``where`` of ``layer`` from what its rows hold (``held``: the expert of each)."""
         where = [-1] * self.where[layer].numel()
-        for r, e in enumerate(self.held[layer]):
+        for r, e in enumerate(held):
             if e >= 0:
                 where[e] = r
         self.where[layer].copy_(torch.tensor(where, dtype=torch.int32))

@@ -212,16 +212,16 @@ class Ownership(ParamVersions):
             p.point_at(masters)
         if moved:
             self.rewrap()
-        if not restoring:   # compressed copies follow; a slot holding one is stale
+        if not restoring:   # compressed copies, cached experts follow (a restore drops them)
             stale |= self.buffers.recompress_changed(self._versions, moved, self.synchronize)
+            self.routed.reload_changed(stale, self._versions)
         self._reload_stale(stale)
         if Fingerprint.applies(self.params, bool(self._handover or self.dtensor_params)):
             self._fingerprint = Fingerprint(self.params)
 
     def _reload_stale(self, layers: set[int]) -> None:
-        """Reload what a slot or the expert cache holds of a layer changed since its copy
-        (or in ``layers``); chunks overwritten since are forgotten: copied afresh anyway."""
-        self.routed.reload_changed(layers, self._versions)
+        """Reload what a slot holds of a layer changed since its copy (or in ``layers``);
+        chunks overwritten since are forgotten: copied afresh anyway."""
         self._copied = {k: v for k, v in self._copied.items() if k in self.contents.slot(k[0])}
         for (layer, index), seen in list(self._copied.items()):
             if layer in layers or seen != self._versions(layer):
