@@ -212,6 +212,13 @@ def test_cached_experts_inside_cuda_graphs():
             state = state or registry.state_for_model(model)
             if i >= 4:
                 assert int(state.routed.gathered) == 0 and int(state.routed.cached_bytes), i
+            cache = state.routed.cache
+            if i >= 3:      # a replay of the captured decode graph counts its picks too
+                if cache.calls in expert_cache.FIRST_REFRESHES:     # halved as it began
+                    before = before // 2
+                added = cache._counts - before
+                assert added.min() >= 0 and added.sum() > 0, (i, added)
+            before = cache._counts.clone()
 
 
 def test_by_default_the_cache_takes_what_memory_budget_leaves_and_nothing_without_one():

@@ -170,7 +170,7 @@ def test_a_missing_expert_copy_changes_the_output(monkeypatch):
     """The equality checks above can fail: with the gather dropped, the slot holds another
     layer's experts where the picked rows should be."""
     model, (x,) = models.build("moe", num_layers=4, routed=True, seq=1, batch=1)
-    drop = lambda: monkeypatch.setattr(gather, "gather_rows", lambda host, slot, mask: None)
+    drop = lambda: monkeypatch.setattr(gather, "gather_rows", lambda host, slot, mask, *cache: None)
     assert not all(_builtin_calls(model, x.shape, before=drop))
 
 
@@ -336,12 +336,12 @@ def test_a_gather_that_fails_part_way_leaves_the_next_calls_right(monkeypatch):
     real = gather.gather_rows
     calls = {"n": 0}
 
-    def flaky(host, slot, mask):
+    def flaky(host, slot, mask, *cache):
         calls["n"] += 1
         if calls["n"] == 3:
             slot.view(-1)[: slot.numel() // 2].fill_(float("nan"))     # half written
             raise RuntimeError("injected fault")
-        real(host, slot, mask)
+        real(host, slot, mask, *cache)
     monkeypatch.setattr(gather, "gather_rows", flaky)
     with torch.no_grad():
         outcomes = []

@@ -51,11 +51,11 @@ class ExpertCache:
         that running out of device memory here leaves every parameter untouched."""
         # per layer, the expert tensors of its largest expert count (a scale of another
         # count is left to the host)
-        self.suffixes = {layer: tuple(s for s, n in tensors.items() if n == max(tensors.values()))
-                         for layer, tensors in choice.experts.items()}
+        suffixes = {layer: tuple(s for s, n in tensors.items() if n == max(tensors.values()))
+                    for layer, tensors in choice.experts.items()}
         counts = {layer: max(tensors.values()) for layer, tensors in choice.experts.items()}
         like = {layer: {p.suffix: p.param for p in choice.params[layer] if p.suffix in ss}
-                for layer, ss in self.suffixes.items()}
+                for layer, ss in suffixes.items()}
         one = sum(t[0].numel() * t.element_size() for ts in like.values() for t in ts.values())
         self.rows = min([budget // max(one, 1)] + list(counts.values()))
         self.tensors: dict[int, dict[str, torch.Tensor]] = {}
@@ -84,7 +84,7 @@ class ExpertCache:
                 f"option 'expert_cache' ({format_bytes(budget, as_option=True)}) does not fit "
                 f"on {device} beside the slots: {error}. Lower it (one expert of each routed "
                 f"layer takes {format_bytes(one)})") from None
-        for layer in self.suffixes:
+        for layer in suffixes:
             # one entry more than experts, as the gather's mask has (out-of-range ids)
             self.where[layer] = torch.full((counts[layer] + 1,), -1, dtype=torch.int32,
                                            device=device)

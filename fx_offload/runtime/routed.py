@@ -105,10 +105,7 @@ class RoutedExperts:
         for suffix in chunk.suffixes:
             rows, where = (None, None) if self.cache is None else \
                 self.cache.source(layer, suffix)
-            if rows is None:
-                gather.gather_rows(masters[suffix], views[suffix], mask)
-            else:
-                gather.gather_rows(masters[suffix], views[suffix], mask, rows, where)
+            gather.gather_rows(masters[suffix], views[suffix], mask, rows, where)
             size = views[suffix][0].numel() * views[suffix].element_size()
             row += size
             cached += 0 if rows is None else size
