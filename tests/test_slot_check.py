@@ -96,7 +96,7 @@ def test_a_wrong_expert_row_is_caught(compared, monkeypatch):
     should be): the check names the expert tensor."""
     model, (x,) = models.build("moe", num_layers=4, routed=True, seq=1, batch=1)
     compiled = _compiled(model, prefetch_step=1)
-    monkeypatch.setattr(gather, "gather_rows", lambda host, slot, mask: None)
+    monkeypatch.setattr(gather, "gather_rows", lambda host, slot, mask, *cache: None)
     with pytest.raises(SlotCheckError, match="experts"):
         with torch.no_grad():
             compiled(x)
