@@ -380,3 +380,74 @@ def test_a_budgeted_model_offloaded_anew_keeps_its_plan(change):
             again = copy.deepcopy(model)
             assert torch.equal(again(x), reference(x))
     assert fx_offload.report(again).layers == layers
+
+
+def _qwen3_moe(layers=4):
+    transformers = pytest.importorskip("transformers", reason="install the test extra")
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, max_position_embeddings=128,
+        moe_intermediate_size=32, num_experts=16, num_experts_per_tok=2)
+    return transformers.Qwen3MoeForCausalLM(config).eval()
+
+
+def _decode_calls(model, budget, count=4, **options):
+    """A budgeted Qwen3-MoE's decode-sized calls, each equal to the model's without
+    offloading; returns (the chosen plan, the offloaded suffixes per layer, the bytes the
+    last call copied)."""
+    reference = torch.compile(copy.deepcopy(model), backend="aot_eager")
+    compiled = torch.compile(model, backend="prefetch_offload", options=dict(
+        memory_budget=budget, inner_backend="aot_eager", expert_cache=0, **RATES, **options))
+    with torch.no_grad():
+        for i in range(count):
+            ids = torch.randint(0, 256, (1, 1), generator=torch.Generator().manual_seed(i))
+            assert torch.equal(compiled(ids, use_cache=False).logits,
+                               reference(ids, use_cache=False).logits), i
+    rep = fx_offload.report(model)
+    state = fx_offload.registry.state_for_model(model)
+    return (rep.planner.chosen.candidate,
+            {layer: {p.suffix for p in ps} for layer, ps in state.params.items()},
+            rep.copied_bytes_last_call)
+
+
+def test_a_budget_that_keeps_the_moe_layers_other_weights_offloads_only_their_experts():
+    """A MoE layer's attention, router and norms cross the link at every call when its whole
+    layer is offloaded; with its experts alone offloaded a decode step moves only the picked
+    experts.  Where the budget holds the rest of the layers, the planner offloads the
+    experts alone (outputs unchanged), and a decode call copies less than any whole-layer
+    plan of that budget would."""
+    model = _qwen3_moe()
+    experts = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
+    stack = model.model.layers
+    expert_bytes = sum(p.numel() * p.element_size() for layer in stack
+                       for n, p in layer.named_parameters() if n in experts)
+    total = weights_bytes(model, torch.device("cpu"))
+    per_layer = expert_bytes // len(stack)
+    budget = total - expert_bytes + per_layer + 1024        # the rest, and one slot
+    chosen, offloaded, copied = _decode_calls(model, budget)
+    assert chosen.experts_only and "expert tensors only" in chosen.describe()
+    assert len(offloaded) == len(stack) and all(s == experts for s in offloaded.values())
+    assert 0 < copied < per_layer * len(stack) / 2      # a token's picks, nothing else
+    # every whole-layer plan this budget fits copies the layers' other weights too
+    whole = [c for c in planner.candidates(model, find_layer_stack(model, None),
+                                           fx_offload.options.OffloadOptions(), "cpu")[0]
+             if not c.experts_only and c.weights_bytes <= budget]
+    assert whole and all(c.moved_bytes > chosen.moved_bytes for c in whole)
+
+
+def test_a_budget_too_small_for_the_other_weights_offloads_whole_layers():
+    model = _qwen3_moe()
+    one_layer = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+    total = weights_bytes(model, torch.device("cpu"))
+    chosen, offloaded, _ = _decode_calls(model, total - 3 * one_layer)
+    assert not chosen.experts_only and chosen.params is None
+    assert any(len(s) > 2 for s in offloaded.values())
+
+
+def test_the_users_offload_params_are_the_only_parameter_sets_tried():
+    model = _qwen3_moe()
+    total = weights_bytes(model, torch.device("cpu"))
+    chosen, offloaded, _ = _decode_calls(model, total // 2, offload_params=["mlp"])
+    assert not chosen.experts_only and chosen.params == ("mlp",)
+    assert all("mlp.gate.weight" in s for s in offloaded.values())

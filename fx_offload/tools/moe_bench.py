@@ -21,7 +21,9 @@ its decode steps, the gather kernels counted with the copies.  ``--expert-cache`
 routed rows with a device cache of each layer's most-picked experts (option
 ``expert_cache``): ``cached`` is the GiB of picked experts a step found there (they did not
 cross the link), ``x routed`` the step against the bound of every routed byte, those
-included; ``x bound`` stays against the bytes that crossed.  Needs a GPU and
+included; ``x bound`` stays against the bytes that crossed.  ``--memory-budget`` adds routed
+rows planned by ``memory_budget`` instead (where the budget holds the layers' attention,
+routers and norms, the planner offloads their expert tensors alone).  Needs a GPU and
 ``transformers``.
 """
 from __future__ import annotations
@@ -49,6 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--expert-cache", default="0",
                         help="comma-separated expert_cache sizes of the routed rows (bytes, or "
                              "such as 1GiB; 0: none): a row each")
+    parser.add_argument("--memory-budget", default="",
+                        help="comma-separated memory_budget values (such as 3GiB): a routed "
+                             "row each, planned by the planner instead of every layer "
+                             "offloaded (where the budget holds the layers' other weights, "
+                             "it offloads their experts alone)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--methods", default="resident,fx_offload,accelerate",
                         help="comma-separated among resident, fx_offload, accelerate")
@@ -105,19 +112,22 @@ def run(args: argparse.Namespace) -> int:
                 measure(model, prompts[b], args, extra=extra, steps=True)
         del model
         _free()
-    rows_of = [(e, c) for e in args.experts.split(",") if e
+    rows_of = [(e, c, None) for e in args.experts.split(",") if e
                for c in (args.expert_cache.split(",") if e == "routed" else ["0"])]
-    for experts, cache in rows_of if "fx_offload" in methods else []:
+    rows_of += [("routed", "auto", b) for b in args.memory_budget.split(",") if b]
+    for experts, cache, budget in rows_of if "fx_offload" in methods else []:
         torch._dynamo.reset()
         model = build()
-        options = dict(group_size=1, num_in_group=1, prefetch_step=args.prefetch_step,
-                       experts=experts, expert_cache=cache if cache != "0" else None)
+        options = dict(group_size=1, num_in_group=1, prefetch_step=args.prefetch_step) \
+            if budget is None else dict(memory_budget=budget)
+        options |= dict(experts=experts, expert_cache=cache if cache != "0" else None)
         extra = _graphs(backend(**options)) if args.cuda_graphs else {}
         if not args.cuda_graphs:
             compile_forward(model, dynamic=True, **options)
         name = (f"fx_offload, {args.layers} layers, {args.prefetch_step} slots, "
                 f"experts={experts!r}" + (f", cache {cache}" if cache != "0" else "")
-                + graphs)
+                if budget is None else f"fx_offload, memory_budget={budget}, experts={experts!r}"
+                ) + graphs
         for b in batches:
             rows[(name, b)], tokens[(name, b)] = measure(model, prompts[b], args, extra=extra,
                                                          steps=True)
