@@ -356,6 +356,12 @@ def test_the_planner_counts_only_the_routed_experts_a_call_moves():
     sizes = dict(zip(c.layers, c.layer_bytes))
     assert cm.predict(list(c.layers), c.num_slots, sizes, 1) < \
         whole.predict(list(c.layers), c.num_slots, sizes, 1)
+    # ties between plans go to the fewest bytes a call is predicted to copy: the picks
+    assert cm.call_bytes(c, (1,)) < c.moved_bytes == whole.call_bytes(c, (1,))
+    # a plan offloading some expert tensors alone (a subset of the user's patterns) copies
+    # the picked share of them, never a negative count
+    assert cm.moved_bytes(layer, expert_bytes // 2, 1) == \
+        pytest.approx(expert_bytes // 2 * k / count)
 
 
 @pytest.mark.parametrize("change", ["half", "deepcopy"])

@@ -186,7 +186,19 @@ class CostModel:
             return nbytes
         expert_bytes, count, k = found
         share = expected_share(count, k, max(int(tokens), 1))
-        return nbytes if share > WHOLE_ABOVE else nbytes - expert_bytes * (1.0 - share)
+        if share > WHOLE_ABOVE:
+            return nbytes
+        # a plan of some of the user's patterns may offload some expert tensors only: never
+        # less than the picked share of what it offloads
+        return max(nbytes - expert_bytes * (1.0 - share), nbytes * share)
+
+    def call_bytes(self, c: Candidate, tokens) -> float:
+        """Bytes a call of plan ``c`` is predicted to copy, the mean over ``tokens``: the
+        routed layers' picked experts, not all of them (``Candidate.moved_bytes``)."""
+        sizes = dict(zip(c.layers, c.layer_bytes))
+        refilled = Schedule(c.layers, c.num_slots).refilled_layers()
+        return statistics.fmean(sum(self.moved_bytes(layer, sizes[layer], t) for layer in refilled)
+                                for t in tokens)
 
     def copy_seconds(self, nbytes: float) -> float:
         """A layer of ``nbytes`` offloaded bytes: the link's time for what it moves, or the
@@ -220,6 +232,7 @@ class Scored:
     predicted: dict[int, float]          # token count -> seconds
     slowdown: float                      # mean predicted / resident over the plan tokens
     break_even: int | None = None
+    copied: float = 0.0                  # bytes a call copies, predicted (CostModel.call_bytes)
 
 
 @dataclasses.dataclass
@@ -460,22 +473,24 @@ def rank(fitting: list[Candidate], resident_fits: bool, cost_model: CostModel,
             predicted = {t: cost_model.predict(list(c.layers), c.num_slots, sizes, t)
                          for t in tokens}
         slowdown = statistics.fmean(predicted[t] / cost_model.resident(t) for t in tokens)
-        return Scored(c, predicted, slowdown)
+        return Scored(c, predicted, slowdown,
+                      copied=0.0 if c is None else cost_model.call_bytes(c, tokens))
 
     scored = [score(c) for c in fitting] + ([score(None)] if resident_fits else [])
 
     def key(s: Scored):
         c = s.candidate
-        return (round(s.slowdown, 9), 0 if c is None else c.moved_bytes,
+        return (round(s.slowdown, 9), s.copied,
                 0 if c is None else c.num_slots, () if c is None else c.layers)
     scored.sort(key=key)
     # Predictions within NEAR of the best are a tie: take the one that moves and pins the
-    # fewest bytes (host memory and PCIe traffic are not free either).
+    # fewest bytes (host memory and PCIe traffic are not free either); moves as predicted:
+    # a routed layer's picked experts, not all of them.
     near = [s for s in scored if s.slowdown <= scored[0].slowdown * NEAR]
 
     def thrift(s: Scored):
         c = s.candidate
-        return (0, 0, 0, ()) if c is None else (c.moved_bytes, c.offloaded_bytes, c.num_slots,
+        return (0, 0, 0, ()) if c is None else (s.copied, c.offloaded_bytes, c.num_slots,
                                                 c.layers)
     best = min(near, key=thrift)
     scored.remove(best)
