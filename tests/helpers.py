@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from fx_offload.tools import models
@@ -50,3 +51,36 @@ def bf16_decoder(num_layers: int = 6, seed: int = 0, **kwargs):
     """The built-in decoder in bf16 (what compress="lossless" compresses) and its inputs."""
     model, inputs = models.build("decoder", num_layers=num_layers, seed=seed, **kwargs)
     return model.to(torch.bfloat16), inputs
+
+
+# a Hugging Face MoE decoder from a small config (transformers' test extra)
+SMALL_HF = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
+
+
+def small_moe(name: str, impl: str = "grouped_mm"):
+    """``name`` (qwen3_moe, mixtral, qwen2_moe, deepseek_v3) of 4 small layers, its experts
+    computed by transformers' ``impl``, seeded."""
+    transformers = pytest.importorskip("transformers", reason="install the test extra")
+    torch.manual_seed(0)
+    kw = dict(SMALL_HF, experts_implementation=impl)
+    if name == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**kw, moe_intermediate_size=32, num_experts=16,
+                                             num_experts_per_tok=2)
+        return transformers.Qwen3MoeForCausalLM(config)
+    if name == "mixtral":
+        config = transformers.MixtralConfig(**kw, num_local_experts=8, num_experts_per_tok=2)
+        return transformers.MixtralForCausalLM(config)
+    if name == "qwen2_moe":
+        config = transformers.Qwen2MoeConfig(**kw, moe_intermediate_size=32, num_experts=16,
+                                             num_experts_per_tok=2,
+                                             shared_expert_intermediate_size=64)
+        return transformers.Qwen2MoeForCausalLM(config)
+    if name == "deepseek_v3":
+        kw["num_key_value_heads"] = kw["num_attention_heads"]     # multi-head latent attention
+        config = transformers.DeepseekV3Config(
+            **kw, moe_intermediate_size=32, n_routed_experts=16, num_experts_per_tok=2,
+            n_group=2, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16,
+            q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+        return transformers.DeepseekV3ForCausalLM(config)
+    raise AssertionError(name)

@@ -13,21 +13,16 @@ from fx_offload import registry
 from fx_offload.errors import OffloadError
 from fx_offload.runtime import expert_cache
 from fx_offload.tools import models
+from helpers import small_moe
 
 transformers = pytest.importorskip("transformers", reason="install the test extra")
 
-SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 EXPERT = 3 * 32 * 64 * 4        # bytes of one expert of one layer (float32 gate, up, down)
 
 
 def _build(device="cpu", impl="grouped_mm"):
-    torch.manual_seed(0)
-    config = transformers.Qwen3MoeConfig(**SMALL, experts_implementation=impl,
-                                         moe_intermediate_size=32, num_experts=16,
-                                         num_experts_per_tok=2)
-    return transformers.Qwen3MoeForCausalLM(config).eval().to(device)
+    return small_moe("qwen3_moe", impl).eval().to(device)
 
 
 def _calls(model, compiled, reference, device, count, first=0, between=None):

@@ -14,41 +14,15 @@ from fx_offload.errors import OffloadError
 from fx_offload.passes import plan as plan_module, routing
 from fx_offload.runtime import gather
 from fx_offload.tools import models
+from helpers import SMALL_HF as SMALL, small_moe as build
 
 transformers = pytest.importorskip("transformers", reason="install the test extra")
 
-SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 # a model on the second GPU while the current device is the first: kernels of ours launch on
 # the current device unless told
 SECOND_GPU = pytest.param("cuda:1", marks=[pytest.mark.cuda, pytest.mark.skipif(
     torch.cuda.device_count() < 2, reason="needs two GPUs")])
-
-
-def build(name, impl="grouped_mm"):
-    torch.manual_seed(0)
-    kw = dict(SMALL, experts_implementation=impl)
-    if name == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(**kw, moe_intermediate_size=32, num_experts=16,
-                                             num_experts_per_tok=2)
-        return transformers.Qwen3MoeForCausalLM(config)
-    if name == "mixtral":
-        config = transformers.MixtralConfig(**kw, num_local_experts=8, num_experts_per_tok=2)
-        return transformers.MixtralForCausalLM(config)
-    if name == "qwen2_moe":
-        config = transformers.Qwen2MoeConfig(**kw, moe_intermediate_size=32, num_experts=16,
-                                             num_experts_per_tok=2,
-                                             shared_expert_intermediate_size=64)
-        return transformers.Qwen2MoeForCausalLM(config)
-    if name == "deepseek_v3":
-        kw["num_key_value_heads"] = kw["num_attention_heads"]     # multi-head latent attention
-        config = transformers.DeepseekV3Config(
-            **kw, moe_intermediate_size=32, n_routed_experts=16, num_experts_per_tok=2,
-            n_group=2, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16,
-            q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
-        return transformers.DeepseekV3ForCausalLM(config)
-    raise AssertionError(name)
 
 
 def _expert_bytes(model, layer):

@@ -18,6 +18,7 @@ from fx_offload.tools.bench import schedule_bound
 from fx_offload.schedule import Schedule
 from fx_offload.selection.budget import simulate, weights_bytes
 from fx_offload.selection.stack import find_layer_stack
+from helpers import small_moe
 
 # given rates: the planner measures nothing and its choice is the same on every machine
 RATES = dict(flop_rate=1e12, memory_bandwidth=1e11, h2d_bandwidth=1e10, launch_overhead=5e-6)
@@ -388,16 +389,6 @@ def test_a_budgeted_model_offloaded_anew_keeps_its_plan(change):
     assert fx_offload.report(again).layers == layers
 
 
-def _qwen3_moe(layers=4):
-    transformers = pytest.importorskip("transformers", reason="install the test extra")
-    torch.manual_seed(0)
-    config = transformers.Qwen3MoeConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=256, max_position_embeddings=128,
-        moe_intermediate_size=32, num_experts=16, num_experts_per_tok=2)
-    return transformers.Qwen3MoeForCausalLM(config).eval()
-
-
 def _decode_calls(model, budget, count=4, **options):
     """A budgeted Qwen3-MoE's decode-sized calls, each equal to the model's without
     offloading; returns (the chosen plan, the offloaded suffixes per layer, the bytes the
@@ -423,7 +414,7 @@ def test_a_budget_that_keeps_the_moe_layers_other_weights_offloads_only_their_ex
     experts.  Where the budget holds the rest of the layers, the planner offloads the
     experts alone (outputs unchanged), and a decode call copies less than any whole-layer
     plan of that budget would."""
-    model = _qwen3_moe()
+    model = small_moe("qwen3_moe").eval()
     experts = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
     stack = model.model.layers
     expert_bytes = sum(p.numel() * p.element_size() for layer in stack
@@ -443,7 +434,7 @@ def test_a_budget_that_keeps_the_moe_layers_other_weights_offloads_only_their_ex
 
 
 def test_a_budget_too_small_for_the_other_weights_offloads_whole_layers():
-    model = _qwen3_moe()
+    model = small_moe("qwen3_moe").eval()
     one_layer = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
     total = weights_bytes(model, torch.device("cpu"))
     chosen, offloaded, _ = _decode_calls(model, total - 3 * one_layer)
@@ -452,7 +443,7 @@ def test_a_budget_too_small_for_the_other_weights_offloads_whole_layers():
 
 
 def test_the_users_offload_params_are_the_only_parameter_sets_tried():
-    model = _qwen3_moe()
+    model = small_moe("qwen3_moe").eval()
     total = weights_bytes(model, torch.device("cpu"))
     chosen, offloaded, _ = _decode_calls(model, total // 2, offload_params=["mlp"])
     assert not chosen.experts_only and chosen.params == ("mlp",)

@@ -146,7 +146,7 @@ def _copied(state) -> int:
     return state.buffers.copied + extra
 
 
-def _expert_cache(state) -> tuple[int, int, int] | None:
+def _expert_cache(state) -> tuple[int, int, int, int] | None:
     routed = getattr(state, "routed", None)
     cache = None if routed is None else routed.cache
     if cache is None or not cache.tensors:
