@@ -75,12 +75,16 @@ class RoutedExperts:
         """``layer``'s ``chunk`` is routed (some graph waits for it with ``wait_routed``)."""
         return self.usable and self.routing.get(layer, {}).get(chunk.index) == "routed"
 
+    def gathers(self, layer: int, chunk) -> bool:
+        """``layer``'s ``chunk`` is routed and the latest call picked few of its experts:
+        its wait gathers the picked rows, and a prefetch of it copies nothing."""
+        return self.share is not None and self.share <= WHOLE_ABOVE \
+            and self.routes(layer, chunk)
+
     def skips(self, layer: int, chunk, contents) -> bool:
         """The prefetch of ``layer``'s ``chunk`` copies nothing (True; ``contents`` records
-        its bytes as holding no whole chunk): it is routed and the latest call picked few of
-        its experts."""
-        skip = self.share is not None and self.share <= WHOLE_ABOVE \
-            and self.routes(layer, chunk)
+        its bytes as holding no whole chunk): :meth:`gathers`."""
+        skip = self.gathers(layer, chunk)
         if skip:
             contents.forget(layer, chunk)
         return skip
