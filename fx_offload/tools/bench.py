@@ -134,21 +134,29 @@ def _synchronize(device) -> None:
         torch.cuda.synchronize(device)     # every stream of the device: copies included
 
 
-def h2d_bandwidth(device, nbytes: int = 1 << 28) -> float:
-    """Bytes per second of a pinned host-to-device copy, measured now."""
+def h2d_bandwidth(device, nbytes: int = 1 << 28, rounds: int = 3) -> float:
+    """Bytes per second of a pinned host-to-device copy, measured now: the best of
+    ``rounds`` rounds, each the median of five copies from a buffer pinned for it.  One round
+    alone read 32-46 GB/s in some processes on an H100 where the others read 55 GB/s, while
+    the decode steps those processes timed were as fast as the others': a bound from such a
+    reading is too long, and flatters every ratio to it."""
     if device.type != "cuda":
         return float("nan")
-    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    times = []
-    for _ in range(6):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dev.copy_(host, non_blocking=True)
-        end.record()
-        torch.cuda.synchronize(device)
-        times.append(start.elapsed_time(end) / 1e3)
-    return nbytes / statistics.median(times[1:])
+    best = 0.0
+    for _ in range(rounds):
+        host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+        times = []
+        for _ in range(6):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dev.copy_(host, non_blocking=True)
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end) / 1e3)
+        best = max(best, nbytes / statistics.median(times[1:]))
+        del host
+    return best
 
 
 def _peak(device) -> float | None:
