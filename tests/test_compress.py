@@ -152,9 +152,12 @@ def test_an_update_that_does_not_fit_is_copied_raw_and_stays_right(caplog):
         compiled(*inputs)
         for m in (model, reference):
             w = next(m.layers[3].parameters())
-            w.copy_(w * torch.logspace(-30, 30, w.numel()).reshape(w.shape).bfloat16())
+            # 34 decades: more than the record kept room for, yet no output overflows (a
+            # NaN output would make any two runs unequal, right or not)
+            w.copy_(w * torch.logspace(-30, 4, w.numel()).reshape(w.shape).bfloat16())
         with caplog.at_level(logging.INFO, logger="fx_offload"):
-            assert torch.equal(compiled(*inputs), reference(*inputs))
+            got = compiled(*inputs)
+            assert torch.isfinite(got).all() and torch.equal(got, reference(*inputs))
     assert "copied uncompressed from now on" in caplog.text
     rep = fx_offload.report(model)
     assert rep.call_bytes[3] > rep.call_bytes[1]

@@ -86,14 +86,16 @@ def test_what_users_do_to_weights_kept_in_files(tmp_path):
             (lambda m: m.load_state_dict(scaled(3, -0.5), strict=False),) * 2,
             (lambda m: next(m.layers[5].parameters()).mul_(2),) * 2,
             # spans more octaves than the record kept room for: copied raw from the file
+            # (34 decades, so that no output overflows: NaNs would make the runs unequal)
             (lambda m: next(m.layers[3].parameters()).mul_(torch.logspace(
-                -30, 30, next(m.layers[3].parameters()).numel()).reshape(
+                -30, 4, next(m.layers[3].parameters()).numel()).reshape(
                 next(m.layers[3].parameters()).shape).bfloat16()),) * 2,
         ]
         for on_model, on_reference in steps:
             on_model(model)
             on_reference(reference)
-            assert torch.equal(compiled(*inputs), reference(*inputs))
+            got = compiled(*inputs)
+            assert torch.isfinite(got).all() and torch.equal(got, reference(*inputs))
     buffer = io.BytesIO()
     torch.save(model.state_dict(), buffer)
     buffer.seek(0)
