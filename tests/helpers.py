@@ -9,6 +9,11 @@ import torch
 
 from fx_offload.tools import models
 
+# device rates the planner would otherwise measure (or read from its cache): every test
+# plans with the same ones, whatever machine runs it
+PLANNER_RATES = dict(flop_rate=1e12, memory_bandwidth=1e11, h2d_bandwidth=1e10,
+                     launch_overhead=5e-6)
+
 
 def compile_pair(name: str, options: dict, build_kwargs: dict | None = None, **compile_kwargs):
     """(offloaded model, its compiled callable, untouched reference model, inputs)."""

@@ -9,6 +9,7 @@ from torch import nn
 import fx_offload
 from fx_offload.tools import models
 from fx_offload.tools.models import MLPBlock
+from helpers import PLANNER_RATES as RATES
 
 
 class TwoStacks(nn.Module):
@@ -43,10 +44,6 @@ class NoStack(nn.Module):
 
 def mlp():
     return models.build("mlp", num_layers=4)
-
-
-# device rates given, so the planner measures nothing
-RATES = dict(flop_rate=1e12, memory_bandwidth=1e11, h2d_bandwidth=1e10, launch_overhead=5e-6)
 
 
 def small(cls):

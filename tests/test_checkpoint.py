@@ -14,14 +14,13 @@ import pytest
 import torch
 
 import fx_offload
-from helpers import assert_same_greedy_tokens
+from helpers import PLANNER_RATES as RATES, assert_same_greedy_tokens
 from fx_offload.checkpoint import Checkpoint, empty_weights
 from fx_offload.errors import OffloadError
 from fx_offload.tools import models
 
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="install the test extra")
 OPTIONS = {"inner_backend": "aot_eager"}
-RATES = dict(flop_rate=1e12, memory_bandwidth=1e11, h2d_bandwidth=1e10, launch_overhead=5e-6)
 
 
 def save(model, folder, kind):

@@ -10,12 +10,12 @@ import fx_offload
 from fx_offload.errors import BudgetError, OffloadError
 from fx_offload.kv import plan, runtime_of
 from fx_offload.selection.budget import weights_bytes
+from helpers import PLANNER_RATES as RATES
 
 transformers = pytest.importorskip("transformers", reason="install the test extra")
 
 CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
-RATES = dict(flop_rate=1e12, memory_bandwidth=1e11, h2d_bandwidth=1e10, launch_overhead=5e-6)
 LENGTH = 2048       # the cache's tokens: its keys and values, 512 KiB a layer, outweigh
 PER_LAYER = 1 * 2 * LENGTH * (16 + 16) * 4      # the weights (about 0.65 MiB)
 

@@ -14,7 +14,7 @@ from fx_offload.errors import OffloadError
 from fx_offload.passes import plan as plan_module, routing
 from fx_offload.runtime import gather
 from fx_offload.tools import models
-from helpers import SMALL_HF as SMALL, small_moe as build
+from helpers import PLANNER_RATES, SMALL_HF as SMALL, small_moe as build
 
 transformers = pytest.importorskip("transformers", reason="install the test extra")
 
@@ -335,6 +335,79 @@ def test_a_gather_that_fails_part_way_leaves_the_next_calls_right(monkeypatch):
     assert outcomes.count("fault") == 1 and all(o is True for o in outcomes if o != "fault"), \
         outcomes
     assert calls["n"] > 3
+
+
+# an op of the user's that raises their own error at run time when told, from inside a
+# compiled graph (an opaque custom op: Dynamo keeps it in the graph, with no graph break)
+_REFUSE = {"now": False}
+
+
+@torch.library.custom_op("fx_offload_tests::refuse_when_told", mutates_args=())
+def _refuse_when_told(x: torch.Tensor) -> torch.Tensor:
+    if _REFUSE["now"]:
+        raise ValueError("the user's own error")
+    return x.clone()
+
+
+@_refuse_when_told.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@pytest.mark.parametrize("plan", ["whole layers", "experts alone", "expert cache"])
+def test_a_users_exception_after_a_gather_surfaces_and_the_model_keeps_working(plan):
+    """The user's own error raised inside the compiled graph, in an offloaded MoE layer
+    after that layer's experts (and the layers' before) were gathered: the call raises that
+    error, the weights are intact, and the next calls give the model's outputs, under each
+    kind of plan (every layer whole, the planner's experts-only plan, an expert cache)."""
+    model = build("qwen3_moe").eval()
+    truth = {k: v.clone() for k, v in model.state_dict().items()}
+    reference = torch.compile(copy.deepcopy(model), backend="aot_eager")
+    experts = model.model.layers[2].mlp.experts
+
+    def computes_then_may_refuse(*args, **kwargs):
+        return torch.ops.fx_offload_tests.refuse_when_told(
+            type(experts).forward(experts, *args, **kwargs))
+    experts.forward = computes_then_may_refuse
+    options = {"inner_backend": "aot_eager", "group_size": 1, "num_in_group": 1}
+    if plan == "experts alone":
+        stack = model.model.layers
+        expert_bytes = sum(p.numel() * p.element_size() for layer in stack
+                           for n, p in layer.named_parameters() if ".experts." in n)
+        total = sum(t.numel() * t.element_size() for t in truth.values())
+        options = {"inner_backend": "aot_eager", "expert_cache": 0, **PLANNER_RATES,
+                   "memory_budget": total - expert_bytes + expert_bytes // len(stack) + 1024}
+    elif plan == "expert cache":
+        options["expert_cache"] = 4 * 1024
+    compiled = torch.compile(model, backend="prefetch_offload", options=options)
+
+    def decode(i):
+        ids = torch.randint(0, 256, (1, 1), generator=torch.Generator().manual_seed(i))
+        return compiled(ids, use_cache=False).logits, reference(ids, use_cache=False).logits
+
+    with torch.no_grad():
+        for i in range(3):
+            assert torch.equal(*decode(i)), i
+        state = registry.state_for_model(model)
+        try:
+            _REFUSE["now"] = True
+            for i in range(3, 5):
+                with pytest.raises(ValueError) as raised:
+                    decode(i)
+                assert str(raised.value) == "the user's own error"
+                # it struck mid-call: layers 0-2 gathered their picks, layer 3 never ran
+                picked = {layer: n for layer, (n, _) in state.routed.gathered_last_call().items()}
+                assert all(picked[layer] > 0 for layer in (0, 1, 2)) and picked[3] == 0, picked
+        finally:
+            _REFUSE["now"] = False
+        for i in range(5, 9):
+            assert torch.equal(*decode(i)), i
+    assert fx_offload.report(model).layers == [0, 1, 2, 3]
+    if plan == "experts alone":
+        assert {p.suffix for ps in state.params.values() for p in ps} == {
+            "mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
+    got = model.state_dict()
+    assert got.keys() == truth.keys() and all(torch.equal(got[k], v) for k, v in truth.items())
 
 
 def test_a_restored_routed_model_runs_its_compiled_graph():

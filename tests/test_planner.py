@@ -18,10 +18,7 @@ from fx_offload.tools.bench import schedule_bound
 from fx_offload.schedule import Schedule
 from fx_offload.selection.budget import simulate, weights_bytes
 from fx_offload.selection.stack import find_layer_stack
-from helpers import small_moe
-
-# given rates: the planner measures nothing and its choice is the same on every machine
-RATES = dict(flop_rate=1e12, memory_bandwidth=1e11, h2d_bandwidth=1e10, launch_overhead=5e-6)
+from helpers import PLANNER_RATES as RATES, small_moe
 
 
 def compile_planned(name, budget, build_kwargs=None, inner_backend="eager", dynamic=True,
