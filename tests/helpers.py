@@ -89,3 +89,15 @@ def small_moe(name: str, impl: str = "grouped_mm"):
             q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
         return transformers.DeepseekV3ForCausalLM(config)
     raise AssertionError(name)
+
+
+def experts_alone_budget(model) -> tuple[int, int]:
+    """(a ``memory_budget`` that holds every weight of ``model``, a small Hugging Face MoE,
+    but its expert tensors, plus one slot of one layer's experts: the planner then offloads
+    the expert tensors alone; the experts' bytes in one layer)."""
+    stack = model.model.layers
+    experts = sum(p.numel() * p.element_size() for layer in stack
+                  for n, p in layer.named_parameters() if ".experts." in n)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    per_layer = experts // len(stack)
+    return total - experts + per_layer + 1024, per_layer

@@ -14,7 +14,7 @@ from fx_offload.errors import OffloadError
 from fx_offload.passes import plan as plan_module, routing
 from fx_offload.runtime import gather
 from fx_offload.tools import models
-from helpers import PLANNER_RATES, SMALL_HF as SMALL, small_moe as build
+from helpers import PLANNER_RATES, SMALL_HF as SMALL, experts_alone_budget, small_moe as build
 
 transformers = pytest.importorskip("transformers", reason="install the test extra")
 
@@ -371,12 +371,8 @@ def test_a_users_exception_after_a_gather_surfaces_and_the_model_keeps_working(p
     experts.forward = computes_then_may_refuse
     options = {"inner_backend": "aot_eager", "group_size": 1, "num_in_group": 1}
     if plan == "experts alone":
-        stack = model.model.layers
-        expert_bytes = sum(p.numel() * p.element_size() for layer in stack
-                           for n, p in layer.named_parameters() if ".experts." in n)
-        total = sum(t.numel() * t.element_size() for t in truth.values())
         options = {"inner_backend": "aot_eager", "expert_cache": 0, **PLANNER_RATES,
-                   "memory_budget": total - expert_bytes + expert_bytes // len(stack) + 1024}
+                   "memory_budget": experts_alone_budget(model)[0]}
     elif plan == "expert cache":
         options["expert_cache"] = 4 * 1024
     compiled = torch.compile(model, backend="prefetch_offload", options=options)

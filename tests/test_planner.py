@@ -18,7 +18,7 @@ from fx_offload.tools.bench import schedule_bound
 from fx_offload.schedule import Schedule
 from fx_offload.selection.budget import simulate, weights_bytes
 from fx_offload.selection.stack import find_layer_stack
-from helpers import PLANNER_RATES as RATES, small_moe
+from helpers import PLANNER_RATES as RATES, experts_alone_budget, small_moe
 
 
 def compile_planned(name, budget, build_kwargs=None, inner_backend="eager", dynamic=True,
@@ -414,11 +414,7 @@ def test_a_budget_that_keeps_the_moe_layers_other_weights_offloads_only_their_ex
     model = small_moe("qwen3_moe").eval()
     experts = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
     stack = model.model.layers
-    expert_bytes = sum(p.numel() * p.element_size() for layer in stack
-                       for n, p in layer.named_parameters() if n in experts)
-    total = weights_bytes(model, torch.device("cpu"))
-    per_layer = expert_bytes // len(stack)
-    budget = total - expert_bytes + per_layer + 1024        # the rest, and one slot
+    budget, per_layer = experts_alone_budget(model)     # the rest, and one slot
     chosen, offloaded, copied = _decode_calls(model, budget)
     assert chosen.experts_only and "expert tensors only" in chosen.describe()
     assert len(offloaded) == len(stack) and all(s == experts for s in offloaded.values())
