@@ -250,6 +250,13 @@ def test_routed_experts_inside_cuda_graphs():
                              for c in state.contents.chunks(refill)
                              if not state.routed.gathers(refill, c))
                 assert 0 < state.buffers.copied <= hooked, (i, state.buffers.copied, hooked)
+                # what crossed in the replayed call: every offloaded layer's other chunks
+                # once (the hook's and the graph's own copies) and the rows it gathered
+                others = sum(c.end - c.start for layer in state.layers
+                             for c in state.contents.chunks(layer)
+                             if not state.routed.gathers(layer, c))
+                moved = fx_offload.report(model).copied_bytes_last_call
+                assert moved == others + state.routed.gathered.item(), (i, moved, others)
 
 
 def test_host_memory_the_device_cannot_read_moves_experts_whole(caplog):

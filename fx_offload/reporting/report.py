@@ -40,10 +40,9 @@ class Report:
     # of the offloaded bytes, those kept in files rather than in host memory (compressed
     # layers' uncompressed weights: option uncompressed_weights)
     uncompressed_in_file_bytes: int = 0
-    # bytes the copies begun since the most recent call began moved (counted in Python: a
-    # CUDA graph's replay copies what its capture did, uncounted)
+    # bytes that crossed the link in the most recent call: its copies and gathered expert
+    # rows, a CUDA graph's replayed ones included (counted on the device)
     copied_bytes_last_call: int = 0
-    copies_captured: bool = False      # some copies run inside captured CUDA graphs
     # MoE layers: layer -> how its expert tensors move ("routed (128 experts)": only the
     # experts its tokens picked; "whole: <why>")
     experts: dict[int, str] = dataclasses.field(default_factory=dict)
@@ -118,9 +117,7 @@ class Report:
                          f"now; the last call found {format_bytes(hit)} of its picked "
                          "experts there")
         if self.copied_bytes_last_call:
-            lines.append(f"  the last call copied {format_bytes(self.copied_bytes_last_call)}"
-                         + (" outside CUDA graphs (a replay's own copies are not counted)"
-                            if self.copies_captured else ""))
+            lines.append(f"  the last call copied {format_bytes(self.copied_bytes_last_call)}")
         if self.planner is not None:
             lines.append(str(self.planner))
         if self.kv.get("plan"):
@@ -137,13 +134,14 @@ class Report:
 
 
 def _copied(state) -> int:
-    """Bytes the last call moved: counted in Python, plus expert rows counted on the device
-    (read here, which waits for the device)."""
+    """Bytes the last call moved: its copies (those a replayed CUDA graph ran counted on the
+    device) and the expert rows it gathered (counted on the device too); reading them waits
+    for the device."""
     if state.buffers is None:
         return 0
     gathered = getattr(state, "routed", None)
     extra = 0 if gathered is None or gathered.gathered is None else int(gathered.gathered)
-    return state.buffers.copied + extra
+    return state.buffers.copied_bytes() + extra
 
 
 def _expert_cache(state) -> tuple[int, int, int, int] | None:
@@ -217,7 +215,6 @@ def _weights_report(model: nn.Module) -> Report:
             codec=state.buffers.codec_names() if state.buffers else "",
             uncompressed_in_file_bytes=state.buffers.in_file_bytes if state.buffers else 0,
             copied_bytes_last_call=_copied(state),
-            copies_captured=bool(state.buffers and state.buffers.captured),
             experts=experts_moved(choice, getattr(state, "routed", None)),
             expert_cache=_expert_cache(state))
     kept = registry.nothing_offloaded(model)

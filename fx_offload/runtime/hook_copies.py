@@ -51,7 +51,7 @@ class HookCopies:
         Dynamo's guards run; the graph's own start finds them begun.  Not inside a capture
         that takes in the whole call (a user's ``torch.cuda.graph``): there the graph's own
         start copies, as its replays run only what it recorded."""
-        self.buffers.copied = 0     # a new call: report's copied_bytes_last_call
+        self.buffers.begin_count()     # a new call: report's copied_bytes_last_call
         self.check_slots = slot_check.enabled()
         if capturing():         # copies an earlier call's hook began are not this call's
             self._forget_hook_copies()

@@ -95,7 +95,28 @@ class SlotBuffers(CompressedLayers):
             self._give_flags()
         self.captured = False       # a CUDA graph captured a copy: record sizes are fixed
         self.encoded_at: dict[int, tuple] = {}  # layer -> its parameters' versions encoded
-        self.copied = 0             # bytes copied across the link since the latest call began
+        self.copied = 0             # bytes copied across the link since the latest call began,
+        # by copies the host ran; those recorded in a CUDA graph count here instead, on the
+        # device, as each replay runs them (made here: not in a capture's memory pool)
+        self.replayed = torch.zeros((), dtype=torch.int64, device=self.device) \
+            if self.device.type == "cuda" else None
+
+    def begin_count(self) -> None:
+        """A call begins: count its copies from zero (in a capture that takes in the whole
+        call, each replay then counts from zero too)."""
+        self.copied = 0
+        if self.replayed is not None:
+            self.replayed.zero_()
+
+    def copied_bytes(self) -> int:
+        """Bytes copied across the link since the latest call began (reads the device)."""
+        return self.copied + (0 if self.replayed is None else int(self.replayed))
+
+    def _count(self, nbytes: int) -> None:
+        if self.replayed is not None and torch.cuda.is_current_stream_capturing():
+            self.replayed.add_(nbytes)      # a replay runs no Python: the graph counts
+        else:
+            self.copied += nbytes
 
     @property
     def nbytes(self) -> int:
@@ -152,7 +173,7 @@ class SlotBuffers(CompressedLayers):
             flat = self.flat[self.schedule.slot_of[layer]]
             self.staged.copy(packed, chunk, flat[chunk.start:chunk.end], copy_stream, fork,
                              done, capturing)
-            self.copied += packed.chunk_nbytes(chunk)
+            self._count(packed.chunk_nbytes(chunk))
             return
         copy_stream.wait_event(fork)
         # after decodes in flight into the same bytes (in a capture: only if the decode
@@ -178,7 +199,7 @@ class SlotBuffers(CompressedLayers):
             flat = self.flat[self.schedule.slot_of[layer]]
             staging = self.staging
             for c in (self.layout[layer] if chunk is None else (chunk,)):
-                self.copied += self.chunk_nbytes(layer, c)
+                self._count(self.chunk_nbytes(layer, c))
                 if packed.holds(c):
                     packed.copy_in(c, flat[c.start:c.end], staging, non_blocking)
                 else:
@@ -187,7 +208,7 @@ class SlotBuffers(CompressedLayers):
             return
         if self.packed and block is not None:       # one copy per chunk
             start, end = (0, block.nbytes) if chunk is None else (chunk.start, chunk.end)
-            self.copied += end - start
+            self._count(end - start)
             flat = self.flat[self.schedule.slot_of[layer]]
             flat[start:end].copy_(block.buffer[start:end], non_blocking=non_blocking)
             return
@@ -195,7 +216,7 @@ class SlotBuffers(CompressedLayers):
         with torch.no_grad():
             for p in self.params[layer]:
                 if wanted is None or p.suffix in wanted:
-                    self.copied += p.nbytes
+                    self._count(p.nbytes)
                     for key in p.parts():
                         self.views[layer][key].copy_(self.masters[layer][key],
                                                      non_blocking=non_blocking)
