@@ -45,7 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=int, default=17,
                         help="tokens generated per timed generate")
     parser.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
-    parser.add_argument("--prefetch-step", type=int, default=2)
+    parser.add_argument("--prefetch-step", type=int, default=1,
+                        help="slots (prefetch_step); 1, the library's default, measures what "
+                             "a user who sets nothing gets")
     parser.add_argument("--experts", default="whole,routed",
                         help="comma-separated experts values of the fx_offload rows")
     parser.add_argument("--expert-cache", default="0",
@@ -207,8 +209,8 @@ def _step_bytes(model) -> tuple[int, int]:
     """Bytes the last decode step had to move: every offloaded byte but the expert tensors',
     plus the expert rows it gathered across the link (counted on the device, replays of a
     CUDA graph too) where experts are routed, else every expert's; and the bytes of picked
-    experts the expert cache held (they did not cross).  (``copied_bytes_last_call`` counts
-    the copies the host began: not those a replayed CUDA graph repeats.)"""
+    experts the expert cache held (they did not cross).  This is what the step must move,
+    whatever moved (``copied_bytes_last_call`` says what did)."""
     rep = report(model)
     state = registry.state_for_model(model)
     expert_bytes = sum(p.nbytes for layer, tensors in state.choice.experts.items()
