@@ -313,6 +313,86 @@ def test_the_eager_experts_loop_offloads_with_a_warning_naming_the_implementatio
     assert warned.count("on its own") == 1
 
 
+class _OldExpert(torch.nn.Module):
+    def __init__(self, hidden, inner):
+        super().__init__()
+        self.w1 = torch.nn.Linear(hidden, inner, bias=False)
+        self.w2 = torch.nn.Linear(inner, hidden, bias=False)
+        self.w3 = torch.nn.Linear(hidden, inner, bias=False)
+
+    def forward(self, x):
+        return self.w2(torch.nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class _OldSparseMoe(torch.nn.Module):
+    """The per-expert ``ModuleList`` form of older MoE code (Mixtral's before the fused
+    experts): a loop over the experts the batch hit, each called as a module."""
+
+    def __init__(self, hidden=32, inner=64, num_experts=8, top_k=2):
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.gate = torch.nn.Linear(hidden, num_experts, bias=False)
+        self.experts = torch.nn.ModuleList(_OldExpert(hidden, inner) for _ in range(num_experts))
+
+    def forward(self, x):
+        b, t, h = x.shape
+        x = x.view(-1, h)
+        weights = torch.softmax(self.gate(x), dim=1, dtype=torch.float)
+        weights, picked = torch.topk(weights, self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(x)
+        mask = torch.nn.functional.one_hot(picked, self.num_experts).permute(2, 1, 0)
+        for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():
+            slot, token = torch.where(mask[e].squeeze(0))
+            y = self.experts[e](x[token]) * weights[token, slot, None]
+            out.index_add_(0, token, y.to(x.dtype))
+        return out.view(b, t, h)
+
+
+def test_an_older_moe_of_expert_modules_in_a_list_stays_right():
+    """The per-expert ``ModuleList`` form breaks the graph in its loop: Dynamo compiles each
+    layer and each expert's forward on its own frame.  The layers are offloaded and loaded
+    whole, synchronously; outputs equal the model's, call after call, and the weights stay
+    the user's."""
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.attn = torch.nn.LayerNorm(32), torch.nn.Linear(32, 32)
+            self.moe = _OldSparseMoe()
+
+        def forward(self, x):
+            x = x + self.attn(self.norm(x))
+            return x + self.moe(x)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(64, 32)
+            self.layers = torch.nn.ModuleList(Block() for _ in range(4))
+            self.head = torch.nn.Linear(32, 64)
+
+        def forward(self, ids):
+            x = self.emb(ids)
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    model = Model().eval()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"group_size": 1, "num_in_group": 1,
+                                      "inner_backend": "aot_eager"})
+    with torch.no_grad():
+        for seq in (3, 1, 5, 1):
+            ids = torch.randint(0, 64, (2, seq))
+            assert torch.equal(compiled(ids), reference(ids)), seq
+    rep = fx_offload.report(model)
+    assert rep.layers == [0, 1, 2, 3] and rep.copied_bytes_last_call > 0
+    for key, value in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+
+
 def test_a_gather_that_fails_part_way_leaves_the_next_calls_right(monkeypatch):
     """A fault in the middle of a routed copy (some rows written, then an error): the error
     reaches the caller, and later calls read no bytes the broken copy left behind."""
