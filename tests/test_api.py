@@ -121,12 +121,17 @@ def test_grad_enabled_compile_is_refused():
         compiled(*inputs)                      # grad mode is guarded: recompiles, refused
 
 
-def test_report_fields_and_table():
+def test_report_fields_and_table(caplog):
     model, compiled, reference, inputs = compile_pair(
         "moe", {"group_size": 3, "num_in_group": 2, "prefetch_step": 3,
                 "inner_backend": "eager"}, {"num_layers": 7})
-    with torch.no_grad():
+    with caplog.at_level(logging.WARNING, logger="fx_offload"), torch.no_grad():
         compiled(*inputs)
+        compiled(*inputs)
+    # layers alone in their slot are named once, with what that costs and what to change
+    alone = [r.getMessage() for r in caplog.records if "alone in their slot" in r.getMessage()]
+    assert len(alone) == 1 and "[2, 4]" in alone[0] and "prefetch_step=2 or less" in alone[0]
+    assert ".data never reaches it" in alone[0]
     rep = fx_offload.report(model)
     assert rep.layers == [1, 2, 4, 5]
     assert rep.num_slots == 3 and rep.device == "cpu"
@@ -146,12 +151,13 @@ def test_report_fields_and_table():
         assert needle in text, text
 
 
-def test_slot_rotation_with_counts_not_divisible_by_step():
+def test_slot_rotation_with_counts_not_divisible_by_step(caplog):
     model, compiled, reference, inputs = compile_pair(
         "mlp", {"group_size": 1, "num_in_group": 1, "prefetch_step": 2,
                 "inner_backend": "eager"}, {"num_layers": 5})
-    with torch.no_grad():
+    with caplog.at_level(logging.WARNING, logger="fx_offload"), torch.no_grad():
         compiled(*inputs)
+    assert "alone in their slot" not in caplog.text      # every slot serves two or more
     rep = fx_offload.report(model)
     # 5 layers over 2 slots: slot 0 serves 0, 2, 4; slot 1 serves 1, 3
     assert rep.slot_of == {0: 0, 1: 1, 2: 0, 3: 1, 4: 0}

@@ -65,6 +65,7 @@ def choose(model: nn.Module, options: OffloadOptions, graph=None, layer_frame: b
                     expert_cache=_expert_cache(options, planner))
     if planner is None:
         _warn_if_little_saved(choice)
+    _say_layers_alone(choice)
     return choice
 
 
@@ -95,6 +96,31 @@ def _warn_if_little_saved(choice: Choice) -> None:
         "(the slots hold nearly all of it): %soffload more layers (group_size/num_in_group), "
         "or give memory_budget and let the planner choose", choice.model_name, n, k,
         format_bytes(max(offloaded - slots, 0)), format_bytes(offloaded), lower)
+
+
+def _say_layers_alone(choice: Choice) -> None:
+    """A layer alone in its slot (fewer offloaded layers than twice the slots) is copied in
+    once and kept: it saves no device memory, and a write that no version counter sees
+    (through ``.data``) never reaches it, as no later copy does.  A warning where the user
+    chose the slots, an INFO line where the planner did."""
+    schedule = choice.schedule
+    alone = [layer for layer, refill in schedule.refill_of.items() if refill is None]
+    if not alone:
+        return
+    n, k = len(schedule.layers), schedule.num_slots
+    planned = choice.planner is not None
+    if planned:
+        advice = ""
+    elif n > 1:
+        advice = f"; prefetch_step={n // 2} or less puts every offloaded layer in a slot it shares"
+    else:
+        advice = "; offload more layers, or none"
+    log.log(logging.INFO if planned else logging.WARNING,
+            "fx_offload: %s: layer(s) %s alone in their slot (%d offloaded, %d slot(s)%s): "
+            "each is copied in once and kept there, so it saves no device memory, and a write "
+            "through .data never reaches it (write the parameter itself, or use "
+            "fx_offload.update_weights)%s", choice.model_name, alone, n, k,
+            ", the planner's choice" if planned else "", advice)
 
 
 def _check_count(params, num_slots: int, options: OffloadOptions, stack: LayerStack) -> None:
