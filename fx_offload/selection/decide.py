@@ -63,9 +63,8 @@ def choose(model: nn.Module, options: OffloadOptions, graph=None, layer_frame: b
                     under_cuda_graphs=options.mode == "reduce-overhead",
                     experts=expert_tensors(params) if options.experts == "routed" else {},
                     expert_cache=_expert_cache(options, planner))
-    if planner is None:
-        _warn_if_little_saved(choice)
-    _say_layers_alone(choice)
+    if planner is not None or not _warn_if_little_saved(choice):
+        _say_layers_alone(choice)
     return choice
 
 
@@ -85,10 +84,11 @@ def _expert_cache(options: OffloadOptions, planner) -> int:
 LITTLE_SAVED = 0.1      # of the offloaded bytes: less saved than this earns a warning
 
 
-def _warn_if_little_saved(choice: Choice) -> None:
+def _warn_if_little_saved(choice: Choice) -> bool:
+    """Warn where the slots hold nearly all the offloaded bytes; whether it did."""
     offloaded, slots = choice.offloaded_bytes, choice.slot_bytes
     if offloaded - slots > LITTLE_SAVED * offloaded:
-        return
+        return False
     n, k = len(choice.layers), choice.schedule.num_slots
     lower = f"lower prefetch_step ({k} now) or " if k > 1 else ""
     log.warning(
@@ -96,25 +96,23 @@ def _warn_if_little_saved(choice: Choice) -> None:
         "(the slots hold nearly all of it): %soffload more layers (group_size/num_in_group), "
         "or give memory_budget and let the planner choose", choice.model_name, n, k,
         format_bytes(max(offloaded - slots, 0)), format_bytes(offloaded), lower)
+    return True
 
 
 def _say_layers_alone(choice: Choice) -> None:
     """A layer alone in its slot (fewer offloaded layers than twice the slots) is copied in
     once and kept: it saves no device memory, and a write that no version counter sees
     (through ``.data``) never reaches it, as no later copy does.  A warning where the user
-    chose the slots, an INFO line where the planner did."""
+    chose the slots (unless :func:`_warn_if_little_saved` said the slots save little,
+    with its own advice), an INFO line where the planner did."""
     schedule = choice.schedule
     alone = [layer for layer, refill in schedule.refill_of.items() if refill is None]
     if not alone:
         return
     n, k = len(schedule.layers), schedule.num_slots
     planned = choice.planner is not None
-    if planned:
-        advice = ""
-    elif n > 1:
-        advice = f"; prefetch_step={n // 2} or less puts every offloaded layer in a slot it shares"
-    else:
-        advice = "; offload more layers, or none"
+    advice = "" if planned else \
+        f"; prefetch_step={n // 2} or less puts every offloaded layer in a slot it shares"
     log.log(logging.INFO if planned else logging.WARNING,
             "fx_offload: %s: layer(s) %s alone in their slot (%d offloaded, %d slot(s)%s): "
             "each is copied in once and kept there, so it saves no device memory, and a write "
