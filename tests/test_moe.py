@@ -222,6 +222,18 @@ def test_an_update_reaches_every_chunk_a_slot_kept_from_earlier_calls(case):
     _run_calls(model, compiled, ref_fn, "cpu", [(1, 8), (1, 8), (1, 1)])
 
 
+def _calls_equal(compiled, ref_fn):
+    """Decode-sized calls of new ids each, a prompt-sized one among them: yields (index,
+    shape) of each once its logits are checked equal to the reference's."""
+    for i, shape in enumerate([(1, 1)] * 5 + [(2, 12)] + [(1, 1)] * 4):
+        ids = torch.randint(0, 256, shape, device="cuda",
+                            generator=torch.Generator("cuda").manual_seed(i))
+        got = compiled(ids, use_cache=False).logits.clone()
+        want = ref_fn(ids, use_cache=False).logits.clone()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        yield i, shape
+
+
 @pytest.mark.cuda
 def test_routed_experts_inside_cuda_graphs():
     """reduce-overhead: the decode graph is captured with the gather in it; each replay
@@ -235,12 +247,7 @@ def test_routed_experts_inside_cuda_graphs():
     ref_fn = torch.compile(reference, mode="reduce-overhead")
     state = None
     with torch.no_grad():
-        for i, shape in enumerate([(1, 1)] * 5 + [(2, 12)] + [(1, 1)] * 4):
-            ids = torch.randint(0, 256, shape, device="cuda",
-                                generator=torch.Generator("cuda").manual_seed(i))
-            got = compiled(ids, use_cache=False).logits.clone()
-            want = ref_fn(ids, use_cache=False).logits.clone()
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for i, shape in _calls_equal(compiled, ref_fn):
             state = state or registry.state_for_model(model)
             if shape == (1, 1) and i > 2:
                 assert state.routed.gathered.item() > 0, i     # this replay gathered
@@ -257,6 +264,75 @@ def test_routed_experts_inside_cuda_graphs():
                              if not state.routed.gathers(layer, c))
                 moved = fx_offload.report(model).copied_bytes_last_call
                 assert moved == others + state.routed.gathered.item(), (i, moved, others)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_other_chunks_fetched_ahead_give_the_same_outputs_and_bytes(mode, monkeypatch):
+    """Every layer offloaded over one slot: the routed layers' other chunks run ahead
+    through the ring (runtime.ahead), and every call's logits equal the model's, while a
+    call moves exactly the bytes it moves without the ring (each layer's other chunks once,
+    plus the rows it gathered), in replayed CUDA graphs too, decode and prompt calls
+    interleaved; and weights changed between calls reach the next call."""
+    from fx_offload.runtime import ahead as ahead_module
+    model = build("qwen3_moe", "batched_mm").eval().cuda()
+    reference = copy.deepcopy(model)
+    options = {"group_size": 1, "num_in_group": 1, "mode": mode}
+    compiled = torch.compile(model, backend="prefetch_offload", options=options)
+    ref_fn = torch.compile(reference, mode=mode)
+    hits = []
+    real = ahead_module.AheadCopies.copy_into_slot
+
+    def counted(self, *args):
+        hit = real(self, *args)
+        hits.append(hit)
+        return hit
+    monkeypatch.setattr(ahead_module.AheadCopies, "copy_into_slot", counted)
+    with torch.no_grad():
+        for i, shape in _calls_equal(compiled, ref_fn):
+            state = registry.state_for_model(model)
+            assert state.ahead is not None and state.ahead.depth == 2
+            assert len(state.ahead.sequence) == 3      # layers 1..3's other chunks
+            if shape == (1, 1) and i > 2:
+                others = sum(c.end - c.start for layer in state.layers
+                             for c in state.contents.chunks(layer)
+                             if not state.routed.gathers(layer, c))
+                moved = fx_offload.report(model).copied_bytes_last_call
+                assert moved == others + state.routed.gathered.item(), (i, moved, others)
+        # the first layers' other chunks were fetched as the last call ended: a weight
+        # changed since reaches the next call, through the parameter or update_weights
+        one = torch.ones(1, 1, dtype=torch.long, device="cuda")
+        for change in ("copy_", "update_weights"):
+            compiled(one, use_cache=False)      # its end fetches the first ones ahead
+            new = torch.randn_like(reference.model.layers[1].self_attn.o_proj.weight)
+            reference.model.layers[1].self_attn.o_proj.weight.copy_(new)
+            if change == "copy_":
+                model.model.layers[1].self_attn.o_proj.weight.copy_(new)
+            else:
+                fx_offload.update_weights(model, {"model.layers.1.self_attn.o_proj.weight": new})
+            for _ in range(2):
+                got = compiled(one, use_cache=False).logits.clone()
+                want = ref_fn(one, use_cache=False).logits.clone()
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # served from the ring: in every call outside replays, and in the capture
+    assert sum(hits) >= len(state.ahead.sequence), hits
+    rep = fx_offload.report(model)
+    assert rep.ahead == (2, state.ahead.nbytes) and state.ahead.nbytes > 0
+    assert rep.buffer_bytes == sum(f.numel() for f in state.buffers.flat) + state.ahead.nbytes
+    assert "and 2 that fetch routed layers' other weights ahead" in str(rep)
+
+
+@pytest.mark.parametrize("value, depth", [("two", None), ("-1", None), ("0", 0), (" 3 ", 3)])
+def test_a_bad_ahead_count_warns_and_keeps_the_default(value, depth, monkeypatch, caplog):
+    """docs/errors.md row 74: FX_OFFLOAD_AHEAD takes a count (0: off); anything else gets a
+    warning naming it, and the default depth."""
+    import logging
+    from fx_offload.runtime import ahead
+    monkeypatch.setenv("FX_OFFLOAD_AHEAD", value)
+    with caplog.at_level(logging.WARNING, "fx_offload"):
+        got = ahead.depth_wanted()
+    assert got == (ahead.DEPTH if depth is None else depth)
+    assert ("FX_OFFLOAD_AHEAD=" in caplog.text) == (depth is None), caplog.text
 
 
 def test_host_memory_the_device_cannot_read_moves_experts_whole(caplog):

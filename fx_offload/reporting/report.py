@@ -51,6 +51,9 @@ class Report:
     expert_cache: tuple[int, int, int, int] | None = None
     # kv_cache="host": HostKV.summary() (host and slot bytes, what a decode step moves)
     kv: dict = dataclasses.field(default_factory=dict)
+    # routed MoE layers' other weights fetched ahead (runtime.ahead): (buffers, their
+    # device bytes, counted in buffer_bytes); None where there is no such ring
+    ahead: tuple[int, int] | None = None
 
     @property
     def saved_bytes(self) -> int:
@@ -90,11 +93,15 @@ class Report:
             lines.append("  circular prefetch (each slot's first layer, for the next call): "
                          + self.circular_text)
         host = "pinned host memory" if self.pinned else "host memory"
+        ahead_text = "" if self.ahead is None else (
+            f" and {self.ahead[0]} that fetch routed layers' other weights ahead "
+            f"({format_bytes(self.ahead[1])})")
         in_file = self.uncompressed_in_file_bytes
         if in_file:
             host += " and files"
         lines.append(f"  offloaded to {host}: {format_bytes(self.offloaded_bytes)}; "
-                     f"{self.num_slots} slot buffer(s): {format_bytes(self.buffer_bytes)} on "
+                     f"{self.num_slots} slot buffer(s)" + ahead_text +
+                     f": {format_bytes(self.buffer_bytes)} on "
                      f"{self.device}" + ("" if self.expert_cache is None else
                                          " (and the expert cache below)") +
                      f"; device memory saved: {format_bytes(self.saved_bytes)}")
@@ -216,7 +223,9 @@ def _weights_report(model: nn.Module) -> Report:
             uncompressed_in_file_bytes=state.buffers.in_file_bytes if state.buffers else 0,
             copied_bytes_last_call=_copied(state),
             experts=experts_moved(choice, getattr(state, "routed", None)),
-            expert_cache=_expert_cache(state))
+            expert_cache=_expert_cache(state),
+            ahead=None if getattr(state, "ahead", None) is None else
+            (state.ahead.depth, state.ahead.nbytes))
     kept = registry.nothing_offloaded(model)
     if kept is not None:
         return Report(model=kept.model_name, stack=kept.stack.path,

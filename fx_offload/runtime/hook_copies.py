@@ -67,7 +67,10 @@ class HookCopies:
         not of a layer on its own).  Under CUDA graphs, a hook copy it replaced with a
         synchronous reload (the layer's weights changed) is begun again, so that a capture
         in this call still finds one to wait for: every later replay's hook copies outside
-        the graph.  The expert cache may choose anew which experts it keeps."""
+        the graph.  The expert cache may choose anew which experts it keeps; the other
+        chunks of routed layers begin to run ahead (:mod:`.ahead`)."""
+        if self.ahead is not None:
+            self.ahead.begin_call(fill=root and not capturing(), changed=self._changed_since)
         if root and not capturing():
             self.routed.between_calls(self._versions)
         if not (root and self.under_cuda_graphs) or self.copy_stream is None or capturing():

@@ -11,7 +11,6 @@ a call's entry), and points the parameters at their slots.
 """
 from __future__ import annotations
 
-import logging
 import sys
 import threading
 import weakref
@@ -19,12 +18,11 @@ import weakref
 import torch
 
 from .. import registry
+from .contents import capturing
 from .fingerprint import Fingerprint
 from .interrupts import GUARD
 from .turns import Turns
 from .versions import ParamVersions
-
-log = logging.getLogger("fx_offload")
 
 
 class ShapeChanged(Exception):
@@ -52,6 +50,8 @@ class Ownership(ParamVersions):
         self._saved: dict = {}  # name -> the DTensor state_dict gives for it (versions)
         self._fingerprint: Fingerprint | None = None  # of the last full look, if one applies
         self._call_versions: dict[int, tuple] | None = None   # during a call: _versions's
+        self._taken_up: set[int] = set()    # layers whose values the latest look copied in
+        self._root_call = False             # the call in progress is the model's
 
     # ---- calls -------------------------------------------------------------------------
     def enter(self, root: bool, tokens: int | None = None) -> None:
@@ -79,6 +79,7 @@ class Ownership(ParamVersions):
                 raise _Restored
             with GUARD.holding():        # Ctrl-C waits until the parameters are pointed
                 self._call_versions = {}
+                self._root_call = root
                 if root:    # first: the copy stream works while the rest runs; a layer
                     self.begin_entry_refills(tokens)   # changed: reloaded when taken up
                 self._take_up_changes()
@@ -108,6 +109,8 @@ class Ownership(ParamVersions):
         with GUARD.holding():            # Ctrl-C waits until the parameters are back
             try:
                 self._point_at(truth=True)
+                if self._root_call and self.ahead is not None and not capturing():
+                    self.ahead.end_call(self._versions)     # crosses while the host works
             finally:
                 self._call_versions = None
                 registry.end_call(self)
@@ -163,6 +166,7 @@ class Ownership(ParamVersions):
         host block; an in-place write (``copy_``, ``load_state_dict``, an init function)
         makes a slot holding that layer stale and (unless ``restoring``) is encoded again."""
         _check_stack(self)
+        self._taken_up = set()
         if not restoring and self._fingerprint is not None and self._fingerprint.unchanged():
             return                  # the look below would find nothing: skip it
         self._fingerprint = None
@@ -216,18 +220,9 @@ class Ownership(ParamVersions):
             stale |= self.buffers.recompress_changed(self._versions, moved, self.synchronize)
             self.routed.reload_changed(stale, self._versions)
         self._reload_stale(stale)
+        self._taken_up = stale
         if Fingerprint.applies(self.params, bool(self._handover or self.dtensor_params)):
             self._fingerprint = Fingerprint(self.params)
-
-    def _reload_stale(self, layers: set[int]) -> None:
-        """Reload what a slot holds of a layer changed since its copy (or in ``layers``);
-        chunks overwritten since are forgotten: copied afresh anyway."""
-        self._copied = {k: v for k, v in self._copied.items() if k in self.contents.slot(k[0])}
-        for (layer, index), seen in list(self._copied.items()):
-            if layer in layers or seen != self._versions(layer):
-                log.debug("fx_offload: layer %d changed since its chunk %d was copied; "
-                          "reloading it", layer, index)
-                self._load_now(layer, self.contents.chunks(layer, index)[0])
 
     def holding_slots(self):
         """Hold the slots as a call does (for restore), unless this thread is in a call."""

@@ -29,6 +29,7 @@ import os
 import torch
 
 from . import file_backed
+from .ahead import AheadCopies
 from .compressed import StagedCopies
 from .compressed_layers import CompressedLayers
 from .host_memory import HostBlock, align_for, layout_of, views_into
@@ -100,6 +101,7 @@ class SlotBuffers(CompressedLayers):
         # device, as each replay runs them (made here: not in a capture's memory pool)
         self.replayed = torch.zeros((), dtype=torch.int64, device=self.device) \
             if self.device.type == "cuda" else None
+        self.ahead = AheadCopies.make(choice, self)     # routed layers' other chunks ahead
 
     def begin_count(self) -> None:
         """A call begins: count its copies from zero (in a capture that takes in the whole
@@ -112,7 +114,7 @@ class SlotBuffers(CompressedLayers):
         """Bytes copied across the link since the latest call began (reads the device)."""
         return self.copied + (0 if self.replayed is None else int(self.replayed))
 
-    def _count(self, nbytes: int) -> None:
+    def count_copied(self, nbytes: int) -> None:
         if self.replayed is not None and torch.cuda.is_current_stream_capturing():
             self.replayed.add_(nbytes)      # a replay runs no Python: the graph counts
         else:
@@ -120,9 +122,10 @@ class SlotBuffers(CompressedLayers):
 
     @property
     def nbytes(self) -> int:
-        """Device memory of the slots (and of the staging buffers of compressed copies)."""
+        """Device memory of the slots, compressed copies' staging buffers and the ring."""
         staged = 0 if self.staging is None else self.staging.numel() + self.staged.nbytes
-        return sum(flat.numel() for flat in self.flat) + staged
+        ring = 0 if self.ahead is None else self.ahead.nbytes
+        return sum(flat.numel() for flat in self.flat) + staged + ring
 
     def _make_masters(self, layer: int, ps, fill) -> dict[str, torch.Tensor]:
         if self.device.type == "cpu" and fill is None and not self.compress:
@@ -173,7 +176,7 @@ class SlotBuffers(CompressedLayers):
             flat = self.flat[self.schedule.slot_of[layer]]
             self.staged.copy(packed, chunk, flat[chunk.start:chunk.end], copy_stream, fork,
                              done, capturing)
-            self._count(packed.chunk_nbytes(chunk))
+            self.count_copied(packed.chunk_nbytes(chunk))
             return
         copy_stream.wait_event(fork)
         # after decodes in flight into the same bytes (in a capture: only if the decode
@@ -185,9 +188,11 @@ class SlotBuffers(CompressedLayers):
             done.record(copy_stream)
 
     def synchronize(self) -> None:
-        """Wait for decodes in flight (the copy stream's copies: the caller)."""
+        """Wait for decodes and the ring's fills in flight (copies: the caller)."""
         if self.staged is not None:
             self.staged.synchronize()
+        if self.ahead is not None:
+            self.ahead.synchronize()
 
     def copy_in(self, layer: int, chunk=None, non_blocking: bool = False) -> None:
         """Copy ``layer``'s masters into its slot (on the current stream): the bytes of one
@@ -199,7 +204,7 @@ class SlotBuffers(CompressedLayers):
             flat = self.flat[self.schedule.slot_of[layer]]
             staging = self.staging
             for c in (self.layout[layer] if chunk is None else (chunk,)):
-                self._count(self.chunk_nbytes(layer, c))
+                self.count_copied(self.chunk_nbytes(layer, c))
                 if packed.holds(c):
                     packed.copy_in(c, flat[c.start:c.end], staging, non_blocking)
                 else:
@@ -208,7 +213,7 @@ class SlotBuffers(CompressedLayers):
             return
         if self.packed and block is not None:       # one copy per chunk
             start, end = (0, block.nbytes) if chunk is None else (chunk.start, chunk.end)
-            self._count(end - start)
+            self.count_copied(end - start)
             flat = self.flat[self.schedule.slot_of[layer]]
             flat[start:end].copy_(block.buffer[start:end], non_blocking=non_blocking)
             return
@@ -216,13 +221,16 @@ class SlotBuffers(CompressedLayers):
         with torch.no_grad():
             for p in self.params[layer]:
                 if wanted is None or p.suffix in wanted:
-                    self._count(p.nbytes)
+                    self.count_copied(p.nbytes)
                     for key in p.parts():
                         self.views[layer][key].copy_(self.masters[layer][key],
                                                      non_blocking=non_blocking)
 
     def release(self) -> None:
         """Unlock the host blocks; the slots and masters must not be used afterwards."""
+        if self.ahead is not None:     # first: its fills read the host blocks
+            self.ahead.release()
+            self.ahead = None
         for block in self._blocks.values():
             block.release()
         for packed in self.compressed.values():

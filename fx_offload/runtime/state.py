@@ -46,6 +46,7 @@ from torch import nn
 from .. import layout, registry
 from ..schedule import Schedule
 from . import expert_cache
+from .ahead import AheadStarts
 from .circular import CircularStart
 from .contents import Pending, SlotContents
 from .contents import capturing as _capturing
@@ -57,7 +58,7 @@ from .slots import SlotBuffers
 log = logging.getLogger("fx_offload")
 
 
-class OffloadState(Ownership, RoutedWait, HookCopies):
+class OffloadState(Ownership, RoutedWait, HookCopies, AheadStarts):
     """The slots of one model compiled with the backend, driven by the ops.  Built from a
     :class:`~fx_offload.selection.Choice`; it reads no option."""
 
@@ -181,7 +182,7 @@ class OffloadState(Ownership, RoutedWait, HookCopies):
         """Wait for copies in flight (they read the masters about to be changed)."""
         if self.copy_stream is not None:
             self.copy_stream.synchronize()
-            self.buffers.synchronize()      # decodes (set with the copy stream)
+            self.buffers.synchronize()      # decodes and the ring (with the copy stream)
 
     # ---- the operations the graph calls ------------------------------------------------
     def wait(self, layer: int, chunk: int = -1) -> None:
@@ -224,7 +225,7 @@ class OffloadState(Ownership, RoutedWait, HookCopies):
                 continue
             fork, done = (self._hook_events if by_hook else self._events)[(refill, c.index)]
             fork.record(torch.cuda.current_stream(self.device))     # made once, recorded again
-            self.buffers.begin_copy(refill, c, self.copy_stream, fork, done, capturing)
+            self._copy_chunk(refill, c, fork, done, capturing)     # from the ring or the host
             self.contents.fill(refill, c, Pending(done, capturing, by_hook))
             if at_end:
                 self.circular.began_at_end(done)
@@ -238,7 +239,7 @@ class OffloadState(Ownership, RoutedWait, HookCopies):
         if self.copy_stream is None:
             return
         if (capturing := _capturing()) or self.under_cuda_graphs:
-            self.contents.join(torch.cuda.current_stream(self.device), captured=capturing)
+            self._join_copies(capturing)
 
     def _wait_for(self, pending: Pending) -> None:
         # A copy recorded before a capture began was completed by the synchronization that

@@ -1,10 +1,15 @@
 """What the offloaded parameters' version counters say: autograd moves a tensor's counter at
 every in-place write, so a layer whose counters moved since its copy holds stale bytes in
-its slot.  A mixin of :class:`~.ownership.Ownership`, which sets ``_call_versions`` (the
-memo of one call), ``_dtensor_params`` and ``_saved``."""
+its slot (reloaded as a call begins), and a fill of the ring of :mod:`.ahead` begun before
+is not used.  A mixin of :class:`~.ownership.Ownership`, which sets ``_call_versions`` (the
+memo of one call), ``_dtensor_params``, ``_saved``, ``_copied`` and ``_taken_up``."""
 from __future__ import annotations
 
+import logging
+
 from .. import dtensor
+
+log = logging.getLogger("fx_offload")
 
 
 class ParamVersions:
@@ -20,6 +25,21 @@ class ParamVersions:
         if layer not in memo:
             memo[layer] = self._read_versions(layer)
         return memo[layer]
+
+    def _reload_stale(self, layers: set[int]) -> None:
+        """Reload what a slot holds of a layer changed since its copy (or in ``layers``);
+        chunks overwritten since are forgotten: copied afresh anyway."""
+        self._copied = {k: v for k, v in self._copied.items() if k in self.contents.slot(k[0])}
+        for (layer, index), seen in list(self._copied.items()):
+            if layer in layers or seen != self._versions(layer):
+                log.debug("fx_offload: layer %d changed since its chunk %d was copied; "
+                          "reloading it", layer, index)
+                self._load_now(layer, self.contents.chunks(layer, index)[0])
+
+    def _changed_since(self, layer: int, versions) -> bool:
+        """``layer``'s weights changed since its version counters read ``versions`` (or
+        the call's look copied new values into its host block)."""
+        return layer in self._taken_up or versions != self._versions(layer)
 
     def _read_versions(self, layer: int) -> tuple:
         if not self.dtensor_params:          # every call: plain parameters stay cheap

@@ -1,0 +1,271 @@
+"""The other chunks of routed MoE layers, fetched ahead into a small ring of device buffers.
+
+Where a layer's expert tensors are routed (:mod:`.routed`), its slot is mostly those
+tensors, which the gathers fill after the router runs; the layer's other chunks (attention,
+norms, router: 36 MiB beside 1.2 GB of experts at Qwen3-30B-A3B's shapes) are copied into
+the slot once the layer leaving it has read what they overwrite.  With one slot that is the
+layer just before, so those bytes can cross only while it computes, and between the gathers
+the link idles: the next layer's attention and router must finish before its gather can
+begin, and nothing else is free to cross.  A second slot would let them run a layer ahead,
+at the price of a whole layer, experts included.  These buffers, ``depth`` of them, each as
+large as one layer's other chunks, let them run ``depth`` layers ahead at a small fraction
+of that::
+
+    S = the other chunks of routed layers refilled within a call, in the order they are read
+
+    call begins (hook, after the look at the user's changes):
+        fill(0 .. depth-1)                          on the ahead stream
+    start of S[i] (same place in the graph as before):
+        slot[chunk] <- ring[i % depth]              copy stream, after the fork and fill(i)
+        fill(i + depth) into ring[i % depth]        ahead stream, after that copy read it
+    fill(j):  ring[j % depth] <- host block[chunk S[j]]        crosses the link
+
+The copy into the slot stays where the pass put it (after the last read of the bytes it
+overwrites), so what the graph proves is unchanged; only its source moves from the host to
+the ring, a copy within device memory, and a start whose fill is not usable copies from the
+host as before.  A fill is usable only in the call that began it, and inside a CUDA-graph
+capture only if it was recorded there or begun by the call hook (on an external event, which
+every replay waits for: the hook fills before every call, so each replay reads a fill of its
+own call).  Each fill reads the host block after the call's look at the user's changes, so
+it holds the weights the call must see.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import torch
+
+from .contents import capturing
+
+log = logging.getLogger("fx_offload")
+
+DEPTH = 4           # buffers in the ring: how many layers ahead the other chunks run
+
+
+def depth_wanted() -> int:
+    """``FX_OFFLOAD_AHEAD`` (a count; 0 turns the ring off), else :data:`DEPTH`."""
+    value = os.environ.get("FX_OFFLOAD_AHEAD", "").strip()
+    if not value:
+        return DEPTH
+    if value.isdigit():
+        return int(value)
+    log.warning("fx_offload: the environment variable FX_OFFLOAD_AHEAD=%r sets how many "
+                "routed MoE layers' other weights are fetched ahead, a count (0 turns it "
+                "off): %d used", value, DEPTH)
+    return DEPTH
+
+
+@dataclasses.dataclass
+class Fill:
+    index: int              # into the sequence
+    call: int               # the call that began it
+    done: torch.cuda.Event
+    in_capture: bool
+    by_hook: bool
+    versions: tuple | None = None   # of its layer, where begun between calls (end_call)
+
+
+class AheadCopies:
+    """The ring of one offloaded model; ``make`` returns None where it has nothing to do."""
+
+    @classmethod
+    def make(cls, choice, buffers, depth: int | None = None) -> "AheadCopies | None":
+        depth = depth_wanted() if depth is None else depth
+        if depth <= 0 or choice.device.type != "cuda" or not buffers.packed \
+                or not buffers.pinned or buffers.compress or not choice.experts:
+            return None
+        sequence = _sequence(choice, buffers)
+        if len(sequence) <= 1:
+            return None
+        return cls(choice, buffers, sequence, min(depth, len(sequence) - 1))
+
+    def __init__(self, choice, buffers, sequence, depth: int):
+        self.buffers, self.sequence, self.depth = buffers, sequence, depth
+        self.device = choice.device
+        self.position = {(layer, c.index): i for i, (layer, c) in enumerate(sequence)}
+        size = max(c.end - c.start for _, c in sequence)
+        self.ring = [torch.empty(size, dtype=torch.uint8, device=self.device)
+                     for _ in range(depth)]
+        self.stream = torch.cuda.Stream(self.device)
+        # made once (none on the forward path); the hook's fills are external, so that a
+        # capture waits for them through event-wait nodes
+        self._done = [torch.cuda.Event() for _ in range(depth)]
+        self._hook_done = [torch.cuda.Event(external=True) for _ in range(depth)]
+        self._freed = [torch.cuda.Event() for _ in range(depth)]
+        self._freed_outside = [False] * depth   # recorded outside any capture, waitable
+        self._fork = torch.cuda.Event()
+        self.held: list[Fill | None] = [None] * depth
+        self.call = 0
+        self._between = 0           # bytes the fills begun as the last call ended copied
+        log.debug("fx_offload: %d buffers of %d bytes fetch the other chunks of %d routed "
+                  "layers ahead", depth, size, len({layer for layer, _ in sequence}))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() for t in self.ring)
+
+    def end_call(self, versions) -> None:
+        """A call of the model has ended (outside any capture): begin the next call's first
+        ``depth`` fills now, after its work, so they cross while the host prepares the next
+        call (``versions(layer)``: the layer's version counters, recorded to tell at the
+        next call whether its weights changed since)."""
+        self._fork.record(torch.cuda.current_stream(self.device))
+        self._between = 0
+        for i in range(self.depth):
+            self._fill(i, by_hook=True, call=self.call + 1)
+            if (fill := self.held[i]) is not None:
+                fill.versions = versions(self.sequence[i][0])
+                self._between += self.sequence[i][1].end - self.sequence[i][1].start
+
+    def begin_call(self, fill: bool, changed=None) -> None:
+        """A call begins (after its look at what the user changed): fills of earlier calls
+        are not used, but for those begun as the last call ended where ``changed(layer,
+        versions)`` says the layer's weights did not change since; ``fill`` (a call of the
+        model, outside any capture): begin the first ``depth`` fills not held so, after
+        everything already queued on the current stream.  The bytes begun between the calls
+        count as this call's."""
+        self.call += 1
+        ready = [f if fill and f is not None and f.call == self.call and f.by_hook
+                 and changed is not None
+                 and not changed(self.sequence[f.index][0], f.versions) else None
+                 for f in self.held]
+        self.held = ready
+        if self._between:
+            self.buffers.count_copied(self._between)
+            self._between = 0
+        if not fill:
+            return
+        if any(f is None for f in ready):
+            self._fork.record(torch.cuda.current_stream(self.device))
+        for i in range(self.depth):
+            if ready[i] is None:
+                self._fill(i, by_hook=True)
+
+    def serves(self, layer: int, chunk) -> int | None:
+        """The position of ``layer``'s ``chunk`` in the sequence (None: not fetched ahead)."""
+        return self.position.get((layer, chunk.index))
+
+    def copy_into_slot(self, i: int, copy_stream, fork, done) -> bool:
+        """At the start of ``sequence[i]``: copy it from the ring into its slot on
+        ``copy_stream`` after ``fork`` and its fill, recording ``done``; False (nothing
+        done) where no usable fill holds it."""
+        b = i % self.depth
+        fill, inside = self.held[b], capturing()
+        if fill is None or fill.index != i or fill.call != self.call or \
+                not (fill.by_hook or fill.in_capture == inside):
+            return False
+        layer, chunk = self.sequence[i]
+        flat = self.buffers.flat[self.buffers.schedule.slot_of[layer]]
+        copy_stream.wait_event(fork)
+        copy_stream.wait_event(fill.done)
+        with torch.cuda.stream(copy_stream):
+            n = chunk.end - chunk.start
+            flat[chunk.start:chunk.end].copy_(self.ring[b][:n], non_blocking=True)
+            done.record(copy_stream)
+            self._freed[b].record(copy_stream)
+        self._freed_outside[b] = not inside
+        self.held[b] = None
+        return True
+
+    def consumed(self, i: int, hit: bool) -> None:
+        """``sequence[i]``'s start has run (``hit``: from the ring): its buffer takes the
+        fill ``depth`` places on."""
+        j = i + self.depth
+        if j < len(self.sequence):
+            self._fill(j, by_hook=False, after_copy=hit)
+
+    def _fill(self, j: int, by_hook: bool, after_copy: bool = False,
+              call: int | None = None) -> None:
+        """Begin ``fill(j)`` on the ahead stream: ``by_hook``, after the current stream's
+        work (the call hook's); ``after_copy``, after the copy from its buffer that was just
+        recorded; else after the current stream's work (inside a capture this is what pulls
+        the ahead stream into it)."""
+        b = j % self.depth
+        layer, chunk = self.sequence[j]
+        block = self.buffers.block_of(layer)
+        if block is None:
+            self.held[b] = None
+            return
+        inside, stream = capturing(), self.stream
+        if after_copy:
+            stream.wait_event(self._freed[b])
+        else:
+            if self._freed_outside[b] and not inside:
+                stream.wait_event(self._freed[b])   # a copy from the buffer may still read it
+            if by_hook:
+                stream.wait_event(self._fork)
+            else:
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+        done = (self._hook_done if by_hook else self._done)[b]
+        n = chunk.end - chunk.start
+        with torch.cuda.stream(stream):
+            self.ring[b][:n].copy_(block[chunk.start:chunk.end], non_blocking=True)
+            done.record(stream)
+        if call is None:        # begun between calls: counted as the next call begins
+            self.buffers.count_copied(n)
+        self.held[b] = Fill(j, self.call if call is None else call, done, inside, by_hook)
+
+    def join(self, stream) -> None:
+        """End of a graph inside a capture: ``stream`` waits for the fills recorded in it
+        (a capture must join every stream it forked); they are not used after it (a later
+        graph is captured on its own, and cannot wait for this one's events)."""
+        for b, fill in enumerate(self.held):
+            if fill is not None and fill.in_capture:
+                stream.wait_event(fill.done)
+                self.held[b] = None
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    def release(self) -> None:
+        """Free the ring (after its fills in flight); nothing is fetched ahead after."""
+        self.synchronize()
+        self.ring, self.held, self.depth = [], [], 0
+
+
+class AheadStarts:
+    """:class:`~.state.OffloadState`'s starts through the ring (a mixin): ``ahead`` is
+    its slot buffers' ring, or None."""
+
+    @property
+    def ahead(self) -> AheadCopies | None:
+        return None if self.buffers is None else self.buffers.ahead
+
+    def _copy_chunk(self, refill: int, chunk, fork, done, capturing: bool) -> None:
+        """Begin the copy of ``refill``'s ``chunk`` into its slot: from the ring where a
+        usable fill holds it, else from the host; the ring then takes its next fill."""
+        ahead = self.ahead
+        i = None if ahead is None else ahead.serves(refill, chunk)
+        hit = i is not None and ahead.copy_into_slot(i, self.copy_stream, fork, done)
+        if not hit:
+            self.buffers.begin_copy(refill, chunk, self.copy_stream, fork, done, capturing)
+        if i is not None:
+            ahead.consumed(i, hit)
+
+    def _join_copies(self, capturing: bool) -> None:
+        """The current stream waits for the copies begun in the capture under way
+        (``capturing``), else for those begun outside any; and, in a capture, for the
+        ring's fills recorded in it."""
+        stream = torch.cuda.current_stream(self.device)
+        self.contents.join(stream, captured=capturing)
+        if capturing and self.ahead is not None:
+            self.ahead.join(stream)
+
+
+def _sequence(choice, buffers) -> list:
+    """``(layer, chunk)`` of the chunks of layers with expert tensors that hold none of
+    them, for layers refilled within a call (not a slot's first layer), in call order;
+    compressed layers' chunks are decoded through their own staging and are left out."""
+    schedule = choice.schedule
+    refilled = {r for layer, r in schedule.refill_of.items()
+                if r is not None and not schedule.wraps(layer, r)}
+    found = []
+    for layer in schedule.layers:
+        experts = choice.experts.get(layer)
+        if not experts or layer not in refilled or layer in buffers.compressed:
+            continue
+        found += [(layer, c) for c in choice.layout[layer]
+                  if not any(s in experts for s in c.suffixes)]
+    return found
