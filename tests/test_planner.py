@@ -426,6 +426,34 @@ def test_a_budget_that_keeps_the_moe_layers_other_weights_offloads_only_their_ex
     assert whole and all(c.moved_bytes > chosen.moved_bytes for c in whole)
 
 
+def test_plans_of_routed_layers_count_the_ring_that_fetches_their_other_weights_ahead():
+    """On a GPU a routed MoE layer's other weights run ahead through a ring of device
+    buffers (runtime.ahead): every plan's device memory counts it, one buffer per layer
+    ahead (at most the ring's depth), none for plans of the expert tensors alone, none
+    where the experts move whole, and none on the CPU."""
+    from fx_offload.runtime import ahead
+    from fx_offload.runtime.host_memory import ALIGN
+    model = small_moe("qwen3_moe").eval()
+    stack = find_layer_stack(model, None)
+
+    def plans(device, **options):
+        found = planner.candidates(model, stack, fx_offload.options.OffloadOptions(**options),
+                                   torch.device(device))[0]
+        return {(c.layers, c.num_slots, c.params): c for c in found}
+    gpu, cpu, whole = plans("cuda:0"), plans("cpu"), plans("cuda:0", experts="whole")
+    others = sum(p.numel() * p.element_size() for n, p in model.model.layers[0].named_parameters()
+                 if ".experts." not in n)
+    assert gpu.keys() == cpu.keys() == whole.keys()
+    for key, plan in gpu.items():
+        layers, slots, _ = key
+        ring = 0 if plan.experts_only or len(layers) - slots < 2 else \
+            min(ahead.DEPTH, len(layers) - slots - 1) * (others + ALIGN)
+        assert plan.slot_bytes == cpu[key].slot_bytes + ring, key
+        assert plan.weights_bytes == whole[key].weights_bytes + ring, key
+        assert whole[key].slot_bytes == cpu[key].slot_bytes, key
+    assert any(gpu[key].slot_bytes > cpu[key].slot_bytes for key in gpu)
+
+
 def test_a_budget_too_small_for_the_other_weights_offloads_whole_layers():
     model = small_moe("qwen3_moe").eval()
     one_layer = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())

@@ -35,6 +35,8 @@ from torch import nn
 from .. import dtensor, subclass
 from ..errors import META_REFUSED, BudgetError, OffloadError
 from ..options import OffloadOptions
+from ..runtime.ahead import depth_wanted
+from ..runtime.host_memory import ALIGN
 from ..runtime.routed import WHOLE_ABOVE, expected_share
 from ..schedule import Schedule
 from ..text import format_bytes, render_table
@@ -365,6 +367,7 @@ def candidates(model: nn.Module, stack: LayerStack, options: OffloadOptions,
             continue        # this subset of the patterns matches nothing
         any_match = True
         sizes = layer_bytes(params)
+        others = _routed_others(params, options, device)
         if len(sizes) >= 2:
             minimum = min(minimum, total - sum(sizes.values()) + max(sizes.values()))
         seen = set()
@@ -375,13 +378,35 @@ def candidates(model: nn.Module, stack: LayerStack, options: OffloadOptions,
             seen.add(layers)
             lb = tuple(sizes[i] for i in layers)
             for num_slots in range(1, min(len(layers) - 1, MAX_SLOTS) + 1):
-                slot_bytes = Schedule(layers, num_slots).slot_bytes(sizes)
+                slot_bytes = Schedule(layers, num_slots).slot_bytes(sizes) + \
+                    _ahead_bytes(others, layers, num_slots)
                 found.append(Candidate(layers, num_slots, patterns, lb,
                                        total - sum(lb) + slot_bytes, slot_bytes,
                                        experts_only=patterns is experts_only is not None))
     if not any_match:   # the user's patterns match nothing: the usual error
         select_params(model, stack, everything, options.offload_params)
     return found, total, minimum
+
+
+def _routed_others(params, options: OffloadOptions, device: torch.device) -> dict[int, int]:
+    """Layer -> offloaded bytes of its weights other than its expert tensors, for layers
+    whose experts may be routed (what :mod:`fx_offload.runtime.ahead` fetches ahead)."""
+    if options.experts != "routed" or torch.device(device).type != "cuda" \
+            or options.compress == "lossless":      # compressed layers take no ring
+        return {}
+    experts = expert_tensors(params)
+    return {layer: sum(p.nbytes for p in params[layer] if p.suffix not in tensors)
+            for layer, tensors in experts.items()}
+
+
+def _ahead_bytes(others: dict[int, int], layers: tuple[int, ...], num_slots: int) -> int:
+    """Device memory of the ring that fetches routed layers' other weights ahead, for a
+    plan of ``layers`` over ``num_slots`` slots: a buffer per layer ahead, each as large as
+    the largest such layer's (an upper bound: the ring's buffers hold one chunk each)."""
+    ahead = [others[layer] for layer in layers[num_slots:] if others.get(layer)]
+    if len(ahead) < 2:
+        return 0
+    return min(depth_wanted(), len(ahead) - 1) * (max(ahead) + ALIGN)
 
 
 def _experts_only(model: nn.Module, stack: LayerStack, options: OffloadOptions,
