@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 
 import torch
@@ -58,6 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "row each, planned by the planner instead of every layer "
                              "offloaded (where the budget holds the layers' other weights, "
                              "it offloads their experts alone)")
+    parser.add_argument("--ahead", default="",
+                        help="comma-separated depths of the ring that fetches routed layers' "
+                             "other chunks ahead (FX_OFFLOAD_AHEAD; 0: off) for the routed "
+                             "rows, a row each; empty: the library's default alone")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--methods", default="resident,fx_offload,accelerate",
                         help="comma-separated among resident, fx_offload, accelerate")
@@ -114,11 +119,15 @@ def run(args: argparse.Namespace) -> int:
                 measure(model, prompts[b], args, extra=extra, steps=True)
         del model
         _free()
-    rows_of = [(e, c, None) for e in args.experts.split(",") if e
-               for c in (args.expert_cache.split(",") if e == "routed" else ["0"])]
-    rows_of += [("routed", "auto", b) for b in args.memory_budget.split(",") if b]
-    for experts, cache, budget in rows_of if "fx_offload" in methods else []:
+    depths = [d for d in args.ahead.split(",") if d] or [None]
+    rows_of = [(e, c, None, a) for e in args.experts.split(",") if e
+               for c in (args.expert_cache.split(",") if e == "routed" else ["0"])
+               for a in (depths if e == "routed" else [None])]
+    rows_of += [("routed", "auto", b, None) for b in args.memory_budget.split(",") if b]
+    default_depth = os.environ.get("FX_OFFLOAD_AHEAD")
+    for experts, cache, budget, depth in rows_of if "fx_offload" in methods else []:
         torch._dynamo.reset()
+        _set_env("FX_OFFLOAD_AHEAD", default_depth if depth is None else depth)
         model = build()
         options = dict(group_size=1, num_in_group=1, prefetch_step=args.prefetch_step) \
             if budget is None else dict(memory_budget=budget)
@@ -128,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
             compile_forward(model, dynamic=True, **options)
         name = (f"fx_offload, {args.layers} layers, {args.prefetch_step} slots, "
                 f"experts={experts!r}" + (f", cache {cache}" if cache != "0" else "")
+                + (f", ahead {depth}" if depth is not None else "")
                 if budget is None else f"fx_offload, memory_budget={budget}, experts={experts!r}"
                 ) + graphs
         for b in batches:
@@ -139,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
         print(report(model), flush=True)
         del model
         _free()
+    _set_env("FX_OFFLOAD_AHEAD", default_depth)
     if "accelerate" in methods:
         try:
             from accelerate import cpu_offload
@@ -219,6 +230,13 @@ def _step_bytes(model) -> tuple[int, int]:
     gathered = int(state.routed.gathered) if routed else expert_bytes
     cached = int(state.routed.cached_bytes) if routed else 0
     return sum(rep.layer_bytes.values()) - expert_bytes + gathered, cached
+
+
+def _set_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 def _free() -> None:
