@@ -74,7 +74,7 @@ class AheadCopies:
     def make(cls, choice, buffers, depth: int | None = None) -> "AheadCopies | None":
         depth = depth_wanted() if depth is None else depth
         if depth <= 0 or choice.device.type != "cuda" or not buffers.packed \
-                or not buffers.pinned or buffers.compress or not choice.experts:
+                or buffers.compress or not choice.experts:
             return None
         sequence = _sequence(choice, buffers)
         if len(sequence) <= 1:
@@ -185,7 +185,7 @@ class AheadCopies:
         b = j % self.depth
         layer, chunk = self.sequence[j]
         block = self.buffers.block_of(layer)
-        if block is None:
+        if block is None or not self.buffers.pinned:    # a pageable copy would block the host
             self.held[b] = None
             return
         inside, stream = capturing(), self.stream

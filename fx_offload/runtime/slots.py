@@ -71,6 +71,7 @@ class SlotBuffers(CompressedLayers):
         # looked up when the first layer could go
         self.raw_folder = file_backed.LATER if self.compress else None
         self.uncompressed_weights = choice.uncompressed_weights
+        self.ahead = AheadCopies.make(choice, self)     # before any parameter is handed over
         for layer, ps in self.params.items():
             self.masters[layer] = self._make_masters(layer, ps, fill)
             if self.compress:
@@ -101,7 +102,6 @@ class SlotBuffers(CompressedLayers):
         # device, as each replay runs them (made here: not in a capture's memory pool)
         self.replayed = torch.zeros((), dtype=torch.int64, device=self.device) \
             if self.device.type == "cuda" else None
-        self.ahead = AheadCopies.make(choice, self)     # routed layers' other chunks ahead
 
     def begin_count(self) -> None:
         """A call begins: count its copies from zero (in a capture that takes in the whole
