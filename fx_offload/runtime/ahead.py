@@ -71,8 +71,8 @@ class AheadCopies:
     """The ring of one offloaded model; ``make`` returns None where it has nothing to do."""
 
     @classmethod
-    def make(cls, choice, buffers, depth: int | None = None) -> "AheadCopies | None":
-        depth = depth_wanted() if depth is None else depth
+    def make(cls, choice, buffers) -> "AheadCopies | None":
+        depth = depth_wanted()
         if depth <= 0 or choice.device.type != "cuda" or not buffers.packed \
                 or buffers.compress or not choice.experts:
             return None
