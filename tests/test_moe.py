@@ -330,9 +330,20 @@ def test_a_bad_ahead_count_warns_and_keeps_the_default(value, depth, monkeypatch
     from fx_offload.runtime import ahead
     monkeypatch.setenv("FX_OFFLOAD_AHEAD", value)
     with caplog.at_level(logging.WARNING, "fx_offload"):
-        got = ahead.depth_wanted()
-    assert got == (ahead.DEPTH if depth is None else depth)
+        got = ahead.depth_wanted(47)
+    assert got == (8 if depth is None else depth)
     assert ("FX_OFFLOAD_AHEAD=" in caplog.text) == (depth is None), caplog.text
+    if depth is None:
+        assert "the default, 8, used" in caplog.text
+
+
+@pytest.mark.parametrize("layers, depth", [(3, 4), (7, 4), (23, 4), (31, 6), (47, 8), (93, 8)])
+def test_the_ring_grows_with_the_routed_layers_it_fetches(layers, depth, monkeypatch):
+    """Unset, the ring's depth is a fifth of the routed layers it fetches ahead, between
+    four (measured best at 8 layers) and eight (at 48)."""
+    from fx_offload.runtime import ahead
+    monkeypatch.delenv("FX_OFFLOAD_AHEAD", raising=False)
+    assert ahead.depth_wanted(layers) == depth
 
 
 def test_host_memory_the_device_cannot_read_moves_experts_whole(caplog):

@@ -447,7 +447,7 @@ def test_plans_of_routed_layers_count_the_ring_that_fetches_their_other_weights_
     for key, plan in gpu.items():
         layers, slots, _ = key
         ring = 0 if plan.experts_only or len(layers) - slots < 2 else \
-            min(ahead.DEPTH, len(layers) - slots - 1) * (others + ALIGN)
+            min(ahead.depth_wanted(len(layers) - slots), len(layers) - slots - 1) * (others + ALIGN)
         assert plan.slot_bytes == cpu[key].slot_bytes + ring, key
         assert plan.weights_bytes == whole[key].weights_bytes + ring, key
         assert whole[key].slot_bytes == cpu[key].slot_bytes, key

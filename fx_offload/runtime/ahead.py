@@ -41,20 +41,33 @@ from .contents import capturing
 
 log = logging.getLogger("fx_offload")
 
-DEPTH = 4           # buffers in the ring: how many layers ahead the other chunks run
+DEPTH = 4           # the fewest buffers in the ring (fewer only where fewer chunks follow)
+MOST = 8            # the most the library picks by itself
+PER_BUFFER = 5      # routed layers fetched ahead per buffer, between the two
 
 
-def depth_wanted() -> int:
-    """``FX_OFFLOAD_AHEAD`` (a count; 0 turns the ring off), else :data:`DEPTH`."""
+def depth_wanted(layers: int) -> int:
+    """How many buffers for a ring that fetches ``layers`` routed layers' other chunks:
+    ``FX_OFFLOAD_AHEAD`` (a count; 0 turns the ring off), else one per :data:`PER_BUFFER`
+    layers, at least :data:`DEPTH` and at most :data:`MOST`.
+
+    The count grows with the model because the ring's first fills, begun as a call ends,
+    can only hide the host's time between calls, and more ahead helps only where that time
+    is long enough to carry them.  Measured with Hugging Face ``generate`` under CUDA
+    graphs, Qwen3-30B-A3B's layer shapes, one slot (docs/benchmarks.md): at 8 layers four
+    buffers were faster than eight at batch 1 (19.10 against 19.71 ms/token) and as fast at
+    batch 8; at 48 layers eight were 2.9% faster than four (108.14 against 111.32), and
+    sixteen no faster than eight."""
     value = os.environ.get("FX_OFFLOAD_AHEAD", "").strip()
+    default = min(MOST, max(DEPTH, layers // PER_BUFFER))
     if not value:
-        return DEPTH
+        return default
     if value.isdigit():
         return int(value)
     log.warning("fx_offload: the environment variable FX_OFFLOAD_AHEAD=%r sets how many "
                 "routed MoE layers' other weights are fetched ahead, a count (0 turns it "
-                "off): %d used", value, DEPTH)
-    return DEPTH
+                "off): the default, %d, used", value, default)
+    return default
 
 
 @dataclasses.dataclass
@@ -72,12 +85,12 @@ class AheadCopies:
 
     @classmethod
     def make(cls, choice, buffers) -> "AheadCopies | None":
-        depth = depth_wanted()
-        if depth <= 0 or choice.device.type != "cuda" or not buffers.packed \
-                or buffers.compress or not choice.experts:
+        if choice.device.type != "cuda" or not buffers.packed or buffers.compress \
+                or not choice.experts:
             return None
         sequence = _sequence(choice, buffers)
-        if len(sequence) <= 1:
+        depth = depth_wanted(len({layer for layer, _ in sequence}))
+        if depth <= 0 or len(sequence) <= 1:
             return None
         return cls(choice, buffers, sequence, min(depth, len(sequence) - 1))
 

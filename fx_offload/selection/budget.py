@@ -406,7 +406,7 @@ def _ahead_bytes(others: dict[int, int], layers: tuple[int, ...], num_slots: int
     ahead = [others[layer] for layer in layers[num_slots:] if others.get(layer)]
     if len(ahead) < 2:
         return 0
-    return min(depth_wanted(), len(ahead) - 1) * (max(ahead) + ALIGN)
+    return min(depth_wanted(len(ahead)), len(ahead) - 1) * (max(ahead) + ALIGN)
 
 
 def _experts_only(model: nn.Module, stack: LayerStack, options: OffloadOptions,
