@@ -24,13 +24,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import layout, registry
+from . import kv, layout, registry
 from .checkpoint import Checkpoint, check_model
 from .errors import OffloadError
 from .options import PLACEMENT_KEYS, OffloadOptions, parse_options
 from .runtime import hooks
 from .runtime.state import OffloadState, ShapeChanged
-from .selection import NothingOffloaded, choose
+from .selection import NothingOffloaded, budget, choose
+from .selection.stack import find_layer_stack
 from .selection.trace import plan_from_example
 from .text import format_bytes
 
@@ -244,9 +245,14 @@ def activate(state: OffloadState, model: nn.Module, hand_over: bool, fill=None,
 
 @torch.inference_mode(False)    # its tensors outlive a call under inference_mode
 def _offload_again(model: nn.Module, options: OffloadOptions, device: str,
-                   chunks=None, planner=None) -> OffloadState:
-    # under memory_budget, the plan the model had (no graph here to plan from; its layers
-    # are the same, in their new dtype or shape)
+                   chunks=None, planner=None, before=None) -> OffloadState:
+    # under memory_budget, the plan the model had where its layers are the same (in a new
+    # dtype or shape), else planned again from that plan's costs (``before``: the layers
+    # it planned; no graph here to plan from)
+    if planner is not None:
+        stack = find_layer_stack(model, options.layers)
+        planner = budget.carried_over(model, stack, options, planner, before,
+                                      torch.device(device), reserved=kv.reserved(model))
     choice = choose(model, options, device=torch.device(device), planner=planner)
     if isinstance(choice, NothingOffloaded):   # pragma: no cover - place() refuses budgets
         raise OffloadError("nothing to offload", where="fx_offload")
@@ -312,8 +318,11 @@ class EnterCall(hooks.OurHook):
                     if old.restored:
                         return None         # fx_offload.restore got there first
                     old.detach(anew=True)
+            if old is None:
+                return _offload_again(module, self.options, self.device, self.chunks,
+                                      self.planner)
             return _offload_again(module, self.options, self.device, self.chunks,
-                                  self.planner if old is None else old.choice.planner)
+                                  old.choice.planner, list(old.choice.stack.modules))
 
 
 def call_tokens(args, kwargs) -> int | None:

@@ -469,3 +469,33 @@ def test_the_users_offload_params_are_the_only_parameter_sets_tried():
     chosen, offloaded, _ = _decode_calls(model, total // 2, offload_params=["mlp"])
     assert not chosen.experts_only and chosen.params == ("mlp",)
     assert all("mlp.gate.weight" in s for s in offloaded.values())
+
+
+def test_a_layer_deleted_after_planning_is_planned_again_as_a_fresh_model_would_be(caplog):
+    """Under memory_budget, deleting a layer from the stack offloads the model again as
+    its next call begins; there is no graph then, so the plan is made again from the first
+    graph's costs carried to the layers' new places: the report shows that plan (not the
+    old one over shifted indices), it is the plan a fresh compile of the smaller model
+    gets, and the outputs stay those of the model without offloading."""
+    import logging
+    model, inputs = models.build("decoder", num_layers=6, seed=0)
+    total = weights_bytes(model, torch.device("cpu"))
+    budget = int(total * 0.6)
+    model, compiled, reference, inputs, out, expected = compile_planned(
+        "decoder", budget, build_kwargs={"num_layers": 6}, inner_backend="aot_eager")
+    assert torch.equal(out, expected)
+    assert fx_offload.report(model).planner.cost_model.num_layers == 6
+    del model.layers[2], reference.layers[2]
+    with torch.no_grad(), caplog.at_level(logging.INFO, "fx_offload"):
+        out = compiled(*inputs)
+    assert torch.equal(out, reference(*inputs))
+    assert "memory_budget planned again" in caplog.text
+    rep = fx_offload.report(model)
+    assert rep.planner.cost_model.num_layers == 5
+    assert list(rep.planner.chosen.candidate.layers) == rep.layers
+    fresh = copy.deepcopy(reference)
+    compiled_fresh = torch.compile(fresh, backend="prefetch_offload", dynamic=True, options=dict(
+        memory_budget=budget, inner_backend="aot_eager", **RATES))
+    with torch.no_grad():
+        assert torch.equal(compiled_fresh(*inputs), out)
+    assert fx_offload.report(fresh).layers == rep.layers

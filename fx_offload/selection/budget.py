@@ -564,6 +564,38 @@ def plan_for(model: nn.Module, stack: LayerStack, options: OffloadOptions, graph
     return plan(model, stack, options, costs, rates, device, reserved=reserved)
 
 
+def carried_over(model: nn.Module, stack: LayerStack, options: OffloadOptions,
+                 planner: PlannerResult, before: list[nn.Module] | None,
+                 device: torch.device, reserved: int = 0) -> PlannerResult:
+    """The planner's result for ``stack`` where ``planner`` was reached for the layers
+    ``before`` (None: a copy's, position by position): itself where they are the same
+    layers (a copy, or a new dtype or shape), else the plan made again from its graph's
+    costs, each carried to where its layer is now (a layer deleted, inserted or moved; a
+    layer new to the stack costs the mean), its rates and the same budget.  There is no
+    graph to plan from here: the model is offloaded again as a call begins."""
+    modules, count = list(stack.modules), planner.cost_model.num_layers
+    if before is None:          # a copy's layers: the same where as many
+        if len(modules) == count:
+            return planner
+        new_index = {i: i for i in range(min(count, len(modules)))}
+    elif len(before) == len(modules) and all(a is b for a, b in zip(before, modules)):
+        return planner
+    else:
+        where = {id(m): i for i, m in enumerate(before)}
+        new_index = {where[id(m)]: j for j, m in enumerate(modules) if id(m) in where}
+    costs = planner.cost_model.costs
+
+    def moved(per_layer: dict) -> dict:
+        return {new_index[i]: v for i, v in per_layer.items() if i in new_index}
+    if any(i in new_index for i in costs.layers):   # else kept as they are, by position
+        costs = dataclasses.replace(costs, layers=moved(costs.layers),
+                                    flop_expr=moved(costs.flop_expr), top_k=moved(costs.top_k))
+    log.info("fx_offload: the layers of %r changed (%d, were %d): memory_budget planned "
+             "again from the first graph's costs", stack.path or "<root>", len(modules), count)
+    return plan(model, stack, options, costs, planner.cost_model.rates, device,
+                reserved=reserved)
+
+
 def _weights_device_and_dtype(stack: LayerStack, allow_meta: bool = False,
                               ) -> tuple[torch.device, torch.dtype]:
     """The device of the stack's weights and their most common dtype (by elements)."""
