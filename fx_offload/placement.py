@@ -245,7 +245,7 @@ def activate(state: OffloadState, model: nn.Module, hand_over: bool, fill=None,
 
 @torch.inference_mode(False)    # its tensors outlive a call under inference_mode
 def _offload_again(model: nn.Module, options: OffloadOptions, device: str,
-                   chunks=None, planner=None, before=None) -> OffloadState:
+                   chunks=None, planner=None, before=None) -> OffloadState | None:
     # under memory_budget, the plan the model had where its layers are the same (in a new
     # dtype or shape), else planned again from that plan's costs (``before``: the layers
     # it planned; no graph here to plan from)
@@ -254,8 +254,16 @@ def _offload_again(model: nn.Module, options: OffloadOptions, device: str,
         planner = budget.carried_over(model, stack, options, planner, before,
                                       torch.device(device), reserved=kv.reserved(model))
     choice = choose(model, options, device=torch.device(device), planner=planner)
-    if isinstance(choice, NothingOffloaded):   # pragma: no cover - place() refuses budgets
-        raise OffloadError("nothing to offload", where="fx_offload")
+    if isinstance(choice, NothingOffloaded):
+        # the layers left fit the budget whole: a plain model on its device, as a first
+        # compile of it would leave it
+        log.warning("fx_offload: memory_budget %s now holds all %s of %s's weights: nothing "
+                    "is offloaded", format_bytes(options.memory_budget, as_option=True),
+                    format_bytes(choice.planner.weights_bytes), choice.model_name)
+        _move_the_rest(model, set(), torch.device(device))
+        hooks.strip_hooks(model)
+        registry.record_nothing_offloaded(model, choice)
+        return None
     # the chunks the model had: a graph compiled for it (Dynamo shares one among copies)
     # then fits this state's slots
     layout.arrange(choice, like=chunks)
@@ -281,6 +289,8 @@ class EnterCall(hooks.OurHook):
         tokens = call_tokens(args, kwargs or {})
         if state is None:
             state = self._offload_once(module, None)
+            if state is None:
+                return None             # its budget now holds it whole: a plain model
         hooks.refuse_grad(state, args)
         while True:
             try:

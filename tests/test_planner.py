@@ -499,3 +499,24 @@ def test_a_layer_deleted_after_planning_is_planned_again_as_a_fresh_model_would_
     with torch.no_grad():
         assert torch.equal(compiled_fresh(*inputs), out)
     assert fx_offload.report(fresh).layers == rep.layers
+
+
+def test_layers_deleted_until_the_budget_holds_the_rest_leave_a_plain_model(caplog):
+    """When the layers left fit memory_budget whole, the model offloaded again is a plain
+    model, as a first compile of it would leave it: a warning says so, nothing is
+    offloaded (report), its hooks are gone, and its calls give the reference outputs."""
+    import logging
+    from fx_offload.runtime import hooks
+    model, inputs = models.build("decoder", num_layers=6, seed=0)
+    budget = int(weights_bytes(model, torch.device("cpu")) * 0.6)
+    model, compiled, reference, inputs, out, expected = compile_planned(
+        "decoder", budget, build_kwargs={"num_layers": 6}, inner_backend="aot_eager")
+    assert fx_offload.report(model).layers
+    del model.layers[2:], reference.layers[2:]
+    with torch.no_grad(), caplog.at_level(logging.WARNING, "fx_offload"):
+        outs = [compiled(*inputs) for _ in range(2)]
+    assert "now holds all" in caplog.text and "nothing is offloaded" in caplog.text
+    assert all(torch.equal(o, reference(*inputs)) for o in outs)
+    rep = fx_offload.report(model)
+    assert rep.layers == [] and rep.planner is not None and not rep.planner.offloads
+    assert not hooks.carries_hooks(model)
