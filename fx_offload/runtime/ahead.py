@@ -51,13 +51,13 @@ def depth_wanted(layers: int) -> int:
     ``FX_OFFLOAD_AHEAD`` (a count; 0 turns the ring off), else one per :data:`PER_BUFFER`
     layers, at least :data:`DEPTH` and at most :data:`MOST`.
 
-    The count grows with the model because the ring's first fills, begun as a call ends,
-    can only hide the host's time between calls, and more ahead helps only where that time
-    is long enough to carry them.  Measured with Hugging Face ``generate`` under CUDA
-    graphs, Qwen3-30B-A3B's layer shapes, one slot (docs/benchmarks.md): at 8 layers four
-    buffers were faster than eight at batch 1 (19.10 against 19.71 ms/token) and as fast at
-    batch 8; at 48 layers eight were 2.9% faster than four (108.14 against 111.32), and
-    sixteen no faster than eight."""
+    The count follows the measurements, not a model of them (why eight pay at 48 layers
+    and not at 8 was not traced; the fills begun as a call ends, which can use only the
+    host's time between calls, are one candidate).  Measured with Hugging Face
+    ``generate`` under CUDA graphs, Qwen3-30B-A3B's layer shapes, one slot
+    (docs/benchmarks.md): at 8 layers four buffers were faster than eight at batch 1
+    (19.10 against 19.71 ms/token) and as fast at batch 8; at 48 layers eight were 2.9%
+    faster than four (108.14 against 111.32), and sixteen no faster than eight."""
     value = os.environ.get("FX_OFFLOAD_AHEAD", "").strip()
     default = min(MOST, max(DEPTH, layers // PER_BUFFER))
     if not value:
