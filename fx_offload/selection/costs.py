@@ -49,6 +49,28 @@ _SDPA = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attenti
 _NO_RUN = {operator.getitem}
 
 
+class OfTokens:
+    """A cost as a function of the call's tokens ``T``: its expression, made a function on
+    first use.  It pickles (the expression travels), where the function ``lambdify`` makes
+    would not: a model planned under memory_budget carries its plan in its hooks, and
+    ``torch.save(model)`` pickles them."""
+
+    def __init__(self, expr: sympy.Expr):
+        self.expr, self._fn = expr, None
+
+    def __call__(self, tokens: float) -> float:
+        if self._fn is None:
+            if self.expr.free_symbols:
+                self._fn = sympy.lambdify(T, self.expr, "math")
+            else:
+                value = float(self.expr)
+                self._fn = lambda _t: value
+        return self._fn(tokens)
+
+    def __getstate__(self) -> dict:
+        return {"expr": self.expr, "_fn": None}
+
+
 @dataclasses.dataclass
 class NodeCost:
     name: str
@@ -216,10 +238,7 @@ def graph_costs(gm: fx.GraphModule, gi: GraphInputs, layer_paths: dict[str, int]
             if grows:
                 e = e * scale
         e = sympy.sympify(e)
-        if not e.free_symbols:
-            value = float(e)
-            return (lambda _t, v=value: v), e
-        return sympy.lambdify(T, e, "math"), e
+        return OfTokens(e), e
 
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     first_layer_at = math.inf
