@@ -45,7 +45,7 @@ from torch import nn
 
 from .. import layout, registry
 from ..schedule import Schedule
-from . import expert_cache
+from . import expert_cache, hooks
 from .ahead import AheadStarts
 from .circular import CircularStart
 from .contents import Pending, SlotContents
@@ -169,8 +169,7 @@ class OffloadState(Ownership, RoutedWait, HookCopies, AheadStarts):
         whose :func:`placement.activate` replaces them), free the slots and host blocks."""
         self.synchronize()          # no copy may still read a host block or fill a slot
         _untwin_unchanged(self.params, self.masters)
-        for hook in self.hooks if not anew else ():
-            hook.remove()
+        _remove_hooks(self.hooks, self.model_ref() if anew else None)
         self.hooks.clear()
         if self.buffers is not None:
             self.buffers.release()
@@ -291,3 +290,15 @@ def _hold_masters(params, placed, layer: int, masters) -> None:
                 p.point_at(masters)
     if placed is not None:
         placed(layer, masters)
+
+
+def _remove_hooks(handles, offloaded_anew: nn.Module | None) -> None:
+    """Remove the hooks of ``handles``, but the call hooks on the root of a model being
+    offloaded anew (``offloaded_anew``: they serve the new state, see
+    :func:`hooks.call_hooks`): every layer's go, also those of a layer no longer in the
+    model, which :func:`placement.activate` would not reach."""
+    kept = set() if offloaded_anew is None else \
+        {h.id for h in hooks.call_hooks(offloaded_anew)}
+    for handle in handles:
+        if handle.id not in kept:
+            handle.remove()
