@@ -18,7 +18,7 @@ import weakref
 from typing import Any, Mapping
 
 import torch
-from torch import fx
+from torch import fx, nn
 
 from . import registry
 from .errors import GradModeError, OffloadError
@@ -30,8 +30,9 @@ from .passes.prefetch import run_prefetch_pass
 from .placement import activate
 from .runtime.state import OffloadState
 from .selection import NothingOffloaded, choose
-from .selection.stack import (eager_experts_hint, find_enclosing_model, find_parent_model,
-                              top_level_lists)
+from .selection.budget import sizes_of
+from .selection.stack import (eager_experts_hint, find_enclosing_model, find_layer_stack,
+                              find_parent_model, top_level_lists)
 from .text import format_bytes
 
 log = logging.getLogger("fx_offload")
@@ -161,6 +162,14 @@ def _then_settle(compiled, state: OffloadState):
     return run
 
 
+def _same_layers(kept: NothingOffloaded, model: nn.Module) -> bool:
+    """``model``'s layers are those the plan that offloaded nothing (``kept``) was made for:
+    the same modules, of the same sizes."""
+    stack = find_layer_stack(model, kept.options.layers)   # (in any order: run order may differ)
+    return sorted(map(id, stack.modules)) == sorted(map(id, kept.stack.modules)) and \
+        sorted(sizes_of(stack)) == sorted(kept.planner.layer_sizes)
+
+
 def _check_same_options(decided, options: OffloadOptions, defaulted: bool = False) -> None:
     """``decided``: the model's state or NothingOffloaded.  Options left out (``defaulted``)
     take what the model was offloaded with (by ``fx_offload.place``, say)."""
@@ -208,9 +217,11 @@ def _state_for_graph(gm, gi: GraphInputs, options: OffloadOptions, defaulted: bo
             return None, False, False
     model = parent if parent is not None else gi.root
     kept = registry.nothing_offloaded(model)
-    if kept is not None:
+    if kept is not None and _same_layers(kept, model):
         _check_same_options(kept, options, defaulted)
         return None, False, False
+    if kept is not None:        # its layers changed since: planned anew from this graph
+        registry.forget_nothing_offloaded(model)
     choice = choose(model, options, graph=(gm, gi), layer_frame=parent is not None)
     if isinstance(choice, NothingOffloaded):
         log.warning("fx_offload: memory_budget %s holds all %s of %s's weights: nothing is "

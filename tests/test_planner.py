@@ -363,10 +363,12 @@ def test_the_planner_counts_only_the_routed_experts_a_call_moves():
 
 
 @pytest.mark.parametrize("change", ["half", "deepcopy"])
-def test_a_budgeted_model_offloaded_anew_keeps_its_plan(change):
+def test_a_budgeted_model_offloaded_anew_is_planned_without_a_graph(change):
     """A model offloaded under memory_budget and then offloaded anew outside any compile
     (``.half()``: its slots no longer fit; a deepcopy's first call) has no graph to plan
-    from: it keeps the plan it had, rather than failing inside the planner."""
+    from, and does not fail inside the planner: a copy keeps the plan it had; the model in
+    half precision, whose layers now take half the bytes, is planned again from the first
+    graph's costs (here the budget then holds it whole: nothing is offloaded)."""
     import copy
     model, (x,) = models.build("mlp")
     reference = copy.deepcopy(model)
@@ -383,7 +385,12 @@ def test_a_budgeted_model_offloaded_anew_keeps_its_plan(change):
         else:
             again = copy.deepcopy(model)
             assert torch.equal(again(x), reference(x))
-    assert fx_offload.report(again).layers == layers
+    rep = fx_offload.report(again)
+    if change == "half":
+        assert rep.layers == [] and not rep.planner.offloads
+        assert rep.planner.layer_sizes == planner.sizes_of(find_layer_stack(again, None))
+    else:
+        assert rep.layers == layers
 
 
 def _decode_calls(model, budget, count=4, **options):
@@ -520,3 +527,66 @@ def test_layers_deleted_until_the_budget_holds_the_rest_leave_a_plain_model(capl
     rep = fx_offload.report(model)
     assert rep.layers == [] and rep.planner is not None and not rep.planner.offloads
     assert not hooks.carries_hooks(model)
+    # grown past the budget again: planned anew from the graph Dynamo compiles for it
+    for _ in range(4):
+        layer = copy.deepcopy(reference.layers[0])
+        model.layers.append(copy.deepcopy(layer))
+        reference.layers.append(layer)
+    with torch.no_grad():
+        assert torch.equal(compiled(*inputs), reference(*inputs))
+    assert fx_offload.report(model).layers
+    assert _device_bytes(model) <= budget
+
+
+def _device_bytes(model):
+    """Device bytes the offloaded model keeps: what is not offloaded, and its slots."""
+    state = fx_offload.registry.state_for_model(model)
+    offloaded = {id(p.param) for ps in state.params.values() for p in ps}
+    kept = [t for t in itertools.chain(model.parameters(), model.buffers())
+            if id(t) not in offloaded]
+    return sum(t.numel() * t.element_size() for t in kept) + state.buffer_bytes
+
+
+def test_a_copy_of_a_model_whose_layer_grew_is_planned_for_its_own_layers():
+    """A layer replaced by a wider one, then the model copied before the copy's first call:
+    the copy's layers are not the ones planned (their sizes differ), so the copy is planned
+    again and stays within memory_budget, as a fresh compile of it would; a pickled copy
+    too (the plan in the hooks pickles)."""
+    import io
+    model, inputs = models.build("decoder", num_layers=6, seed=0)
+    budget = int(weights_bytes(model, torch.device("cpu")) * 0.6)
+    model, compiled, reference, inputs, out, expected = compile_planned(
+        "decoder", budget, build_kwargs={"num_layers": 6}, inner_backend="aot_eager")
+    torch.manual_seed(5)
+    wider = models.DecoderLayer(64, 4, 2, 320)
+    copied, ref_copy = copy.deepcopy(model), copy.deepcopy(reference)
+    copied.layers[1], ref_copy.layers[1] = copy.deepcopy(wider), wider
+    buffer = io.BytesIO()
+    torch.save(copied, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for model_copy in (copied, loaded):
+        with torch.no_grad():
+            assert torch.equal(model_copy(*inputs), ref_copy(*inputs))
+        assert _device_bytes(model_copy) <= budget
+        assert fx_offload.report(model_copy).planner.layer_sizes == \
+            planner.sizes_of(find_layer_stack(model_copy, None))
+
+
+def test_a_layer_taken_out_of_an_offloaded_model_keeps_no_hooks():
+    """A layer deleted from an offloaded model keeps none of fx_offload's hooks once the
+    model is offloaded again: it runs, and compiles into another model, as a plain layer."""
+    from fx_offload.runtime import hooks
+    model, inputs = models.build("decoder", num_layers=6, seed=0)
+    budget = int(weights_bytes(model, torch.device("cpu")) * 0.6)
+    model, compiled, reference, inputs, out, expected = compile_planned(
+        "decoder", budget, build_kwargs={"num_layers": 6}, inner_backend="aot_eager")
+    gone = model.layers[5]
+    assert any(isinstance(h, hooks.OurHook) for h in gone._forward_pre_hooks.values())
+    del model.layers[5], reference.layers[5]
+    with torch.no_grad():
+        assert torch.equal(compiled(*inputs), reference(*inputs))
+    for hook_dict in (gone._forward_pre_hooks, gone._forward_hooks, gone._state_dict_hooks):
+        assert not any(isinstance(getattr(h, "hook", h), hooks.OurHook)
+                       for h in hook_dict.values())
+    assert not gone._forward_hooks_always_called

@@ -251,6 +251,8 @@ class PlannerResult:
     fitting: list[Candidate] = dataclasses.field(default_factory=list, repr=False)
     reserved: int = 0                    # of memory_budget, the KV cache's device bytes
     expert_cache: int = 0                # of memory_budget, the expert cache's (its option)
+    # each layer's parameter bytes when planned: a plan is kept only for layers alike
+    layer_sizes: tuple[int, ...] = ()
 
     @property
     def reserved_words(self) -> str:
@@ -468,7 +470,7 @@ def plan(model: nn.Module, stack: LayerStack, options: OffloadOptions, costs: Gr
     result = PlannerResult(budget, total, minimum, tuple(tokens), best[0], best[1:],
                            len(fitting) + (total <= budget), cost_model,
                            time.perf_counter() - started, fitting, reserved,
-                           options.expert_cache_asked)
+                           options.expert_cache_asked, sizes_of(stack))
     log.info("fx_offload: %s", result)
     return result
 
@@ -568,17 +570,19 @@ def carried_over(model: nn.Module, stack: LayerStack, options: OffloadOptions,
                  planner: PlannerResult, before: list[nn.Module] | None,
                  device: torch.device, reserved: int = 0) -> PlannerResult:
     """The planner's result for ``stack`` where ``planner`` was reached for the layers
-    ``before`` (None: a copy's, position by position): itself where they are the same
-    layers (a copy, or a new dtype or shape), else the plan made again from its graph's
-    costs, each carried to where its layer is now (a layer deleted, inserted or moved; a
-    layer new to the stack costs the mean), its rates and the same budget.  There is no
+    ``before`` (None: a copy's, or the model's after a plan that failed, position by
+    position): itself where they are the same layers of the same sizes (a copy), else the
+    plan made again from its graph's costs, each carried to where its layer is now (a
+    layer deleted, inserted, moved or resized, a dtype changed; a layer new to the stack
+    costs the mean), its rates and the same budget.  There is no
     graph to plan from here: the model is offloaded again as a call begins."""
     modules, count = list(stack.modules), planner.cost_model.num_layers
-    if before is None:          # a copy's layers: the same where as many
-        if len(modules) == count:
+    alike = sizes_of(stack) == planner.layer_sizes
+    if before is None:          # a copy's layers, or the model's after a failed plan
+        if alike:
             return planner
         new_index = {i: i for i in range(min(count, len(modules)))}
-    elif len(before) == len(modules) and all(a is b for a, b in zip(before, modules)):
+    elif alike and all(a is b for a, b in zip(before, modules)):
         return planner
     else:
         where = {id(m): i for i, m in enumerate(before)}
@@ -590,10 +594,17 @@ def carried_over(model: nn.Module, stack: LayerStack, options: OffloadOptions,
     if any(i in new_index for i in costs.layers):   # else kept as they are, by position
         costs = dataclasses.replace(costs, layers=moved(costs.layers),
                                     flop_expr=moved(costs.flop_expr), top_k=moved(costs.top_k))
-    log.info("fx_offload: the layers of %r changed (%d, were %d): memory_budget planned "
-             "again from the first graph's costs", stack.path or "<root>", len(modules), count)
+    log.info("fx_offload: the layers of %r changed (now %d, planned for %d): memory_budget "
+             "planned again from the first graph's costs", stack.path or "<root>",
+             len(modules), count)
     return plan(model, stack, options, costs, planner.cost_model.rates, device,
                 reserved=reserved)
+
+
+def sizes_of(stack: LayerStack) -> tuple[int, ...]:
+    """Each layer's parameter bytes (as their shapes and dtypes say, wherever they are)."""
+    return tuple(sum(p.numel() * p.element_size() for p in m.parameters())
+                 for m in stack.modules)
 
 
 def _weights_device_and_dtype(stack: LayerStack, allow_meta: bool = False,
