@@ -165,7 +165,11 @@ def _then_settle(compiled, state: OffloadState):
 def _same_layers(kept: NothingOffloaded, model: nn.Module) -> bool:
     """``model``'s layers are those the plan that offloaded nothing (``kept``) was made for:
     the same modules, of the same sizes."""
-    stack = find_layer_stack(model, kept.options.layers)   # (in any order: run order may differ)
+    try:
+        stack = find_layer_stack(model, kept.options.layers)
+    except OffloadError:        # no stack to offload now: it stays plain
+        return True
+    # (compared in any order: the plan's follows the order the layers ran in)
     return sorted(map(id, stack.modules)) == sorted(map(id, kept.stack.modules)) and \
         sorted(sizes_of(stack)) == sorted(kept.planner.layer_sizes)
 
