@@ -483,8 +483,10 @@ def test_a_layer_deleted_after_planning_is_planned_again_as_a_fresh_model_would_
     its next call begins; there is no graph then, so the plan is made again from the first
     graph's costs carried to the layers' new places: the report shows that plan (not the
     old one over shifted indices), it is the plan a fresh compile of the smaller model
-    gets, and the outputs stay those of the model without offloading."""
+    gets, and the outputs stay those of the model without offloading; the layer taken
+    out keeps none of fx_offload's hooks."""
     import logging
+    from fx_offload.runtime import hooks
     model, inputs = models.build("decoder", num_layers=6, seed=0)
     total = weights_bytes(model, torch.device("cpu"))
     budget = int(total * 0.6)
@@ -492,11 +494,19 @@ def test_a_layer_deleted_after_planning_is_planned_again_as_a_fresh_model_would_
         "decoder", budget, build_kwargs={"num_layers": 6}, inner_backend="aot_eager")
     assert torch.equal(out, expected)
     assert fx_offload.report(model).planner.cost_model.num_layers == 6
+    gone = model.layers[2]
+    assert any(isinstance(h, hooks.OurHook) for h in gone._forward_pre_hooks.values())
     del model.layers[2], reference.layers[2]
     with torch.no_grad(), caplog.at_level(logging.INFO, "fx_offload"):
         out = compiled(*inputs)
     assert torch.equal(out, reference(*inputs))
     assert "memory_budget planned again" in caplog.text
+    # the layer taken out keeps none of our hooks: it runs, and compiles into another
+    # model, as a plain layer
+    for hook_dict in (gone._forward_pre_hooks, gone._forward_hooks, gone._state_dict_hooks):
+        assert not any(isinstance(getattr(h, "hook", h), hooks.OurHook)
+                       for h in hook_dict.values())
+    assert not gone._forward_hooks_always_called
     rep = fx_offload.report(model)
     assert rep.planner.cost_model.num_layers == 5
     assert list(rep.planner.chosen.candidate.layers) == rep.layers
@@ -572,21 +582,3 @@ def test_a_copy_of_a_model_whose_layer_grew_is_planned_for_its_own_layers():
         assert fx_offload.report(model_copy).planner.layer_sizes == \
             planner.sizes_of(find_layer_stack(model_copy, None))
 
-
-def test_a_layer_taken_out_of_an_offloaded_model_keeps_no_hooks():
-    """A layer deleted from an offloaded model keeps none of fx_offload's hooks once the
-    model is offloaded again: it runs, and compiles into another model, as a plain layer."""
-    from fx_offload.runtime import hooks
-    model, inputs = models.build("decoder", num_layers=6, seed=0)
-    budget = int(weights_bytes(model, torch.device("cpu")) * 0.6)
-    model, compiled, reference, inputs, out, expected = compile_planned(
-        "decoder", budget, build_kwargs={"num_layers": 6}, inner_backend="aot_eager")
-    gone = model.layers[5]
-    assert any(isinstance(h, hooks.OurHook) for h in gone._forward_pre_hooks.values())
-    del model.layers[5], reference.layers[5]
-    with torch.no_grad():
-        assert torch.equal(compiled(*inputs), reference(*inputs))
-    for hook_dict in (gone._forward_pre_hooks, gone._forward_hooks, gone._state_dict_hooks):
-        assert not any(isinstance(getattr(h, "hook", h), hooks.OurHook)
-                       for h in hook_dict.values())
-    assert not gone._forward_hooks_always_called
