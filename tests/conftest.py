@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -37,5 +39,9 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-# the planner's device-rate cache goes to a throwaway folder, not the user's home
-os.environ.setdefault("FX_OFFLOAD_CACHE_DIR", tempfile.mkdtemp(prefix="fx_offload_rates_"))
+# the planner's device-rate cache goes to a throwaway folder, not the user's home, removed
+# when the run ends (each xdist worker makes its own)
+if "FX_OFFLOAD_CACHE_DIR" not in os.environ:
+    _rates = tempfile.mkdtemp(prefix="fx_offload_rates_")
+    os.environ["FX_OFFLOAD_CACHE_DIR"] = _rates
+    atexit.register(shutil.rmtree, _rates, ignore_errors=True)

@@ -317,9 +317,9 @@ def test_other_chunks_fetched_ahead_give_the_same_outputs_and_bytes(mode, monkey
     # served from the ring: in every call outside replays, and in the capture
     assert sum(hits) >= len(state.ahead.sequence), hits
     rep = fx_offload.report(model)
-    assert rep.ahead == (2, state.ahead.nbytes) and state.ahead.nbytes > 0
+    assert rep.ahead == (3, state.ahead.nbytes) and state.ahead.nbytes > 0     # depth + 1
     assert rep.buffer_bytes == sum(f.numel() for f in state.buffers.flat) + state.ahead.nbytes
-    assert "and 2 that fetch routed layers' other weights ahead" in str(rep)
+    assert "and 3 that fetch routed layers' other weights ahead" in str(rep)
 
 
 @pytest.mark.parametrize("value, depth", [("two", None), ("-1", None), ("0", 0), (" 3 ", 3)])

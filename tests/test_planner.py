@@ -436,7 +436,7 @@ def test_a_budget_that_keeps_the_moe_layers_other_weights_offloads_only_their_ex
 def test_plans_of_routed_layers_count_the_ring_that_fetches_their_other_weights_ahead():
     """On a GPU a routed MoE layer's other weights run ahead through a ring of device
     buffers (runtime.ahead): every plan's device memory counts it, one buffer per layer
-    ahead (at most the ring's depth), none for plans of the expert tensors alone, none
+    ahead (at most the ring's depth) and one more, none for plans of the expert tensors alone, none
     where the experts move whole, and none on the CPU."""
     from fx_offload.runtime import ahead
     from fx_offload.runtime.host_memory import ALIGN
@@ -454,7 +454,8 @@ def test_plans_of_routed_layers_count_the_ring_that_fetches_their_other_weights_
     for key, plan in gpu.items():
         layers, slots, _ = key
         ring = 0 if plan.experts_only or len(layers) - slots < 2 else \
-            min(ahead.depth_wanted(len(layers) - slots), len(layers) - slots - 1) * (others + ALIGN)
+            (min(ahead.depth_wanted(len(layers) - slots), len(layers) - slots - 1) + 1) * \
+            (others + ALIGN)
         assert plan.slot_bytes == cpu[key].slot_bytes + ring, key
         assert plan.weights_bytes == whole[key].weights_bytes + ring, key
         assert whole[key].slot_bytes == cpu[key].slot_bytes, key

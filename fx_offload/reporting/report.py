@@ -225,7 +225,7 @@ def _weights_report(model: nn.Module) -> Report:
             experts=experts_moved(choice, getattr(state, "routed", None)),
             expert_cache=_expert_cache(state),
             ahead=None if getattr(state, "ahead", None) is None else
-            (state.ahead.depth, state.ahead.nbytes))
+            (len(state.ahead.ring), state.ahead.nbytes))
     kept = registry.nothing_offloaded(model)
     if kept is not None:
         return Report(model=kept.model_name, stack=kept.stack.path,

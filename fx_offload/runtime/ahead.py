@@ -9,16 +9,24 @@ the link idles: the next layer's attention and router must finish before its gat
 begin, and nothing else is free to cross.  A second slot would let them run a layer ahead,
 at the price of a whole layer, experts included.  These buffers, ``depth`` of them, each as
 large as one layer's other chunks, let them run ``depth`` layers ahead at a small fraction
-of that::
+of that; one more buffer, ``depth + 1`` in all (``R``), lets each fill begin where the link
+would idle::
 
     S = the other chunks of routed layers refilled within a call, in the order they are read
 
-    call begins (hook, after the look at the user's changes):
+    call ends, or begins (hook, after the look at the user's changes):
         fill(0 .. depth-1)                          on the ahead stream
-    start of S[i] (same place in the graph as before):
-        slot[chunk] <- ring[i % depth]              copy stream, after the fork and fill(i)
-        fill(i + depth) into ring[i % depth]        ahead stream, after that copy read it
-    fill(j):  ring[j % depth] <- host block[chunk S[j]]        crosses the link
+    start of S[i] (same place in the graph as before: behind a layer's gather):
+        slot[chunk] <- ring[i % R]                  copy stream, after the fork and fill(i)
+        fill(i + depth) into ring[(i - 1) % R]      ahead stream, after the fork and after
+                                                    S[i-1]'s copy read that buffer
+    fill(j):  ring[j % R] <- host block[chunk S[j]]            crosses the link
+
+The fill goes into the buffer the start before emptied, not the one this start is reading:
+the copy into the slot runs on the SMs (a CUDA graph runs a copy within device memory as a
+kernel), so it waits for the layer's expert kernels that hold them, and a fill behind it
+began only after those; the link idled meanwhile.  Behind the fork alone, the fill crosses
+while the layer computes on the rows just gathered.
 
 The copy into the slot stays where the pass put it (after the last read of the bytes it
 overwrites), so what the graph proves is unchanged; only its source moves from the host to
@@ -99,21 +107,26 @@ class AheadCopies:
         self.device = choice.device
         self.position = {(layer, c.index): i for i, (layer, c) in enumerate(sequence)}
         size = max(c.end - c.start for _, c in sequence)
+        count = depth + 1
         self.ring = [torch.empty(size, dtype=torch.uint8, device=self.device)
-                     for _ in range(depth)]
+                     for _ in range(count)]
         self.stream = torch.cuda.Stream(self.device)
         # made once (none on the forward path); the hook's fills are external, so that a
         # capture waits for them through event-wait nodes
-        self._done = [torch.cuda.Event() for _ in range(depth)]
-        self._hook_done = [torch.cuda.Event(external=True) for _ in range(depth)]
-        self._freed = [torch.cuda.Event() for _ in range(depth)]
-        self._freed_outside = [False] * depth   # recorded outside any capture, waitable
+        self._done = [torch.cuda.Event() for _ in range(count)]
+        self._hook_done = [torch.cuda.Event(external=True) for _ in range(count)]
+        self._freed = [torch.cuda.Event() for _ in range(count)]
+        # where each buffer's latest copy into a slot was recorded: "outside" any capture,
+        # "inside" the capture under way (forgotten as it ends), or None; a fill waits for
+        # it only from the same side (a capture cannot wait for an event recorded outside
+        # it, and a graph ends only after its copies)
+        self._freed_where: list[str | None] = [None] * count
         self._fork = torch.cuda.Event()
-        self.held: list[Fill | None] = [None] * depth
+        self.held: list[Fill | None] = [None] * count
         self.call = 0
         self._between = 0           # bytes the fills begun as the last call ended copied
         log.debug("fx_offload: %d buffers of %d bytes fetch the other chunks of %d routed "
-                  "layers ahead", depth, size, len({layer for layer, _ in sequence}))
+                  "layers %d ahead", count, size, len({layer for layer, _ in sequence}), depth)
 
     @property
     def nbytes(self) -> int:
@@ -164,7 +177,7 @@ class AheadCopies:
         """At the start of ``sequence[i]``: copy it from the ring into its slot on
         ``copy_stream`` after ``fork`` and its fill, recording ``done``; False (nothing
         done) where no usable fill holds it."""
-        b = i % self.depth
+        b = i % len(self.ring)
         fill, inside = self.held[b], capturing()
         if fill is None or fill.index != i or fill.call != self.call or \
                 not (fill.by_hook or fill.in_capture == inside):
@@ -178,39 +191,35 @@ class AheadCopies:
             flat[chunk.start:chunk.end].copy_(self.ring[b][:n], non_blocking=True)
             done.record(copy_stream)
             self._freed[b].record(copy_stream)
-        self._freed_outside[b] = not inside
+        self._freed_where[b] = "inside" if inside else "outside"
         self.held[b] = None
         return True
 
-    def consumed(self, i: int, hit: bool) -> None:
-        """``sequence[i]``'s start has run (``hit``: from the ring): its buffer takes the
+    def consumed(self, i: int) -> None:
+        """``sequence[i]``'s start has run: the buffer the start before it emptied takes the
         fill ``depth`` places on."""
         j = i + self.depth
         if j < len(self.sequence):
-            self._fill(j, by_hook=False, after_copy=hit)
+            self._fill(j, by_hook=False)
 
-    def _fill(self, j: int, by_hook: bool, after_copy: bool = False,
-              call: int | None = None) -> None:
-        """Begin ``fill(j)`` on the ahead stream: ``by_hook``, after the current stream's
-        work (the call hook's); ``after_copy``, after the copy from its buffer that was just
-        recorded; else after the current stream's work (inside a capture this is what pulls
-        the ahead stream into it)."""
-        b = j % self.depth
+    def _fill(self, j: int, by_hook: bool, call: int | None = None) -> None:
+        """Begin ``fill(j)`` on the ahead stream, after the latest copy from its buffer
+        where one may still read it: ``by_hook``, after the current stream's work as the
+        hook recorded it; else after the current stream's work now (inside a capture this
+        is what pulls the ahead stream into it)."""
+        b = j % len(self.ring)
         layer, chunk = self.sequence[j]
         block = self.buffers.block_of(layer)
         if block is None or not self.buffers.pinned:    # a pageable copy would block the host
             self.held[b] = None
             return
         inside, stream = capturing(), self.stream
-        if after_copy:
-            stream.wait_event(self._freed[b])
+        if self._freed_where[b] == ("inside" if inside else "outside"):
+            stream.wait_event(self._freed[b])       # a copy from the buffer may still read it
+        if by_hook:
+            stream.wait_event(self._fork)
         else:
-            if self._freed_outside[b] and not inside:
-                stream.wait_event(self._freed[b])   # a copy from the buffer may still read it
-            if by_hook:
-                stream.wait_event(self._fork)
-            else:
-                stream.wait_stream(torch.cuda.current_stream(self.device))
+            stream.wait_stream(torch.cuda.current_stream(self.device))
         done = (self._hook_done if by_hook else self._done)[b]
         n = chunk.end - chunk.start
         with torch.cuda.stream(stream):
@@ -228,6 +237,7 @@ class AheadCopies:
             if fill is not None and fill.in_capture:
                 stream.wait_event(fill.done)
                 self.held[b] = None
+        self._freed_where = [None if w == "inside" else w for w in self._freed_where]
 
     def synchronize(self) -> None:
         self.stream.synchronize()
@@ -255,7 +265,7 @@ class AheadStarts:
         if not hit:
             self.buffers.begin_copy(refill, chunk, self.copy_stream, fork, done, capturing)
         if i is not None:
-            ahead.consumed(i, hit)
+            ahead.consumed(i)
 
     def _join_copies(self, capturing: bool) -> None:
         """The current stream waits for the copies begun in the capture under way

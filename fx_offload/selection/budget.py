@@ -403,12 +403,14 @@ def _routed_others(params, options: OffloadOptions, device: torch.device) -> dic
 
 def _ahead_bytes(others: dict[int, int], layers: tuple[int, ...], num_slots: int) -> int:
     """Device memory of the ring that fetches routed layers' other weights ahead, for a
-    plan of ``layers`` over ``num_slots`` slots: a buffer per layer ahead, each as large as
-    the largest such layer's (an upper bound: the ring's buffers hold one chunk each)."""
+    plan of ``layers`` over ``num_slots`` slots: a buffer per layer ahead and one more,
+    each as large as the largest such layer's (an upper bound: the ring's buffers hold one
+    chunk each)."""
     ahead = [others[layer] for layer in layers[num_slots:] if others.get(layer)]
-    if len(ahead) < 2:
+    depth = min(depth_wanted(len(ahead)), len(ahead) - 1)
+    if depth <= 0:
         return 0
-    return min(depth_wanted(len(ahead)), len(ahead) - 1) * (max(ahead) + ALIGN)
+    return (depth + 1) * (max(ahead) + ALIGN)
 
 
 def _experts_only(model: nn.Module, stack: LayerStack, options: OffloadOptions,
