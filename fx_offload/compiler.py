@@ -27,7 +27,7 @@ from .inner import compile_inner
 from .kv import run_kv_pass
 from .options import PLACEMENT_KEYS, OffloadOptions, parse_options
 from .passes.prefetch import run_prefetch_pass
-from .placement import activate
+from .placement import activate, kept_whole
 from .runtime.state import OffloadState
 from .selection import NothingOffloaded, choose
 from .selection.budget import sizes_of
@@ -228,10 +228,7 @@ def _state_for_graph(gm, gi: GraphInputs, options: OffloadOptions, defaulted: bo
         registry.forget_nothing_offloaded(model)
     choice = choose(model, options, graph=(gm, gi), layer_frame=parent is not None)
     if isinstance(choice, NothingOffloaded):
-        log.warning("fx_offload: memory_budget %s holds all %s of %s's weights: nothing is "
-                    "offloaded", format_bytes(options.memory_budget, as_option=True),
-                    format_bytes(choice.planner.weights_bytes), choice.model_name)
-        registry.record_nothing_offloaded(model, choice)
+        kept_whole(model, choice, "")
         return None, True, False
     return OffloadState(model, choice), True, parent is not None
 

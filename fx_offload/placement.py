@@ -104,12 +104,8 @@ def _place(model: nn.Module, device: torch.device, opts: OffloadOptions,
     choice = choose(model, opts, device=device, planner=planner, order=order)
     progress = _Progress(model)
     if isinstance(choice, NothingOffloaded):
-        log.warning("fx_offload: memory_budget %s holds all %s of %s's weights: nothing is "
-                    "offloaded; it is moved to %s",
-                    format_bytes(opts.memory_budget, as_option=True),
-                    format_bytes(choice.planner.weights_bytes), choice.model_name, device)
         _move_the_rest(model, set(), device, source, sources, progress)
-        registry.record_nothing_offloaded(model, choice)
+        kept_whole(model, choice, f"; it is moved to {device}")
         return model
     state = OffloadState(model, choice)
     state.placed_with = placed_with
@@ -244,6 +240,18 @@ def activate(state: OffloadState, model: nn.Module, hand_over: bool, fill=None,
 
 
 @torch.inference_mode(False)    # its tensors outlive a call under inference_mode
+def kept_whole(model: nn.Module, choice: NothingOffloaded, then: str, now: bool = False,
+               ) -> None:
+    """The planner offloads nothing of ``model`` (its ``memory_budget`` holds the whole
+    weights): say so (``then``: what is done with it; ``now``: after its layers changed)
+    and record it for ``report`` and later compiles."""
+    log.warning("fx_offload: memory_budget %s %sholds all %s of %s's weights: nothing is "
+                "offloaded%s", format_bytes(choice.options.memory_budget, as_option=True),
+                "now " if now else "", format_bytes(choice.planner.weights_bytes),
+                choice.model_name, then)
+    registry.record_nothing_offloaded(model, choice)
+
+
 def _offload_again(model: nn.Module, options: OffloadOptions, device: str,
                    chunks=None, planner=None, before=None) -> OffloadState | None:
     # under memory_budget, the plan the model had where its layers are the same (in a new
@@ -257,12 +265,9 @@ def _offload_again(model: nn.Module, options: OffloadOptions, device: str,
     if isinstance(choice, NothingOffloaded):
         # the layers left fit the budget whole: a plain model on its device, as a first
         # compile of it would leave it
-        log.warning("fx_offload: memory_budget %s now holds all %s of %s's weights: nothing "
-                    "is offloaded", format_bytes(options.memory_budget, as_option=True),
-                    format_bytes(choice.planner.weights_bytes), choice.model_name)
         _move_the_rest(model, set(), torch.device(device))
         hooks.strip_hooks(model)
-        registry.record_nothing_offloaded(model, choice)
+        kept_whole(model, choice, "", now=True)
         return None
     # the chunks the model had: a graph compiled for it (Dynamo shares one among copies)
     # then fits this state's slots
