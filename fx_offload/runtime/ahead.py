@@ -97,10 +97,12 @@ class AheadCopies:
                 or not choice.experts:
             return None
         sequence = _sequence(choice, buffers)
-        depth = depth_wanted(len({layer for layer, _ in sequence}))
-        if depth <= 0 or len(sequence) <= 1:
+        layers = len({layer for layer, _ in sequence})
+        depth = depth_wanted(layers)
+        if depth <= 0 or layers <= 1:
             return None
-        return cls(choice, buffers, sequence, min(depth, len(sequence) - 1))
+        # capped by the layers, as memory_budget counts it (selection.budget._ahead_bytes)
+        return cls(choice, buffers, sequence, min(depth, layers - 1))
 
     def __init__(self, choice, buffers, sequence, depth: int):
         self.buffers, self.sequence, self.depth = buffers, sequence, depth
@@ -151,7 +153,19 @@ class AheadCopies:
         versions)`` says the layer's weights did not change since; ``fill`` (a call of the
         model, outside any capture): begin the first ``depth`` fills not held so, after
         everything already queued on the current stream.  The bytes begun between the calls
-        count as this call's."""
+        count as this call's.
+
+        A capture that raised left its buffers marked as read inside it: no later capture
+        may wait for those events, so the marks go.  Outside a capture the current stream
+        waits for every copy out of the ring begun outside one (a call that raised may
+        have left one running): a graph replayed next, whose fills wait for nothing
+        outside it, then cannot overwrite a buffer still being read."""
+        self._freed_where = [None if w == "inside" else w for w in self._freed_where]
+        if not capturing():
+            current = torch.cuda.current_stream(self.device)
+            for b, where in enumerate(self._freed_where):
+                if where == "outside":
+                    current.wait_event(self._freed[b])
         self.call += 1
         ready = [f if fill and f is not None and f.call == self.call and f.by_hook
                  and changed is not None
