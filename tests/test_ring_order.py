@@ -1,9 +1,12 @@
 """The ring that fetches routed MoE layers' other chunks ahead (``runtime/ahead.py``), checked
 for its stream order on the CPU: CUDA's streams and events are replaced by a simulator that
 runs every queued copy only once what it was ordered after has run, in a random order
-otherwise, so that a copy ordered after too little reads or overwrites the wrong bytes, and
-that refuses what a CUDA-graph capture refuses (a wait inside a capture for an event last
-recorded outside it, unless external, or in another capture).
+otherwise, so that a copy ordered after too little reads or overwrites the wrong bytes.  It
+records CUDA-graph captures and replays them (each replay after the work queued before it
+on its stream, an external event's wait node after the event's record at launch, the
+stream's later work after the whole replay), and refuses what a capture refuses: a wait for
+an event last recorded outside it (unless external) or in another capture, work on a
+stream that has not joined it, and a capture that ends with a stream not joined back.
 
 The runtime's pattern is driven by hand, as ``runtime/state.py`` does it: per call,
 ``begin_call``; per start of ``S[i]``, a fork recorded on the compute stream, the copy into
@@ -35,6 +38,7 @@ class Op:
     fn: object
     deps: list
     ran: bool = False
+    external: list = dataclasses.field(default_factory=list)   # events (captured ops only)
 
 
 class Sim:
@@ -47,10 +51,14 @@ class Sim:
         self.streams: list[FakeStream] = [self.compute]
         self.current = self.compute
 
-    def enqueue(self, stream, fn=None, deps=()) -> Op:
-        if self.capture is not None:        # recorded, never run here (no replays)
-            op = Op(stream, fn, [d for d in [stream.captured_tail, *deps] if d is not None])
+    def enqueue(self, stream, fn=None, deps=(), external=()) -> Op:
+        if self.capture is not None:        # recorded: run by replays
+            deps = [d for d in [stream.captured_tail, *deps] if d is not None]
+            if not deps and stream is not self.compute:
+                raise IsolationError("work on a stream that has not joined the capture")
+            op = Op(stream, fn, deps, external=list(external))
             stream.captured_tail = op
+            self.recorded.append(op)
             return op
         op = Op(stream, fn, [d for d in [stream.tail, *deps] if d is not None])
         stream.tail = op
@@ -71,13 +79,41 @@ class Sim:
             count = None if count is None else count - 1
 
     def begin_capture(self) -> None:
+        """A capture on the compute stream begins."""
         self.captures += 1
         self.capture = self.captures
+        self.recorded = []
         for s in self.streams:
             s.captured_tail = None
 
-    def end_capture(self) -> None:
+    def end_capture(self, aborted: bool = False) -> list[Op]:
+        """The capture ends: its graph (every recorded op must lead to the compute
+        stream's last one), or nothing where it ``aborted``."""
         self.capture = None
+        if aborted:
+            return []
+        joined, todo = set(), [self.compute.captured_tail]
+        while todo:
+            op = todo.pop()
+            if op is not None and op not in joined:
+                joined.add(op)
+                todo += op.deps
+        left = [op for op in self.recorded if op not in joined]
+        if left:
+            raise IsolationError(f"a capture ended with {len(left)} ops not joined back")
+        return self.recorded
+
+    def replay(self, graph: list[Op]) -> None:
+        """Launch ``graph`` on the compute stream."""
+        launch, copies = self.compute.tail, {}
+        for op in graph:
+            deps = [copies[d] for d in op.deps] or ([launch] if launch else [])
+            deps += [e.latest[1] for e in op.external]      # as recorded at launch
+            copies[op] = Op(op.stream, op.fn, deps)
+            self.pending.append(copies[op])
+        end = Op(self.compute, None, list(copies.values()) + ([launch] if launch else []))
+        self.pending.append(end)
+        self.compute.tail = end
 
 
 SIM: Sim | None = None
@@ -98,7 +134,7 @@ class FakeStream:
             if where == SIM.capture:
                 SIM.enqueue(self, deps=[op])
             elif where == "outside" and event.external:
-                SIM.enqueue(self, deps=[op] if not op.ran else [])   # an event-wait node
+                SIM.enqueue(self, external=[event])     # an event-wait node
             else:
                 raise IsolationError(f"a wait in capture {SIM.capture} for an event last "
                                      f"recorded {where!r}")
@@ -125,8 +161,13 @@ class FakeEvent:
 
     def record(self, stream=None) -> None:
         stream = stream or SIM.current
-        op = SIM.enqueue(stream)
-        self.latest = ("outside" if SIM.capture is None else SIM.capture, op)
+        if SIM.capture is None:
+            self.latest = ("outside", SIM.enqueue(stream))
+        else:       # in a capture a record adds no node: it marks the stream's last one
+            op = stream.captured_tail
+            if op is None:
+                op = SIM.enqueue(stream)
+            self.latest = (SIM.capture, op)
 
 
 class Deferred(TorchFunctionMode):
@@ -206,7 +247,18 @@ def call(sim, ring, buffers, copy_stream, reads, stop_at=None, interleave=3):
     runs; ``stop_at``: the call raises before that read (nothing more of it is queued; its
     end runs, as the model's always-called hook runs it).  With several slots a start comes
     as soon as its slot's layer before has been read: that many layers ahead of its read."""
-    ring.begin_call(fill=sim.capture is None, changed=lambda layer, versions: False)
+    ring.begin_call(fill=sim.capture is None, changed=unchanged)
+    forward(sim, ring, buffers, copy_stream, reads, stop_at, interleave)
+    if sim.capture is None:
+        ring.end_call(versions=lambda layer: None)
+
+
+def unchanged(layer, versions) -> bool:
+    return False
+
+
+def forward(sim, ring, buffers, copy_stream, reads, stop_at=None, interleave=3):
+    """The graph's part of a call (:func:`call`)."""
     slots, sequence = len(buffers.flat), ring.sequence
     done = {}
 
@@ -234,8 +286,6 @@ def call(sim, ring, buffers, copy_stream, reads, stop_at=None, interleave=3):
         sim.enqueue(sim.compute, lambda layer=layer, slot=slot:
                     reads.append((layer, set(slot.tolist()))))
         sim.run(count=sim.rng.randrange(interleave + 1))
-    if sim.capture is None:
-        ring.end_call(versions=lambda layer: None)
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -280,7 +330,7 @@ def test_a_capture_that_raised_leaves_no_wait_the_next_capture_cannot_hold(sim):
     sim.run()
     sim.begin_capture()
     call(sim, ring, buffers, copy_stream, reads, stop_at=4)   # raises after four starts
-    sim.end_capture()                                       # aborted: no join
+    sim.end_capture(aborted=True)                           # no join
     sim.begin_capture()
     call(sim, ring, buffers, copy_stream, reads)
     ring.join(sim.compute)
@@ -288,3 +338,55 @@ def test_a_capture_that_raised_leaves_no_wait_the_next_capture_cannot_hold(sim):
     call(sim, ring, buffers, copy_stream, reads)            # eager again after it
     sim.run()
     assert reads and all(held == {layer} for layer, held in reads), reads
+
+
+def capture(sim, ring, buffers, copy_stream, reads, whole_call: bool) -> list[Op]:
+    """A graph of one call: under ``reduce-overhead`` the model's hooks run outside it (and
+    around each replay), in a user's ``torch.cuda.graph`` around the call inside it."""
+    if not whole_call:
+        ring.begin_call(fill=True, changed=unchanged)
+    sim.begin_capture()
+    if whole_call:
+        ring.begin_call(fill=False, changed=unchanged)
+    forward(sim, ring, buffers, copy_stream, reads)
+    ring.join(sim.compute)
+    graph = sim.end_capture()
+    if not whole_call:
+        sim.replay(graph)           # the recording call's own run
+        ring.end_call(versions=lambda layer: None)
+    return graph
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("whole_call", [False, True], ids=["reduce-overhead", "user-graph"])
+@pytest.mark.parametrize("slots", [1, 2])
+def test_replays_and_eager_calls_between_them_read_their_own_layers(sim, seed, whole_call,
+                                                                    slots):
+    """A captured call replayed again and again, eager calls (a shape not captured) between
+    the replays in a random pattern: every read of a slot finds its layer.  In a user's
+    graph around the whole call the ring is not used (runtime.ahead: its replays run none
+    of the hooks); with fills in it, eager calls between its replays read other layers."""
+    sim.rng.seed(seed)
+    ring, buffers, copy_stream = make_ring(9, 4, slots)
+    reads = []
+    call(sim, ring, buffers, copy_stream, reads)        # warm-up
+    sim.run(count=sim.rng.randrange(8))
+    graph = capture(sim, ring, buffers, copy_stream, reads, whole_call)
+    expected = 9 if whole_call else 18      # the warm-up's reads, the recording run's
+    for n in range(8):
+        sim.run(count=sim.rng.randrange(12))
+        if sim.rng.random() < 0.5:      # eager
+            call(sim, ring, buffers, copy_stream, reads)
+            expected += 9
+            continue
+        if whole_call:
+            sim.replay(graph)
+        else:
+            ring.begin_call(fill=True, changed=unchanged)
+            sim.replay(graph)
+            ring.end_call(versions=lambda layer: None)
+        expected += 9
+    sim.run()
+    assert len(reads) == expected
+    wrong = [(layer, held) for layer, held in reads if held != {layer}]
+    assert not wrong, wrong

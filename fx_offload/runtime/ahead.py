@@ -125,6 +125,7 @@ class AheadCopies:
         self._freed_where: list[str | None] = [None] * count
         self._fork = torch.cuda.Event()
         self.held: list[Fill | None] = [None] * count
+        self._whole_call_captured = False     # the call under way began inside a capture
         self.call = 0
         self._between = 0           # bytes the fills begun as the last call ended copied
         log.debug("fx_offload: %d buffers of %d bytes fetch the other chunks of %d routed "
@@ -161,6 +162,7 @@ class AheadCopies:
         have left one running): a graph replayed next, whose fills wait for nothing
         outside it, then cannot overwrite a buffer still being read."""
         self._freed_where = [None if w == "inside" else w for w in self._freed_where]
+        self._whole_call_captured = capturing()
         if not capturing():
             current = torch.cuda.current_stream(self.device)
             for b, where in enumerate(self._freed_where):
@@ -211,7 +213,13 @@ class AheadCopies:
 
     def consumed(self, i: int) -> None:
         """``sequence[i]``'s start has run: the buffer the start before it emptied takes the
-        fill ``depth`` places on."""
+        fill ``depth`` places on.  Not in a capture that took in the whole call (a user's
+        ``torch.cuda.graph`` around it): its replays run none of the hooks, so its fills
+        would race with the fills an eager call between two replays begins as it ends, and
+        overwrite those that the next eager call takes as its own; there every start copies
+        from the host."""
+        if self._whole_call_captured and capturing():
+            return
         j = i + self.depth
         if j < len(self.sequence):
             self._fill(j, by_hook=False)
