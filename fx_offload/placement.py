@@ -239,7 +239,6 @@ def activate(state: OffloadState, model: nn.Module, hand_over: bool, fill=None,
     state.hooks = kept + hooks.install_layer_hooks(state)
 
 
-@torch.inference_mode(False)    # its tensors outlive a call under inference_mode
 def kept_whole(model: nn.Module, choice: NothingOffloaded, then: str, now: bool = False,
                ) -> None:
     """The planner offloads nothing of ``model`` (its ``memory_budget`` holds the whole
@@ -252,6 +251,7 @@ def kept_whole(model: nn.Module, choice: NothingOffloaded, then: str, now: bool 
     registry.record_nothing_offloaded(model, choice)
 
 
+@torch.inference_mode(False)    # its tensors outlive a call under inference_mode
 def _offload_again(model: nn.Module, options: OffloadOptions, device: str,
                    chunks=None, planner=None, before=None) -> OffloadState | None:
     # under memory_budget, the plan the model had where its layers are the same (in a new
