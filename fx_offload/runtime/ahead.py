@@ -161,9 +161,9 @@ class AheadCopies:
         waits for every copy out of the ring begun outside one (a call that raised may
         have left one running): a graph replayed next, whose fills wait for nothing
         outside it, then cannot overwrite a buffer still being read."""
-        self._freed_where = [None if w == "inside" else w for w in self._freed_where]
+        self._forget_frees_in_capture()
         self._whole_call_captured = capturing()
-        if not capturing():
+        if not self._whole_call_captured:
             current = torch.cuda.current_stream(self.device)
             for b, where in enumerate(self._freed_where):
                 if where == "outside":
@@ -259,6 +259,11 @@ class AheadCopies:
             if fill is not None and fill.in_capture:
                 stream.wait_event(fill.done)
                 self.held[b] = None
+        self._forget_frees_in_capture()
+
+    def _forget_frees_in_capture(self) -> None:
+        """The copies out of the ring recorded in a capture are not waited for after it
+        (its graph ends after them; an aborted one never runs them)."""
         self._freed_where = [None if w == "inside" else w for w in self._freed_where]
 
     def synchronize(self) -> None:
