@@ -3,6 +3,7 @@ default): Hugging Face MoE models built from small configs give the logits and t
 model without offloading, a call of few tokens moves fewer bytes than the whole layer, and a
 graph that reads every expert falls back to whole-layer copies."""
 import copy
+import math
 
 
 import pytest
@@ -614,6 +615,30 @@ def test_the_link_profile_counts_the_gather_kernels_as_busy():
     assert "longest idle gaps: 3.00 ms at 6.0, 0.40 ms at 3.0" in got, got
     # without naming the kernel, only the copies count
     assert link_gaps(events).startswith("link busy 2.00 of 10.00 ms"), link_gaps(events)
+
+
+def test_the_moe_benchmark_puts_the_gathered_rows_at_the_gather_kernels_rate(capsys):
+    """``moe``'s table: ``x bound`` holds every byte of a step to the copy engine's rate,
+    ``x gather`` only the bytes the gathers did not move (the gathered rows at the gather
+    kernel's own rate); a row that moved its experts whole gathered nothing, so the two
+    agree.  Without a GPU the gather's rate is not measured."""
+    from fx_offload.tools import bench, moe_bench
+    routed, whole = "fx_offload, experts='routed'", "fx_offload, experts='whole'"
+    rows = {(routed, 1): (100.0, 35.0), (whole, 1): (200.0, 140.0)}
+    moved = {(routed, 1): (3 * 10**9, 0, 2 * 10**9), (whole, 1): (7 * 10**9, 0, 0)}
+    tokens = {(routed, 1): torch.zeros(1), (whole, 1): torch.zeros(1)}
+    moe_bench._print_table(rows, tokens, moved, bandwidth=50e9, gathering=40e9)
+    lines = capsys.readouterr().out.splitlines()
+    assert "x bound x gather" in " ".join(lines[1].split())
+    # after the name: batch, prefill, decode, GiB/step, x bound, x gather, cached, x routed,
+    # x whole, same tokens
+    got = {line[:72].strip(): line[72:].split() for line in lines[2:]}
+    # 3 GB at 50 GB/s: 60 ms; 1 GB at 50 and 2 GB at 40: 20 + 50 ms
+    assert float(got[routed][4]) == pytest.approx(35 / 60, abs=1e-3)
+    assert float(got[routed][5]) == pytest.approx(35 / 70, abs=1e-3)
+    assert float(got[routed][8]) == pytest.approx(35 / 140, abs=1e-3)
+    assert got[whole][4] == got[whole][5] == "1.000"
+    assert math.isnan(bench.gather_bandwidth(torch.device("cpu")))
 
 
 def _reading_through(transform, **kw):

@@ -159,6 +159,42 @@ def h2d_bandwidth(device, nbytes: int = 1 << 28, rounds: int = 3) -> float:
     return best
 
 
+def gather_bandwidth(device, rows: int = 64, row_bytes: int = 6 << 20, picked: int = 25,
+                     rounds: int = 3) -> float:
+    """Bytes per second that the routed-expert gather (:mod:`fx_offload.runtime.gather`)
+    reads from a host block page-locked as the offloaded weights are, ``picked`` of ``rows``
+    rows of ``row_bytes`` (the default: Qwen3-30B-A3B's ``gate_up_proj`` rows), measured
+    now: the best of ``rounds`` rounds, each the median of five gathers.  The SMs drive
+    those reads (only the device knows which rows), and on an H100 they read host memory
+    more slowly than the copy engine does (about 50 GB/s against 55, docs/benchmarks.md); NaN
+    where the gather cannot run (no GPU, no Triton)."""
+    from ..runtime import gather
+    from ..runtime.host_memory import HostBlock
+    if device.type != "cuda" or gather.triton is None:
+        return float("nan")
+    words = row_bytes // 4
+    meta = torch.empty(rows, words, dtype=torch.int32, device="meta")
+    block = HostBlock({"rows": meta}, fill=lambda views: views["rows"].fill_(1))
+    host = block.views["rows"]
+    slot = torch.empty(rows, words, dtype=torch.int32, device=device)
+    mask = torch.zeros(rows + 1, dtype=torch.int32, device=device)
+    mask[torch.randperm(rows, generator=torch.Generator().manual_seed(0))[:picked]] = 1
+    best = 0.0
+    for _ in range(rounds):
+        times = []
+        for _ in range(6):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            gather.gather_rows(host, slot, mask)
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end) / 1e3)
+        best = max(best, picked * row_bytes / statistics.median(times[1:]))
+    del host, slot
+    block.release()
+    return best
+
+
 def _peak(device) -> float | None:
     if device.type != "cuda":
         return None
