@@ -641,6 +641,18 @@ def test_the_moe_benchmark_puts_the_gathered_rows_at_the_gather_kernels_rate(cap
     assert math.isnan(bench.gather_bandwidth(torch.device("cpu")))
 
 
+def test_the_step_clock_leaves_out_the_gap_that_waits_for_the_prompt():
+    """``generate``'s step clock ticks as each token's step is queued: the gap after the
+    first tick waits for the prompt's forward, not for a decode step.  With 3 new tokens and
+    that gap counted, half the gaps were not steps and the median came out at about half a
+    step; left out, every gap is one."""
+    from fx_offload.tools.generate_bench import step_gaps
+    # the prompt's forward nearly done when its tick comes: a short first gap, then 40 ms steps
+    ticks = [1.000, 1.002, 1.042, 1.082]
+    assert step_gaps(ticks) == pytest.approx([40.0, 40.0])
+    assert step_gaps(ticks[:2]) == []           # two new tokens: no step to time
+
+
 def _reading_through(transform, **kw):
     """The built-in routed MoE (``kw`` for its builder), each layer reading its experts'
     rows by ``transform(ids)`` instead of the router's ids themselves."""

@@ -16,7 +16,7 @@ from .. import report, restore
 from .models import build
 
 
-def _at_least(minimum: int, what: str):
+def at_least(minimum: int, what: str):
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -30,7 +30,7 @@ def _at_least(minimum: int, what: str):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="decoder", choices=["decoder", "mlp", "moe"])
-    parser.add_argument("--layers", type=_at_least(2, "the built-in model's layer count (a "
+    parser.add_argument("--layers", type=at_least(2, "the built-in model's layer count (a "
                                                       "stack needs two)"), default=8,
                         help="number of layers")
     parser.add_argument("--device", default=None,
@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefetch-step", type=int, default=1)
     parser.add_argument("--inner-backend", default="inductor",
                         choices=["inductor", "aot_eager", "eager"])
-    parser.add_argument("--calls", type=_at_least(1, "calls checked"), default=5)
+    parser.add_argument("--calls", type=at_least(1, "calls checked"), default=5)
     parser.add_argument("-v", "--verbose", action="store_true", help="log the compile summary")
 
 

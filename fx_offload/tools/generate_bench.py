@@ -36,13 +36,15 @@ from .. import backend, compile_forward, registry, report
 from ..runtime import ans
 from ..schedule import Schedule
 from .bench import h2d_bandwidth
+from .demo import at_least
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=16, help="decoder layers")
     parser.add_argument("--prompt", type=int, default=512, help="prompt tokens")
-    parser.add_argument("--new-tokens", type=int, default=33,
-                        help="tokens generated per timed generate")
+    parser.add_argument("--new-tokens", type=at_least(2, "tokens generated per timed generate "
+                                                  "(decode is timed between them)"),
+                        default=33, help="tokens generated per timed generate")
     parser.add_argument("--prefetch-step", type=int, default=2)
     parser.add_argument("--circular-prefetch", default="auto",
                         help="comma-separated circular_prefetch values (auto, end, entry): one "
@@ -255,12 +257,20 @@ def build_random(model_class, config):
     return model
 
 
+def step_gaps(ticks: list[float]) -> list[float]:
+    """The decode steps' times (ms) from one ``generate``'s step clock (``perf_counter`` at
+    each call of its stopping criteria).  ``generate`` reaches the clock once a token, as the
+    token's step is queued and before it waits for the token, so each gap is the wait for one
+    step and the queueing of the next: one decode step; but the first gap waits for the
+    prompt's forward instead (what of it the device had not finished), so it is left out."""
+    return [(b - a) * 1e3 for a, b in zip(ticks[1:], ticks[2:])]
+
+
 def measure(model, prompt, args, repeats: int | None = None, extra=None, steps=False):
     """((prefill ms, decode ms per token), the generated tokens); ``extra``: more keywords
-    for ``generate``.  ``steps``: decode is the median time between two decode steps of the
-    timed generates (a step clock in ``generate``'s stopping criteria, which ``generate``
-    reaches once a token, just before it waits for the token), rather than the difference of
-    two medians (whose noise, a prefill's over ``N - 1``, grows with the prefill).
+    for ``generate``.  ``steps``: decode is the median time of the timed generates' decode
+    steps (:func:`step_gaps`; from 3 new tokens), rather than the difference of two medians
+    (whose noise, a prefill's over ``N - 1``, grows with the prefill).
     ``prompt`` may be a list: the warm-up and the prefill take the first, each timed
     generate the next one (what a cache that learns from the calls before sees anew)."""
     from transformers import StoppingCriteria, StoppingCriteriaList
@@ -293,8 +303,9 @@ def measure(model, prompt, args, repeats: int | None = None, extra=None, steps=F
                       if len(prompts) > 1 else prompt) for i in range(repeats)]
     full = statistics.median(ms for ms, _ in timed)
     decode = (full - prefill) / (args.new_tokens - 1)
-    if steps:   # ticks[i][0] follows the prefill; each gap after it is one decode step
-        decode = statistics.median((b - a) * 1e3 for t in ticks for a, b in zip(t, t[1:]))
+    gaps = [gap for t in ticks for gap in step_gaps(t)]
+    if steps and gaps:      # (none with fewer than 3 new tokens: the difference above)
+        decode = statistics.median(gaps)
     from torch._dynamo.utils import counters
     skips = sum(v for k, v in counters["inductor"].items() if "cudagraph_skips" in k)
     print(f"  batch {prompt.shape[0]}: prefill {prefill:.1f} ms, decode {decode:.2f} ms/token"

@@ -38,7 +38,7 @@ from .. import compile_forward, report
 from ..text import format_bytes
 from ..selection.budget import weights_bytes
 from .bench import h2d_bandwidth
-from .generate_bench import build_random
+from .generate_bench import build_random, step_gaps
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,7 +76,7 @@ def _generate(model, prompt, new: int, **kwargs):
         out = model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                              disable_compile=True, stopping_criteria=StoppingCriteriaList([_Clock()]), **kwargs)
     torch.cuda.synchronize()
-    steps = [(b - a) * 1e3 for a, b in zip(ticks, ticks[1:])] or [float("nan")]
+    steps = step_gaps(ticks) or [float("nan")]
     return (ticks[0] - start) * 1e3, statistics.median(steps), out
 
 

@@ -12,7 +12,8 @@ Each ``generate`` is greedy with a fixed number of new tokens, at each batch siz
 and is followed by a synchronize.  Prefill is the median time of
 ``generate(max_new_tokens=1)``; decode ms/token is the median time between two decode steps
 of the timed ``generate(max_new_tokens=N)`` calls (a clock in ``generate``'s stopping
-criteria, reached once a token).  The bound of a decode step is the bytes its last forward copied
+criteria, reached once a token; the first gap, which waits for the prompt, is left out, so
+``--new-tokens`` of at least 3).  The bound of a decode step is the bytes its last forward copied
 (every offloaded byte but the expert tensors', plus the rows of the experts it picked,
 counted on the device) over the pinned host-to-device bandwidth measured in
 the same process.  Tokens are compared with the resident model's.  ``--profile`` also
@@ -40,14 +41,16 @@ import torch
 
 from .. import backend, compile_forward, registry, report
 from .bench import gather_bandwidth, h2d_bandwidth
+from .demo import at_least
 from .generate_bench import build_random, graphs_route as _graphs, measure
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=8, help="decoder layers")
     parser.add_argument("--prompt", type=int, default=512, help="prompt tokens")
-    parser.add_argument("--new-tokens", type=int, default=17,
-                        help="tokens generated per timed generate")
+    parser.add_argument("--new-tokens", type=at_least(2, "tokens generated per timed generate "
+                                                  "(decode is timed between them)"),
+                        default=17, help="tokens generated per timed generate")
     parser.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
     parser.add_argument("--prefetch-step", type=int, default=1,
                         help="slots (prefetch_step); 1, the library's default, measures what "
