@@ -15,12 +15,23 @@ import torch
 
 @dataclasses.dataclass
 class Pending:
-    event: torch.cuda.Event     # recorded on the copy stream after the copy
+    # recorded on the copy stream after the copy; None: the copy has landed (a record kept
+    # only for ``in_capture``: see :func:`landed`)
+    event: torch.cuda.Event | None
     in_capture: bool            # recorded while the stream was being captured into a CUDA graph
     # begun by the model's call hook, outside any capture, on an event made with
     # ``external=True``: a capture waits for it through an event-wait node, so each replay
     # waits for the copy the hook began before it
     by_hook: bool = False
+
+
+def landed(in_capture: bool) -> Pending | None:
+    """What a slot records for a chunk whose bytes are in place (waited for, or loaded on the
+    current stream): None; but inside a CUDA-graph capture, a record of the capture, since
+    the capture only recorded what puts them there: a capture that raises never runs it, and
+    its records are forgotten with its copies (:meth:`SlotContents.forget_captured`); one
+    that ends lands them (:meth:`SlotContents.join`)."""
+    return Pending(None, True) if in_capture else None
 
 
 class SlotContents:
@@ -80,10 +91,11 @@ class SlotContents:
         for key, p in list(held.items()):
             if p is not None and any(self.layout[key[0]][key[1]].overlaps(c) for c in chunks):
                 wait_for(p)
-                held[key] = None
+                held[key] = landed(p.in_capture)
 
     def pending(self) -> dict[tuple[int, int], Pending]:
-        """(layer, chunk) -> its copy in flight (not yet waited for)."""
+        """(layer, chunk) -> its copy in flight (not yet waited for), or landed in the
+        capture under way."""
         return {key: p for held in self.held for key, p in held.items() if p is not None}
 
     def forget_captured(self) -> None:
@@ -102,7 +114,8 @@ class SlotContents:
         for held in self.held:
             for key, pending in held.items():
                 if pending is not None and pending.in_capture == captured:
-                    stream.wait_event(pending.event)
+                    if pending.event is not None:
+                        stream.wait_event(pending.event)
                     held[key] = None
 
 

@@ -53,10 +53,12 @@ class HookCopies:
         start copies, as its replays run only what it recorded."""
         self.buffers.begin_count()     # a new call: report's copied_bytes_last_call
         self.check_slots = slot_check.enabled()
+        # a capture that raised: its copies never ran, and no wait on their events may be
+        # recorded, outside a capture or inside the next (a user's retried capture)
+        self.contents.forget_captured()
         if capturing():         # copies an earlier call's hook began are not this call's
             self._forget_hook_copies()
             return
-        self.contents.forget_captured()     # a capture that raised: its copies never ran
         self.routed.begin_call(tokens)      # many tokens: routed chunks prefetched whole
         self.circular.call_begins()
         for leaving, refill in self._hook_refills:

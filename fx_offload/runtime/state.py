@@ -48,7 +48,7 @@ from ..schedule import Schedule
 from . import expert_cache, hooks
 from .ahead import AheadStarts
 from .circular import CircularStart
-from .contents import Pending, SlotContents
+from .contents import Pending, SlotContents, landed
 from .contents import capturing as _capturing
 from .hook_copies import HookCopies
 from .ownership import Ownership, ShapeChanged
@@ -195,7 +195,7 @@ class OffloadState(Ownership, RoutedWait, HookCopies, AheadStarts):
                 self._load_now(layer, c)
             elif held[key] is not None:
                 self._wait_for(held[key])
-                held[key] = None
+                held[key] = landed(held[key].in_capture)
 
     def start(self, layer: int, refill: int, chunk: int = -1, by_hook: bool = False) -> None:
         """``layer`` has read the last of what ``refill``'s ``chunk`` (-1: all of them)
@@ -242,8 +242,9 @@ class OffloadState(Ownership, RoutedWait, HookCopies, AheadStarts):
 
     def _wait_for(self, pending: Pending) -> None:
         # A copy recorded before a capture began was completed by the synchronization that
-        # starts every capture; waiting on it inside the capture is not allowed.
-        if pending.in_capture or pending.by_hook or not _capturing():
+        # starts every capture (a wait on it inside is refused); no event: it landed there.
+        if pending.event is not None and (pending.in_capture or pending.by_hook or
+                                          not _capturing()):
             torch.cuda.current_stream(self.device).wait_event(pending.event)
 
     def _load_now(self, layer: int, chunk=None) -> None:
@@ -253,7 +254,7 @@ class OffloadState(Ownership, RoutedWait, HookCopies, AheadStarts):
         for c in chunks:
             self.contents.forget(layer, c)          # (as in start)
             self.buffers.copy_in(layer, c, non_blocking=self.copy_stream is not None)
-            self.contents.fill(layer, c, None)
+            self.contents.fill(layer, c, landed(_capturing()))
             self._copied[(layer, c.index)] = self._versions(layer)
         self.stats["sync_loads"] += 1
         log.debug("fx_offload: loaded layer %d (chunk %s) synchronously", layer, chunk)
