@@ -1020,3 +1020,25 @@ def test_restore_of_a_copy_not_called_yet_says_what_it_is():
     with torch.no_grad():
         assert torch.equal(clone(x), reference(x))
     assert_weights(clone, reference)
+
+
+def test_what_a_capture_that_raised_recorded_as_landed_is_forgotten_as_the_next_call_begins():
+    """The slots' record (``SlotContents``) of a chunk loaded or waited for inside a
+    CUDA-graph capture: the capture only recorded what puts it there.  If the capture raised,
+    the next call (which may be a retried capture) forgets it and copies again; if it ended,
+    its join makes it landed for good.  (The capture itself needs a GPU: ``test_cuda.py``.)"""
+    from fx_offload.layout import Chunk
+    from fx_offload.runtime.contents import SlotContents, landed
+    layout = {0: [Chunk(0, 0, 64, ("a",))], 2: [Chunk(0, 0, 64, ("a",))]}
+    contents = SlotContents(layout, {0: 0, 2: 0}, 1)
+    chunk = layout[0][0]
+    assert landed(False) is None                # outside a capture: simply in place
+    contents.fill(0, chunk, landed(True))       # loaded inside a capture
+    assert contents.held_for(0, chunk, capturing=True)
+    contents.forget_captured()                  # it raised; the next call begins
+    assert (0, 0) not in contents.slot(0)
+    contents.fill(0, chunk, landed(True))
+    contents.join(stream=None, captured=True)   # the capture ended: no event to wait on
+    assert contents.slot(0) == {(0, 0): None}
+    contents.forget_captured()
+    assert contents.slot(0) == {(0, 0): None}   # landed for good
