@@ -651,6 +651,15 @@ def test_the_step_clock_leaves_out_the_gap_that_waits_for_the_prompt():
     ticks = [1.000, 1.002, 1.042, 1.082]
     assert step_gaps(ticks) == pytest.approx([40.0, 40.0])
     assert step_gaps(ticks[:2]) == []           # two new tokens: no step to time
+    # so the benchmarks that time decode by the clock alone refuse fewer than three
+    import argparse
+    from fx_offload.tools import kv_bench, moe_bench
+    for tool in (moe_bench, kv_bench):
+        parser = argparse.ArgumentParser()
+        tool.add_arguments(parser)
+        assert parser.parse_args(["--new-tokens", "3"]).new_tokens == 3
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--new-tokens", "2"])
 
 
 def _reading_through(transform, **kw):

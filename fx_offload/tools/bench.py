@@ -134,6 +134,34 @@ def _synchronize(device) -> None:
         torch.cuda.synchronize(device)     # every stream of the device: copies included
 
 
+def at_least(minimum: int, what: str):
+    """An argparse ``type``: an int no smaller than ``minimum``, else an error naming
+    ``what``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{what}: an int >= {minimum}, got {text!r}")
+        return value
+    return parse
+
+
+def _rate(run, nbytes: int, device) -> float:
+    """Bytes per second of ``run()`` moving ``nbytes`` on the current stream: the median of
+    five runs after one more (CUDA events)."""
+    times = []
+    for _ in range(6):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize(device)
+        times.append(start.elapsed_time(end) / 1e3)
+    return nbytes / statistics.median(times[1:])
+
+
 def h2d_bandwidth(device, nbytes: int = 1 << 28, rounds: int = 3) -> float:
     """Bytes per second of a pinned host-to-device copy, measured now: the best of
     ``rounds`` rounds, each the median of five copies from a buffer pinned for it.  One round
@@ -146,15 +174,7 @@ def h2d_bandwidth(device, nbytes: int = 1 << 28, rounds: int = 3) -> float:
     best = 0.0
     for _ in range(rounds):
         host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-        times = []
-        for _ in range(6):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dev.copy_(host, non_blocking=True)
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end) / 1e3)
-        best = max(best, nbytes / statistics.median(times[1:]))
+        best = max(best, _rate(lambda: dev.copy_(host, non_blocking=True), nbytes, device))
         del host
     return best
 
@@ -165,9 +185,9 @@ def gather_bandwidth(device, rows: int = 64, row_bytes: int = 6 << 20, picked: i
     reads from a host block page-locked as the offloaded weights are, ``picked`` of ``rows``
     rows of ``row_bytes`` (the default: Qwen3-30B-A3B's ``gate_up_proj`` rows), measured
     now: the best of ``rounds`` rounds, each the median of five gathers.  The SMs drive
-    those reads (only the device knows which rows), and on an H100 they read host memory
-    more slowly than the copy engine does (about 50 GB/s against 55, docs/benchmarks.md); NaN
-    where the gather cannot run (no GPU, no Triton)."""
+    those reads (only the device knows which rows), and on the H100s measured they read host
+    memory more slowly than the copy engine does (47-51 GB/s against 54-55,
+    docs/benchmarks.md); NaN where the gather cannot run (no GPU, no Triton)."""
     from ..runtime import gather
     from ..runtime.host_memory import HostBlock
     if device.type != "cuda" or gather.triton is None:
@@ -179,17 +199,8 @@ def gather_bandwidth(device, rows: int = 64, row_bytes: int = 6 << 20, picked: i
     slot = torch.empty(rows, words, dtype=torch.int32, device=device)
     mask = torch.zeros(rows + 1, dtype=torch.int32, device=device)
     mask[torch.randperm(rows, generator=torch.Generator().manual_seed(0))[:picked]] = 1
-    best = 0.0
-    for _ in range(rounds):
-        times = []
-        for _ in range(6):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            gather.gather_rows(host, slot, mask)
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end) / 1e3)
-        best = max(best, picked * row_bytes / statistics.median(times[1:]))
+    best = max(_rate(lambda: gather.gather_rows(host, slot, mask), picked * row_bytes, device)
+               for _ in range(rounds))
     del host, slot
     block.release()
     return best

@@ -13,19 +13,8 @@ import time
 import torch
 
 from .. import report, restore
+from .bench import at_least
 from .models import build
-
-
-def at_least(minimum: int, what: str):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = minimum - 1
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{what}: an int >= {minimum}, got {text!r}")
-        return value
-    return parse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

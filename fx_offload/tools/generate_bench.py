@@ -35,8 +35,7 @@ import torch
 from .. import backend, compile_forward, registry, report
 from ..runtime import ans
 from ..schedule import Schedule
-from .bench import h2d_bandwidth
-from .demo import at_least
+from .bench import at_least, h2d_bandwidth
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -37,14 +37,15 @@ import torch
 from .. import compile_forward, report
 from ..text import format_bytes
 from ..selection.budget import weights_bytes
-from .bench import h2d_bandwidth
+from .bench import at_least, h2d_bandwidth
 from .generate_bench import build_random, step_gaps
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=4, help="decoder layers")
     parser.add_argument("--context", type=int, default=65536, help="prompt tokens")
-    parser.add_argument("--new-tokens", type=int, default=9)
+    parser.add_argument("--new-tokens", type=at_least(3, "tokens generated (decode is timed "
+                                                  "from the second to the last)"), default=9)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--block", type=int, default=256, help="kv_block_size")
     parser.add_argument("--slots", type=int, default=2, help="kv_slots")
