@@ -45,7 +45,7 @@ def compile_forward(model: nn.Module, *, dynamic: bool | None = None, mode: str 
             + " before compiling it again with other options",
             where="fx_offload.compile_forward")
     configured = backend(**options)      # options checked here, before anything changes
-    parsed = parse_options(options)
+    parsed = parse_options(options, mode=mode)     # (the KV runtime's fills follow the mode)
     if parsed.kv_cache == "host" or parsed.memory_budget is not None:
         kv.install(module, parsed)      # its hook prepares (or counts) each static cache
     else:

@@ -160,15 +160,34 @@ def _step(model, cache, ids, start):
                      cache_position=torch.arange(start, start + ids.shape[1])).logits
 
 
-def test_fills_begun_ahead_are_taken_only_while_they_hold():
-    """Each call's join fills the slots with the next call's first layers; the next call
-    takes them (no fill of its own) only while they still hold.  A user's in-place write
-    into a host layer between calls, cache.reset() and a new prefill, and two caches used
-    in turn each make the begin fill again: the logits stay the reference's, bitwise."""
+class _Taken:
+    """The count of fills found done ahead, by either mechanism."""
+
+    def __init__(self, runtime, by):
+        self.runtime, self.by = runtime, by
+
+    @property
+    def skipped(self):
+        if self.by == "join":
+            return self.runtime.next_call.skipped
+        return self.runtime.before_replay.taken
+
+
+@pytest.mark.parametrize("by", ["join", "hooks"])
+def test_fills_begun_ahead_are_taken_only_while_they_hold(by):
+    """Each call's join (``by="join"``), or under ``mode="reduce-overhead"`` the hook after
+    each call (``"hooks"``: a replay runs none of the runtime's Python; set here directly,
+    the CPU having no CUDA graphs), fills the slots with the next call's first layers; the
+    next call takes them (no fill of its own) only while they still hold.  A user's in-place
+    write into a host layer between calls, cache.reset() and a new prefill, and two caches
+    used in turn each make the begin fill again: the logits stay the reference's, bitwise."""
     reference, model = pair()
+    if by == "hooks":
+        runtime_of(model).next_call.enabled = False
+        runtime_of(model).before_replay.enabled = True
     ids = torch.randint(0, 128, (1, 40))
     assert torch.equal(generate(model, ids), generate(reference, ids))
-    ahead = runtime_of(model).next_call
+    ahead = _Taken(runtime_of(model), by)
     assert ahead.skipped == 2 * 9       # each decode step found slots 0 and 1 filled
 
     caches = [(static_cache(reference, 1, 64), static_cache(model, 1, 64)) for _ in range(2)]
@@ -306,6 +325,23 @@ def test_inductor_on_gpu_tokens_equal_and_cache_is_host_memory():
     # the device cache early_initialization made is freed (all of it: -host) and two slots
     # of one layer each are allocated at this shape (+host / 2)
     assert torch.cuda.memory_allocated() - before <= -host / 4
+
+
+@pytest.mark.cuda
+def test_under_cuda_graphs_the_hooks_fill_the_next_calls_first_slots():
+    """``mode="reduce-overhead"``: the hook after each call fills the first slots for the
+    next on the copy engine, the replay's fill kernels of those layers copy nothing, and
+    the greedy tokens equal the device cache's (both Inductor, bf16)."""
+    reference, model = pair("cuda", inner="inductor", mode="reduce-overhead")
+    reference.to(torch.bfloat16)
+    model.to(torch.bfloat16)
+    ids = torch.randint(0, 128, (1, 50), device="cuda")
+    for _ in range(3):
+        assert torch.equal(generate(model, ids, new=12), generate(reference, ids, new=12))
+    runtime = runtime_of(model)
+    assert not runtime.next_call.enabled
+    # every decode step of the last two generates found both first slots filled
+    assert runtime.before_replay.taken >= 2 * 2 * 11
 
 
 def test_compiled_again_with_other_kv_options_or_without():

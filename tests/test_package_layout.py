@@ -1,6 +1,9 @@
 """The package's shape, read from its source with ``ast`` (nothing is imported or executed):
 no import cycle (imports inside functions included), the library never imports the tools,
-and no class or function grows past what one reader can hold."""
+and no function grows past what one reader can hold.  Classes are not cut to a line count:
+splitting one idea into mixins to stay under a cap made the runtime harder to read, not
+easier.  A class over ``MAX_CLASS_LINES`` needs an entry in ``LONG_CLASSES`` that says why
+it is one idea, and stays under ``MAX_LONG_CLASS_LINES``."""
 import ast
 from pathlib import Path
 
@@ -9,7 +12,13 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "fx_offload"
 TOOLS = "fx_offload.tools"
 MAX_CLASS_LINES = 200
+MAX_LONG_CLASS_LINES = 400
 MAX_FUNCTION_LINES = 120
+# class -> why it is one idea however long
+LONG_CLASSES = {
+    "fx_offload.kv.runtime.HostKV": "one host KV cache's slots, streams and per-step copies: "
+                                    "every method orders the same three streams",
+}
 
 
 def module_name(path: Path, root: Path = PACKAGE) -> str:
@@ -113,7 +122,9 @@ def test_classes_and_functions_stay_small():
     too_long = []
     for name, path in modules().items():
         for node in ast.walk(ast.parse(path.read_text())):
-            limit = (MAX_CLASS_LINES if isinstance(node, ast.ClassDef) else
+            long_class = f"{name}.{getattr(node, 'name', '')}" in LONG_CLASSES
+            limit = ((MAX_LONG_CLASS_LINES if long_class else MAX_CLASS_LINES)
+                     if isinstance(node, ast.ClassDef) else
                      MAX_FUNCTION_LINES if isinstance(node, (ast.FunctionDef,
                                                              ast.AsyncFunctionDef)) else None)
             if limit is not None and node.end_lineno - node.lineno + 1 > limit:

@@ -65,8 +65,21 @@ def install(model, options) -> HostKV:
         if live is not None:
             with torch.inference_mode(False):   # host layers and slots outlive the call
                 cache.prepare(live, module, args, kwargs)
+                if live.before_replay.enabled:
+                    live.before_replay.before_call(live, cache.cache_argument(module, args,
+                                                                             kwargs),
+                                                   cache.new_tokens(args, kwargs))
+
+    @torch._dynamo.disable
+    def after_call(module, args, kwargs, output):
+        live = ref()
+        if live is not None and live.before_replay.enabled:
+            with torch.inference_mode(False):
+                live.before_replay.after_call(live, cache.cache_argument(module, args,
+                                                                         kwargs))
 
     runtime.hook = model.register_forward_pre_hook(prepare_cache, with_kwargs=True)
+    runtime.after_hook = model.register_forward_hook(after_call, with_kwargs=True)
     return runtime
 
 
@@ -76,6 +89,7 @@ def uninstall(model) -> None:
     runtime = _BY_MODEL.pop(model, None)
     if runtime is not None and runtime.hook is not None:
         runtime.hook.remove()
+        runtime.after_hook.remove()
 
 
 def _writes_a_cache(gm) -> bool:

@@ -31,13 +31,29 @@ do not, and were recorded before), and no more valid tokens than were filled.  O
 after the stale fill on the same copy stream.
 
 A call that raises leaves its begun fills unkept: the next call fills again, after waiting
-for them.  Not under CUDA graphs: a replay's captured fill would not be ordered after a fill
+for them.  Not inside a graph: a replay's captured fill would not be ordered after a fill
 begun outside it, nor would the replay of another graph see what the slot holds; a runtime
-that has seen a capture (``reduce-overhead``, or a user's ``torch.cuda.graph``) stops
-begun-ahead fills for good.
+that has seen a capture stops these fills for good.
+
+Under ``mode="reduce-overhead"`` the call hooks, which run around each replay, do it instead
+(:class:`BeforeReplay`): the hook after a call begins the first slots' fills on the copy
+engine, queued behind the replay; the hook before the next call checks them as above, makes
+the replay wait for them, and sets a device flag per layer that the captured fill kernel of
+that layer reads and returns on; the call's join clears the flags::
+
+    after call k (hook)     copy stream: wait call k; fill A -> slot 0, B -> slot 1 (lengths
+                            read before call k + its tokens)
+    (generate samples, checks, waits; the link works)
+    before call k+1 (hook)  lengths read; A, B still as filled?  done[A] = done[B] = 1
+    replay k+1              fill A (copy stream): wait the hook's fill of A (an external
+                            event), done[A] set: return ... update A ... join: done[:] = 0
+
+so the replay's first layer waits for its own fill alone, and the next layer's refill is
+queued behind the hook's fills while they still run.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 
@@ -166,3 +182,78 @@ class NextCall:
                     runtime.fill_now(layer, keys, values, tokens)
                     runtime.filled.setdefault(layer, torch.cuda.Event()).record(stream)
             self.filled[layer] = _filled(runtime, keys, values, tokens, k_slot)
+
+
+class BeforeReplay:
+    """The next call's first fills begun by the call hooks, around the replays of
+    ``mode="reduce-overhead"`` (whose graphs run none of the runtime's Python)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.begun: dict[int, Filled] = {}  # layer -> what the hook after a call filled
+        self.events: dict[int, torch.cuda.Event] = {}   # layer -> the end of its fill
+        self.lengths: dict[int, int] = {}   # read by the hook before the call
+        self.tokens: int | None = None      # the call's new tokens
+        self.taken = 0                      # fills found done before a call (tests, logging)
+
+    def use_device(self, runtime) -> None:
+        """Made once, before any capture: the events that end the hook's fills are
+        external, so that a captured begin fill waits for the latest of its layer's at
+        each replay (the begin's own fill, skipped or not, writes the same slot), the
+        replay's other work for none of them."""
+        if self.enabled and not self.events:
+            with torch.cuda.device(runtime.device):
+                self.events = {layer: torch.cuda.Event(external=True)
+                               for layer in runtime.layers[:runtime.num_slots]}
+
+    def before_call(self, runtime, cache, tokens: int | None) -> None:
+        """The hook before a call, its lengths read: flag the fills begun after the last
+        call that still hold what this call's begin would fill."""
+        if not self.enabled or runtime.done is None or capturing():
+            return
+        runtime.done.zero_()    # (a call that raised before its join left flags set)
+        self.lengths, self.tokens = dict(runtime.lengths), tokens
+        begun, self.begun = self.begun, {}
+        if not begun:
+            return
+        if cache is None or cache not in runtime.caches:
+            begun = {}      # (another cache this call: all stale)
+        for layer, got in begun.items():
+            keys, values = cache.layers[layer].keys, cache.layers[layer].values
+            now = _filled(runtime, keys, values, got.tokens,
+                          runtime.views(layer, keys, values)[0])
+            known = self.lengths.get(layer)
+            same_owners = all(a is b and a is not None and a() is not None
+                              for a, b in zip(now.owners, got.owners))
+            if known is None or known > got.tokens or now != got or not same_owners:
+                log.debug("fx_offload: host KV layer %d: the fill begun after the last "
+                          "call is stale; the replay fills it", layer)
+                continue
+            runtime.done_flag(layer).fill_(1)
+            self.taken += 1
+
+    def after_call(self, runtime, cache) -> None:
+        """The hook after a call (its replay queued): begin the first slots' fills for the
+        next call, behind the call's reads of the slots and its write-backs."""
+        lengths, tokens, self.lengths, self.tokens = self.lengths, self.tokens, {}, None
+        if not self.enabled or tokens is None or capturing() or not runtime.layers or \
+                cache not in runtime.caches:
+            return
+        firsts = runtime.layers[:min(runtime.num_slots, len(runtime.layers))]
+        if any(lengths.get(layer) is None for layer in firsts):
+            return
+        stream = runtime.copy_stream
+        if stream is not None:
+            called = torch.cuda.Event()
+            called.record()
+            stream.wait_event(called)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for layer in firsts:
+                keys, values = cache.layers[layer].keys, cache.layers[layer].values
+                filled = copies.rounded(lengths[layer] + tokens, runtime.block, keys.shape[2])
+                if not runtime.fill_now(layer, keys, values, filled):
+                    return
+                if stream is not None:
+                    self.events[layer].record(stream)
+                self.begun[layer] = _filled(runtime, keys, values, filled,
+                                            runtime.views(layer, keys, values)[0])

@@ -62,6 +62,15 @@ def cache_argument(model, args, kwargs):
     return args[3] if len(args) > 3 else None
 
 
+def new_tokens(args, kwargs) -> int | None:
+    """The tokens a call writes into its cache: its input's sequence length (None where
+    the call has no input_ids or inputs_embeds tensor)."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if not isinstance(ids, torch.Tensor):
+        ids = kwargs.get("inputs_embeds")
+    return ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() >= 2 else None
+
+
 def _dims(model, args, kwargs):
     """(batch, KV heads, key dim, value dim, dtype, device) of the cache a call needs."""
     ids = kwargs.get("input_ids", args[0] if args else None)

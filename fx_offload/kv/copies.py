@@ -35,13 +35,13 @@ BLOCK = 4096                # words per program of the fill: 16 KiB in flight pe
 
 if triton is not None:
     @triton.jit
-    def _fill_prefix(src, dst, pos, row_words, token_words, block, tokens,
+    def _fill_prefix(src, dst, pos, done, row_words, token_words, block, tokens,
                      BLOCK: tl.constexpr):
         row = tl.program_id(1)
         start = tl.program_id(0) * BLOCK
         valid = tl.load(pos)
         hi = tl.minimum((valid + block - 1) // block * block, tokens) * token_words
-        if start < hi:
+        if start < hi and tl.load(done) == 0:
             offs = start + tl.arange(0, BLOCK)
             keep = offs < hi
             base = row.to(tl.int64) * row_words
@@ -72,19 +72,24 @@ def rounded(valid: int, block: int, tokens: int) -> int:
     return min(-(-valid // block) * block, tokens)
 
 
-def fill(host: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor, block: int) -> None:
+def fill(host: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor, block: int,
+         done: torch.Tensor) -> None:
     """Copy the blocks of ``host`` that hold the first ``pos`` tokens (a one-element device
-    tensor) into ``slot``, on the current stream."""
+    tensor) into ``slot``, on the current stream; nothing where ``done`` (a one-element
+    device flag, read when the copy runs) is set: the slot was filled ahead
+    (:class:`.ahead.BeforeReplay`)."""
     src, token_words = _rows(host)
     dst, _ = _rows(slot)
     tokens = host.shape[2]
     if slot.device.type != "cuda":
+        if int(done.reshape(-1)[0]):
+            return
         hi = rounded(int(pos.reshape(-1)[0]), block, tokens) * token_words
         dst[:, :hi] = src[:, :hi]
         return
     row_words = src.shape[1]
     grid = (triton.cdiv(row_words, BLOCK), src.shape[0])     # rows (B * H) on the short axis
-    _fill_prefix[grid](src, dst, pos, row_words, token_words, block, tokens, BLOCK=BLOCK)
+    _fill_prefix[grid](src, dst, pos, done, row_words, token_words, block, tokens, BLOCK=BLOCK)
 
 
 def fill_known(pinned: torch.Tensor, slot: torch.Tensor, tokens: int) -> None:

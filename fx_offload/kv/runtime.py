@@ -36,7 +36,7 @@ import weakref
 import torch
 
 from . import copies
-from .ahead import NextCall
+from .ahead import BeforeReplay, NextCall
 from .slots import KVSlots
 
 log = logging.getLogger("fx_offload")
@@ -68,7 +68,8 @@ class HostKV:
         self.fill = copies.fill                  # the two copies (a test may wrap them)
         self.write_back = copies.write_back
         self.fill_known = copies.fill_known
-        self.hook = None                         # the model's call hook (fx_offload.kv)
+        self.hook = None                         # the model's call hooks (fx_offload.kv):
+        self.after_hook = None                   # before and after each call
         self.latest = None                       # a weak reference to the latest cache
         self.pinned: dict[int, object] = {}      # address -> weakref of the host tensor
         self.lengths: dict[int, int] = {}        # from the hook: each layer's valid length
@@ -77,6 +78,10 @@ class HostKV:
         self._written_hosts: list = []           # this call's written host tensors
         # the next call's first fills, begun as this one ends (not under CUDA graphs)
         self.next_call = NextCall(enabled=options.mode != "reduce-overhead")
+        # under CUDA graphs: begun by the call hooks instead, and skipped by the replay's
+        # fill kernels through one device flag per host layer (the last one always 0)
+        self.before_replay = BeforeReplay(enabled=options.mode == "reduce-overhead")
+        self.done: torch.Tensor | None = None
         self.ended = True                        # the last call reached its join
 
     def owner_of(self, t: torch.Tensor):
@@ -106,6 +111,7 @@ class HostKV:
         if device.type == "cuda":   # (a high priority made the kernel fill no faster:
             self.copy_stream = torch.cuda.Stream(device)    # docs/benchmarks.md)
             self.write_stream = torch.cuda.Stream(device)
+            self.before_replay.use_device(self)
 
     def allocate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """The slots, index and length buffers for caches shaped like ``keys``/``values``,
@@ -116,6 +122,16 @@ class HostKV:
         for layer in self.layers:
             if layer not in self.pos:
                 self.pos[layer] = torch.zeros(1, dtype=torch.int64, device=keys.device)
+        if self.done is None or self.done.numel() != len(self.layers) + 1 or \
+                self.done.device != keys.device:
+            self.done = torch.zeros(len(self.layers) + 1, dtype=torch.int32,
+                                    device=keys.device)
+
+    def done_flag(self, layer: int | None) -> torch.Tensor:
+        """The device flag that tells ``layer``'s fill at a call's begin that its slot was
+        filled ahead (:class:`.ahead.BeforeReplay`); for ``None``, a flag never set."""
+        i = len(self.layers) if layer is None else self.layers.index(layer)
+        return self.done[i:i + 1]
 
     def views(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
         """The slot of ``layer`` for caches shaped like ``keys``/``values``: its keys, values
@@ -157,9 +173,11 @@ class HostKV:
         k_slot, v_slot, _ = self.views(layer, keys, values)
         mark = self.pos[layer]
         mark.copy_(pos.reshape(-1)[:1])          # in stream order: before this step's write
+        # only a begin's fill can have been done ahead, by the call hook
+        done = self.done_flag(layer if previous is None else None)
         if self.copy_stream is None:
-            self.fill(keys, k_slot, mark, self.block)
-            self.fill(values, v_slot, mark, self.block)
+            self.fill(keys, k_slot, mark, self.block, done)
+            self.fill(values, v_slot, mark, self.block, done)
             return
         ready = torch.cuda.Event()
         ready.record()
@@ -168,11 +186,15 @@ class HostKV:
         known = None if known is None else copies.rounded(known, self.block, keys.shape[2])
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(ready)
+            if previous is None and layer in self.before_replay.events:
+                # the hook's fill of this layer after the last call, into the slot this
+                # fill writes; a replay waits for its latest (an external event)
+                self.copy_stream.wait_event(self.before_replay.events[layer])
             if previous in self.written_now:
                 self.copy_stream.wait_event(self.written[previous])
             if known is None or not self.fill_now(layer, keys, values, known):
-                self.fill(keys, k_slot, mark, self.block)     # the length on the device
-                self.fill(values, v_slot, mark, self.block)
+                self.fill(keys, k_slot, mark, self.block, done)   # the length on the device
+                self.fill(values, v_slot, mark, self.block, done)
             self.filled.setdefault(layer, torch.cuda.Event()).record(self.copy_stream)
 
     def fill_now(self, layer: int, keys, values, tokens: int) -> bool:
@@ -182,7 +204,7 @@ class HostKV:
         k_slot, v_slot, _ = self.views(layer, keys, values)
         if self.copy_stream is None:        # a CPU run: the cache is the host tensor
             for host, slot in ((keys, k_slot), (values, v_slot)):
-                self.fill(host, slot, torch.tensor([tokens]), self.block)
+                self.fill(host, slot, torch.tensor([tokens]), self.block, self.done_flag(None))
             return True
         pinned = [self.pinned.get(t.data_ptr()) for t in (keys, values)]
         pinned = [None if p is None else p() for p in pinned]
@@ -240,6 +262,8 @@ class HostKV:
                 done.record(self.write_stream)
                 self.held.append((done, self._written_hosts))
         self._written_hosts = []
+        if self.done is not None:   # (a replay's too: the flags serve one call)
+            self.done.zero_()
         self.next_call.prefetch(self)
         self.ended = True
 
