@@ -104,7 +104,7 @@ class HostKV:
             return
         self.device = device
         if device.type == "cuda":   # (a high priority made the kernel fill no faster:
-            self.copy_stream = torch.cuda.Stream(device)    # docs/benchmarks.md)
+            self.copy_stream = torch.cuda.Stream(device)    # docs/notes/, host KV cache)
             self.write_stream = torch.cuda.Stream(device)
 
     def allocate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
