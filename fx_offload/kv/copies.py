@@ -18,7 +18,8 @@ programs own a piece of one row and return at once where it lies past ``hi``; th
 Outside a CUDA-graph capture the call hook reads the lengths back once per call, and the
 fill runs on the copy engine instead (``fill_known``): the kernel reads the host memory
 through SMs that the step's own compute also wants, and on an H100 a decode step's fills ran
-at about 37 GB/s that way against the copy engine's 54 (docs/benchmarks.md).
+at about 37 GB/s that way against the copy engine's 54
+(docs/notes/2026-11-25-host-kv-cache.md).
 """
 from __future__ import annotations
 

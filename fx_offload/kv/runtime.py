@@ -109,7 +109,7 @@ class HostKV:
             return
         self.device = device
         if device.type == "cuda":   # (a high priority made the kernel fill no faster:
-            self.copy_stream = torch.cuda.Stream(device)    # docs/benchmarks.md)
+            self.copy_stream = torch.cuda.Stream(device)    # docs/notes/, host KV cache)
             self.write_stream = torch.cuda.Stream(device)
             self.before_replay.use_device(self)
 

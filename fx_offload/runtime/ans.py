@@ -21,11 +21,11 @@ the record holds nvCOMP's pieces and the table its decode reads on the device::
         nvcompBatchedANSDecompressAsync(from, table[1], table[3], ..., to, stream)
 
 About 0.69 of the raw bytes on normally drawn weights (ours: 0.752), decoded at over 1.2 TB/s
-on an H200 (docs/design.md has the comparison).  The record's size is fixed when it is first
-made (the staged copy and a captured graph move that many bytes); the table says where the
-pieces end, so the room is never decoded.  The checks are those of :mod:`.lossless`: each
-record is decoded once as it is made and compared with the raw bytes (with nvCOMP's status of
-every piece), and carries a checksum of its bytes.
+on an H200 (docs/notes/2026-11-24-lossless-compression.md has the comparison).  The record's
+size is fixed when it is first made (the staged copy and a captured graph move that many
+bytes); the table says where the pieces end, so the room is never decoded.  The checks are
+those of :mod:`.lossless`: each record is decoded once as it is made and compared with the raw
+bytes (with nvCOMP's status of every piece), and carries a checksum of its bytes.
 """
 from __future__ import annotations
 

@@ -21,8 +21,9 @@ reading the record from a staging buffer on the device and writing the slot, 16 
 32 out per pair), so copy and decode keep up with the link.  The codes are of fixed
 width on purpose: any GPU decodes them fast, and the CPU with torch ops.  Where nvCOMP's
 library is installed, its ANS (:mod:`.ans`) codes a GPU's records instead: an entropy coder,
-0.69 of the bytes, and its decode keeps up with the link too (docs/design.md has both
-measured); this codec serves the CPU and every GPU without nvCOMP.
+0.69 of the bytes, and its decode keeps up with the link too (both are measured in
+docs/notes/2026-11-24-lossless-compression.md); this codec serves the CPU and every GPU
+without nvCOMP.
 
 Records are checked three times: the encoder decodes each record it made and compares it
 with the raw bytes (a wrong record never leaves it); each record carries a checksum, which

@@ -17,8 +17,8 @@ weights (on the CPU, :func:`.lossless.check` verifies a record before its decode
 A corrupt record thus makes the call that copies it compute with NaN (for a bf16 weight, 0xFFFF
 is a NaN), and every later call raise until the record is encoded again (new weights for its
 layer) or the model restored.  The checksums live on the device, so a captured CUDA graph
-reads the current ones after an update encodes a record anew.  The cost (docs/design.md): one
-read of the record on the device and one kernel launch per chunk.
+reads the current ones after an update encodes a record anew.  The cost
+(docs/compression.md): one read of the record on the device and one kernel launch per chunk.
 """
 from __future__ import annotations
 

@@ -40,8 +40,8 @@ log = logging.getLogger("fx_offload")
 class SlotBuffers(CompressedLayers):
     """Masters and slots for a :class:`~fx_offload.selection.Choice`."""
 
-    # One copy per chunk from a packed host block into its slot, rather than one copy per
-    # parameter (see docs/benchmarks.md for the measurement that chose the default).
+    # One copy per chunk from a packed host block into its slot, not one per parameter (the
+    # measurement that chose it: docs/notes/2026-11-22-dense-decoder-grid.md).
     packed = os.environ.get("FX_OFFLOAD_PACKED", "1") != "0"
 
     def __init__(self, choice, hand_over=None, fill=None):

@@ -13,11 +13,12 @@ from ..runtime import ans, lossless
 from ..runtime.compressed import codec_for
 from .stack import LayerStack
 
-# measured on normal(0, 0.02) bf16 weights of Llama-3-8B shape (docs/design.md), per codec:
+# measured on normal(0, 0.02) bf16 weights of Llama-3-8B shape, per codec (the measurements:
+# docs/notes/2026-11-24-lossless-compression.md):
 # what a sample of weights that are not there yet (on the meta device) is taken to give
 ASSUMED_RATIO = {lossless.NAME: 0.752, ans.NAME: 0.691}
 # bytes of bf16 written per second: the decodes on the H200, chunk by chunk as the copies
-# decode (docs/design.md); the CPU's torch-ops decode measured here
+# decode (the same notes); the CPU's torch-ops decode measured here
 DECODE_RATE = {lossless.NAME: 5.9e11, ans.NAME: 4.9e11, "cpu": 1.3e11}
 SAMPLE_WORDS = 1 << 20
 

@@ -187,7 +187,8 @@ def gather_bandwidth(device, rows: int = 64, row_bytes: int = 6 << 20, picked: i
     now: the best of ``rounds`` rounds, each the median of five gathers.  The SMs drive
     those reads (only the device knows which rows), and on the H100s measured they read host
     memory more slowly than the copy engine does (47-51 GB/s against 54-55,
-    docs/benchmarks.md); NaN where the gather cannot run (no GPU, no Triton)."""
+    docs/notes/2026-11-27-moe-ring-ahead.md); NaN where the gather cannot run (no GPU, no
+    Triton)."""
     from ..runtime import gather
     from ..runtime.host_memory import HostBlock
     if device.type != "cuda" or gather.triton is None:

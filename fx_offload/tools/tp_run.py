@@ -14,11 +14,12 @@ rank alone and of all ranks at once, and the time of a call against the per-rank
 
 ``--mode reduce-overhead`` runs the offloaded model under CUDA graphs; ``--circular-prefetch``
 sets where each slot's first layer is copied back in (default: chosen per call, see
-docs/benchmarks.md); ``--trace DIR`` profiles three synchronized calls on each rank and
-prints where the last one's time went.  ``--device cpu`` runs on gloo (a smoke run: outputs
-and a clean exit, no timing bound).  Before the process group is destroyed the compiled
-models and their CUDA graphs are released: NCCL's communicator destruction waits for graphs
-that captured its collectives, so a job that skipped this would not exit.
+docs/notes/2026-11-23-chunked-copies-and-circular-prefetch.md); ``--trace DIR`` profiles three
+synchronized calls on each rank and prints where the last one's time went.  ``--device cpu``
+runs on gloo (a smoke run: outputs and a clean exit, no timing bound).  Before the process
+group is destroyed the compiled models and their CUDA graphs are released: NCCL's communicator
+destruction waits for graphs that captured its collectives, so a job that skipped this would
+not exit.
 """
 from __future__ import annotations
 
