@@ -18,6 +18,22 @@ def format_bytes(n: int, as_option: bool = False) -> str:
     return f"{n}B" if as_option else f"{n} B"
 
 
+def format_numbers(numbers: Sequence[int]) -> str:
+    """Sorted numbers, runs shortened: ``[1, 2, 3, 5]`` -> ``1-3, 5``; an evenly spaced list
+    of more than four -> ``1, 3, ..., 59``."""
+    numbers = sorted(numbers)
+    steps = {b - a for a, b in zip(numbers, numbers[1:])}
+    if len(numbers) > 4 and len(steps) == 1 and steps != {1}:
+        return f"{numbers[0]}, {numbers[1]}, ..., {numbers[-1]}"
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
 def render_table(rows: Sequence[Sequence[str]], indent: str = "", rule: bool = False,
                  ) -> list[str]:
     """Rows of cells as left-aligned columns, two spaces apart; ``rule`` underlines the

@@ -18,7 +18,8 @@ from ..options import parse_options
 from ..passes.prefetch import run_prefetch_pass
 from ..passes.plan import GraphPlan
 from ..selection import Choice, NothingOffloaded, choose
-from ..text import format_bytes, render_table
+from ..ops import OpCall
+from ..text import format_bytes, format_numbers, render_table
 from .printing import format_graph, source_display_name
 
 
@@ -36,6 +37,13 @@ class GraphRecord:
 
     def text(self) -> str:
         return format_graph(self.after, self.weight_tags)
+
+    def summary(self) -> str:
+        """One line in place of the graph: its size and the ops the pass inserted."""
+        nodes = list(self.after.graph.nodes)
+        inserted = sum(1 for n in nodes if OpCall.of(n) is not None)
+        note = f" ({self.note})" if self.note else ""
+        return f"graph {self.index}{note}: {len(nodes)} nodes, {inserted} inserted op(s)"
 
     def aten_text(self) -> str | None:
         if self.aten is None:
@@ -75,7 +83,8 @@ class Explanation:
                 start = at_entry[layer] if start == "-" else f"{start}, or {at_entry[layer]}"
             refill = choice.schedule.refill_of[layer]
             rows.append((str(layer), str(choice.schedule.slot_of[layer]),
-                         str(len(choice.params[layer])), str(sizes[layer]), wait, start,
+                         str(len(choice.params[layer])), format_bytes(sizes[layer]), wait,
+                         start,
                          "-" if refill is None else f"layer {refill}"))
         return rows
 
@@ -87,19 +96,30 @@ class Explanation:
         head = [f"model: {self.model}; layer stack {choice.stack.path or '<root>'!r} of "
                 f"{len(choice.stack.modules)}; offloaded layers {choice.layers}",
                 f"options: {self.options}",
-                f"offloaded {choice.offloaded_bytes} bytes "
-                f"({format_bytes(choice.offloaded_bytes)}); {choice.schedule.num_slots} slot(s) "
-                f"of {choice.slot_bytes} bytes in all on <device>"]
-        params = [f"layer {layer} chunks: {layout.describe(choice.layout[layer])}"
-                  if layer in choice.layout else
-                  f"layer {layer}: {', '.join(p.suffix for p in choice.params[layer])}"
-                  for layer in choice.layers]
+                f"offloaded {format_bytes(choice.offloaded_bytes)}; "
+                f"{choice.schedule.num_slots} slot(s) of {format_bytes(choice.slot_bytes)} in "
+                "all on <device>"]
+        # layers cut alike (the usual case) share one line
+        alike: dict[str, list[int]] = {}
+        for layer in choice.layers:
+            alike.setdefault(f"chunks: {layout.describe(choice.layout[layer])}"
+                             if layer in choice.layout else
+                             ", ".join(p.suffix for p in choice.params[layer]), []).append(layer)
+        params = [f"{'layers' if len(layers) > 1 else 'layer'} {format_numbers(layers)}"
+                  f"{'' if what.startswith('chunks') else ':'} {what}"
+                  for what, layers in alike.items()]
         planner = [] if choice.planner is None else ["", str(choice.planner)]
         return "\n".join(head + [""] + render_table(self.plan_rows()) + [""] + params
                          + planner) + "\n"
 
     def __str__(self) -> str:
+        return self.text()
+
+    def text(self, graphs: bool = True) -> str:
+        """The plan, then each rewritten graph; ``graphs=False``: a line per graph instead."""
         parts = [self.plan_text()]
+        if not graphs:
+            return "\n".join(parts + [r.summary() for r in self.graphs]) + "\n"
         for record in self.graphs:
             note = f" ({record.note})" if record.note else ""
             parts.append(f"== graph {record.index}: rewritten{note} ==\n{record.text()}")

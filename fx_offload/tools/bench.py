@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "stands for the device memory that config's weights take, or "
                              "give sizes such as 3GiB; empty for none (default: those of "
                              "g2n1s1, g2n1s2, g4n1s1 that are run)")
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=7, help="timed runs of each row")
     parser.add_argument("--per-param-copies", action="store_true",
                         help="also run each config with one copy per parameter instead of "
                              "one packed copy per layer")

@@ -33,12 +33,13 @@ FILL_BLOCK = 1 << 24        # elements of the random block every weight is tiled
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shape", default="llama70b", choices=sorted(SHAPES))
-    parser.add_argument("--layers", type=int, default=60)
+    parser.add_argument("--shape", default="llama70b", choices=sorted(SHAPES),
+                        help="layer shapes (tiny: a smoke run)")
+    parser.add_argument("--layers", type=int, default=60, help="decoder layers")
     parser.add_argument("--device", default=None, help="cuda (default when present) or cpu")
-    parser.add_argument("--group-size", type=int, default=2)
-    parser.add_argument("--num-in-group", type=int, default=1)
-    parser.add_argument("--prefetch-step", type=int, default=2)
+    parser.add_argument("--group-size", type=int, default=2, help="option group_size")
+    parser.add_argument("--num-in-group", type=int, default=1, help="option num_in_group")
+    parser.add_argument("--prefetch-step", type=int, default=2, help="option prefetch_step")
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens")
     parser.add_argument("--decode", type=int, default=6, help="greedy decode steps")
     parser.add_argument("--trace", default=None, metavar="DIR",

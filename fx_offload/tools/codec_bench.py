@@ -34,10 +34,11 @@ from .bench import h2d_bandwidth
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--intermediate", type=int, default=14336)
+    parser.add_argument("--hidden", type=int, default=4096, help="the layer's hidden size")
+    parser.add_argument("--intermediate", type=int, default=14336,
+                        help="the layer's MLP intermediate size")
     parser.add_argument("--chunks", type=int, default=8, help="chunks per layer")
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=20, help="timed runs of each row")
     parser.add_argument("--dfloat11-words", type=int, default=1 << 22,
                         help="bf16 words DFloat11 encodes for its row (0: skip it)")
     parser.add_argument("--nvcomp", default="ANS,ANS:<f2,GDeflate:0,Bitcomp:<u2",

@@ -14,22 +14,31 @@ import torch
 
 from .. import report, restore
 from .bench import at_least
-from .models import build
+from .models import TOOL_LAYERS, build
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="decoder", choices=["decoder", "mlp", "moe"])
+    parser.add_argument("--model", default="decoder", choices=["decoder", "mlp", "moe"],
+                        help="the built-in model")
     parser.add_argument("--layers", type=at_least(2, "the built-in model's layer count (a "
-                                                      "stack needs two)"), default=8,
-                        help="number of layers")
+                                                      "stack needs two)"),
+                        default=TOOL_LAYERS, help="number of layers")
     parser.add_argument("--device", default=None,
                         help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--group-size", type=int, default=2)
-    parser.add_argument("--num-in-group", type=int, default=1)
-    parser.add_argument("--prefetch-step", type=int, default=1)
+    parser.add_argument("--group-size", type=int, default=2,
+                        help="option group_size: layers taken per group")
+    parser.add_argument("--num-in-group", type=int, default=1,
+                        help="option num_in_group: the last this many of each group "
+                             "are offloaded")
+    parser.add_argument("--prefetch-step", type=int, default=1,
+                        help="option prefetch_step: the slot buffers, and how many "
+                             "offloaded layers ahead a copy starts")
     parser.add_argument("--inner-backend", default="inductor",
-                        choices=["inductor", "aot_eager", "eager"])
-    parser.add_argument("--calls", type=at_least(1, "calls checked"), default=5)
+                        choices=["inductor", "aot_eager", "eager"],
+                        help="option inner_backend: the compiler of the rewritten "
+                             "graphs")
+    parser.add_argument("--calls", type=at_least(1, "calls checked"), default=5,
+                        help="calls checked against the model without offloading")
     parser.add_argument("-v", "--verbose", action="store_true", help="log the compile summary")
 
 

@@ -29,9 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--single", type=int, default=8, help="single-stream blocks (38 in Flux)")
     parser.add_argument("--image-tokens", type=int, default=4096,
                         help="latent patches: 4096 for a 1024x1024 image")
-    parser.add_argument("--text-tokens", type=int, default=512)
-    parser.add_argument("--prefetch-step", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--text-tokens", type=int, default=512, help="prompt embedding tokens")
+    parser.add_argument("--prefetch-step", type=int, default=2,
+                        help="option prefetch_step of the fx_offload row")
+    parser.add_argument("--repeats", type=int, default=7, help="timed steps of each row")
 
 
 def run(args: argparse.Namespace) -> int:

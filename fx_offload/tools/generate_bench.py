@@ -44,7 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=at_least(2, "tokens generated per timed generate "
                                                   "(decode is timed between them)"),
                         default=33, help="tokens generated per timed generate")
-    parser.add_argument("--prefetch-step", type=int, default=2)
+    parser.add_argument("--prefetch-step", type=int, default=2,
+                        help="option prefetch_step of the fx_offload rows")
     parser.add_argument("--circular-prefetch", default="auto",
                         help="comma-separated circular_prefetch values (auto, end, entry): one "
                              "fx_offload row each")
@@ -63,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "must give the same tokens bitwise)")
     parser.add_argument("--step-clock", action="store_true",
                         help="decode: the median time between two decode steps")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="timed generates of each row")
     parser.add_argument("--methods", default="resident,fx_offload,accelerate",
                         help="comma-separated among resident, fx_offload, accelerate")
     parser.add_argument("--cuda-graphs", action="store_true",

@@ -21,8 +21,8 @@ ROWS = (("none", "memory"), ("lossless", "memory"), ("lossless", "auto"))
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cuda (default when present) or cpu")
     parser.add_argument("--layers", type=int, default=8, help="decoder layers (half offloaded)")
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--inner", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=1024, help="hidden size")
+    parser.add_argument("--inner", type=int, default=4096, help="MLP intermediate size")
     parser.add_argument("--folder", default="auto",
                         help="uncompressed_weights of the files row: 'auto' or a folder")
     parser.add_argument("--row", default=None, help=argparse.SUPPRESS)   # one row, inside

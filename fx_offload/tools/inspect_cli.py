@@ -7,7 +7,7 @@ import importlib.util
 import os
 
 from .. import explain
-from .models import BUILDERS
+from .models import BUILDERS, TOOL_LAYERS
 
 
 class TargetError(ValueError):
@@ -17,29 +17,38 @@ class TargetError(ValueError):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("target", help=f"a built-in model ({', '.join(sorted(BUILDERS))}), or "
                         "path/to/file.py:factory or package.module:factory, where factory() "
-                        "returns (model, example_inputs)")
+                        "returns (model, example_inputs); a built-in model has "
+                        f"{TOOL_LAYERS} layers, as in demo")
     # None: not given (the defaults 2, 1, 1 apply; memory_budget refuses them given)
-    parser.add_argument("--group-size", type=int, default=None, help="default 2")
-    parser.add_argument("--num-in-group", type=int, default=None, help="default 1")
-    parser.add_argument("--prefetch-step", type=int, default=None, help="default 1")
+    parser.add_argument("--group-size", type=int, default=None,
+                        help="option group_size (default: 2)")
+    parser.add_argument("--num-in-group", type=int, default=None,
+                        help="option num_in_group (default: 1)")
+    parser.add_argument("--prefetch-step", type=int, default=None,
+                        help="option prefetch_step (default: 1)")
     parser.add_argument("--offload-params", default=None,
                         help="comma-separated parameter-name segments, e.g. w13_weight,w2_weight")
-    parser.add_argument("--layers", default=None, help="dotted path of the layer list")
+    parser.add_argument("--layers", default=None,
+                        help="option layers: the dotted path of the layer list (default: the "
+                             "one found)")
     parser.add_argument("--memory-budget", default=None,
                         help="let the planner choose (instead of the three options above): "
                              "device memory for weights, such as 3GiB or a number of bytes")
     parser.add_argument("--plan-tokens", default=None,
                         help="comma-separated token counts the planner chooses for")
     parser.add_argument("--dynamic", action="store_true", help="trace with dynamic shapes")
+    parser.add_argument("--graphs", action="store_true",
+                        help="also print each rewritten graph (a line each without)")
     parser.add_argument("--aten", action="store_true",
-                        help="also print the graph after AOTAutograd (ATen ops)")
+                        help="also print each graph after AOTAutograd (ATen ops); implies "
+                             "--graphs")
 
 
 def load_target(target: str):
     """(model, example_inputs) from a built-in name or a ``file.py:factory`` /
     ``module:factory`` target."""
     if target in BUILDERS:
-        return BUILDERS[target]()
+        return BUILDERS[target](num_layers=TOOL_LAYERS)
     if ":" not in target:
         raise TargetError(
             f"unknown target {target!r}: give a built-in model ({', '.join(sorted(BUILDERS))}) "
@@ -117,5 +126,6 @@ def run(args: argparse.Namespace) -> int:
             raise
         print(f"error: {inner}", file=sys.stderr)
         return 2
-    print(explanation)
+    graphs = args.graphs or args.aten
+    print(explanation.text(graphs=graphs), end="" if graphs else "(--graphs prints them)\n")
     return 0

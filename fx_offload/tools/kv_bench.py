@@ -45,8 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=4, help="decoder layers")
     parser.add_argument("--context", type=int, default=65536, help="prompt tokens")
     parser.add_argument("--new-tokens", type=at_least(3, "tokens generated (decode is timed "
-                                                  "from the second to the last)"), default=9)
-    parser.add_argument("--batch", type=int, default=1)
+                                                  "from the second to the last)"), default=9,
+                        help="tokens generated")
+    parser.add_argument("--batch", type=int, default=1, help="prompts generated together")
     parser.add_argument("--block", type=int, default=256, help="kv_block_size")
     parser.add_argument("--slots", type=int, default=2, help="kv_slots")
     parser.add_argument("--profile", action="store_true",

@@ -276,6 +276,11 @@ def build_split_mlp(num_layers: int = 6, split: int = 3, batch: int = 4, seed: i
     return model, (torch.randn(batch, model.layers[0].fc1.in_features),)
 
 
+# the layer count ``demo`` and ``inspect`` build a built-in model with: one model for both, and
+# with the decoder's every second layer offloaded, four layers that prefetch_step=2 puts two
+# to a slot (six left one alone in its slot, which saves nothing and is warned about)
+TOOL_LAYERS = 8
+
 BUILDERS: dict[str, Callable] = {"mlp": build_mlp, "decoder": build_decoder, "moe": build_moe,
                                  "split_mlp": build_split_mlp}
 

@@ -69,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated depths of the ring that fetches routed layers' "
                              "other chunks ahead (FX_OFFLOAD_AHEAD; 0: off) for the routed "
                              "rows, a row each; empty: the library's default alone")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="timed generates of each row")
     parser.add_argument("--methods", default="resident,fx_offload,accelerate",
                         help="comma-separated among resident, fx_offload, accelerate")
     parser.add_argument("--profile", action="store_true",

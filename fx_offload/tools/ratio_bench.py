@@ -31,13 +31,13 @@ from . import models
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--inner", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers")
+    parser.add_argument("--hidden", type=int, default=128, help="hidden size")
+    parser.add_argument("--inner", type=int, default=512, help="MLP intermediate size")
+    parser.add_argument("--steps", type=int, default=300, help="training steps")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate")
+    parser.add_argument("--seq", type=int, default=64, help="tokens per training sequence")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per training step")
 
 
 def run(args: argparse.Namespace) -> int:

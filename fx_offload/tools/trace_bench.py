@@ -23,11 +23,11 @@ from .profiling import copies_alone
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--prefetch-step", type=int, default=1)
+    parser.add_argument("--layers", type=int, default=12, help="decoder layers")
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens of a call (batch 1)")
+    parser.add_argument("--prefetch-step", type=int, default=1, help="option prefetch_step")
     parser.add_argument("--calls", type=int, default=3, help="profiled calls")
-    parser.add_argument("--out", default="trace_out")
+    parser.add_argument("--out", default="trace_out", help="folder for the traces and figure")
 
 
 def run(args: argparse.Namespace) -> int:

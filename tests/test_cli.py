@@ -1,0 +1,94 @@
+"""The command line's front door: help pages, errors for a misspelled flag, and what
+``inspect`` prints by default."""
+import argparse
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fx_offload import explain
+from fx_offload.tools import cli, demo, models
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_every_subcommand_has_a_description_and_every_flag_a_help_with_its_default():
+    _, parsers = cli.build_parser()
+    assert sorted(parsers) == sorted(name for name, *_ in cli.TOOLS) and len(parsers) >= 12
+    missing = []
+    for name, parser in parsers.items():
+        if not (parser.description or "").strip() or "example: python -m fx_offload " + name \
+                not in parser.description:
+            missing.append(f"{name}: description with an example")
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            flag = f"{name} {'/'.join(action.option_strings) or action.dest}"
+            if not (action.help or "").strip():
+                missing.append(f"{flag}: help")
+            elif (action.option_strings and action.help != argparse.SUPPRESS
+                  and action.default not in (None, False)
+                  and "default" not in formatter._get_help_string(action)):
+                missing.append(f"{flag}: its default ({action.default!r}) in its help")
+    assert missing == []
+
+
+def test_every_subcommand_help_page_prints(capsys):
+    for name, *_ in cli.TOOLS:
+        with pytest.raises(SystemExit) as done:
+            cli.main([name, "--help"])
+        assert done.value.code == 0, name
+        page = capsys.readouterr().out
+        assert page.startswith(f"usage: python -m fx_offload {name} ") and "example:" in page
+
+
+def test_a_misspelled_flag_prints_the_subcommand_usage_and_names_the_flag(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["demo", "--devcie", "cpu"])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: python -m fx_offload demo ") and "--calls" in err, err
+    assert ("python -m fx_offload demo: error: unrecognized arguments: --devcie cpu "
+            "(did you mean --device?)") in err, err
+    # the entry point too, and an unknown flag with nothing close to it
+    out = subprocess.run([sys.executable, "-m", "fx_offload", "inspect", "mlp", "--zzz"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 2 and out.stderr.startswith("usage: python -m fx_offload inspect")
+    assert out.stderr.rstrip().endswith("error: unrecognized arguments: --zzz"), out.stderr
+
+
+def test_demo_and_inspect_build_the_same_model_and_the_readme_example_warns_nothing(
+        capsys, caplog):
+    demo_parser = argparse.ArgumentParser()
+    demo.add_arguments(demo_parser)
+    layers = demo_parser.parse_args([]).layers
+    with caplog.at_level("WARNING", logger="fx_offload"):
+        assert cli.main(["inspect", "decoder", "--prefetch-step", "2"]) == 0
+    assert caplog.records == [], caplog.text
+    out = capsys.readouterr().out
+    assert f"layer stack 'layers' of {layers}; offloaded layers [1, 3, 5, 7]" in out
+    # the plan and a line per graph: no graph text without --graphs, sizes as report gives them
+    assert "layers 1, 3, 5, 7 chunks: 0: input_layernorm.weight" in out
+    assert "offloaded 578.00 KiB; 2 slot(s) of 289.00 KiB in all" in out
+    assert "graph 0: " in out and "input " not in out and ">>>" not in out
+    assert len(out.splitlines()) < 20, out
+
+
+def test_explain_folds_layers_cut_alike_and_gives_sizes_in_binary_units():
+    model, inputs = models.build("mlp", num_layers=8)
+    e = explain(model, *inputs, group_size=2)
+    plan = e.plan_text()
+    assert "offloaded 65.50 KiB; 1 slot(s) of 16.38 KiB in all on <device>" in plan
+    assert [line for line in plan.splitlines() if "chunks" in line] == [
+        "layers 1, 3, 5, 7 chunks: 0: fc1.weight fc1.bias | 1: fc2.weight fc2.bias"]
+    assert [row[3] for row in e.plan_rows()] == ["bytes"] + ["16.38 KiB"] * 4
+    short, full = e.text(graphs=False), str(e)
+    graph = e.graphs[0].text().splitlines()       # a line per node, ">>>" for ours
+    inserted = sum(line.startswith(">>>") for line in graph)
+    assert inserted == 4 * 2 * 2 + 2 and any(line.startswith(">>> wait_prefetch(layer 1 chunk 0)")
+                                         for line in graph)
+    assert short.endswith(f"graph 0: {len(graph)} nodes, {inserted} inserted op(s)\n"), short
+    assert full.startswith(plan) and full.endswith("\n".join(graph) + "\n")
+    assert ">>>" not in short
