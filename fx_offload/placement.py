@@ -326,9 +326,9 @@ class EnterCall(hooks.OurHook):
                 log.info("fx_offload: %s carries offload hooks but no offload state (a copy, "
                          "or unpickled): offloading it again", type(module).__name__)
             else:
-                log.warning("fx_offload: %s of %s changed (dtype, shape, place in the layer "
-                            "stack, or the modules holding it); offloading the model again "
-                            "in its new form", changed, type(module).__name__)
+                log.warning("fx_offload: %s of %s changed (dtype, shape, kind such as a "
+                            "quantized weight, place in the layer stack, or the modules "
+                            "holding it); offloading the model again in its new form", changed, type(module).__name__)
                 with old.holding_slots():   # no call of the old state runs meanwhile
                     if old.restored:
                         return None         # fx_offload.restore got there first
