@@ -288,8 +288,9 @@ class EnterCall(hooks.OurHook):
         # planner: under memory_budget, the plan a copy (or the model in a new dtype) keeps
         self.options, self.device, self.chunks, self.planner = options, device, chunks, planner
 
-    @torch._dynamo.disable
+    @torch._dynamo.disable(reason=f"fx_offload: an offloaded model: {hooks.EXPORT_REFUSED}")
     def __call__(self, module, args, kwargs=None):
+        hooks.refuse_export(module)
         state = registry.state_for_model(module)
         tokens = call_tokens(args, kwargs or {})
         if state is None:

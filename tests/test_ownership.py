@@ -1042,3 +1042,27 @@ def test_what_a_capture_that_raised_recorded_as_landed_is_forgotten_as_the_next_
     assert contents.slot(0) == {(0, 0): None}
     contents.forget_captured()
     assert contents.slot(0) == {(0, 0): None}   # landed for good
+
+
+def test_torch_export_of_an_offloaded_model_says_restore_first():
+    """torch.export traces with fake tensors, which the call hook cannot point at slots (it
+    failed reading a fake tensor's data pointer): the model, a layer of it and a copy are
+    refused with what to do, before grad mode is looked at and with the model unchanged;
+    strict export stops at the hook with the same advice; after restore the plain model
+    exports and its program computes as the model."""
+    model, compiled, reference, x = offloaded()
+    refused = r"torch.export of (MLPStack|MLPBlock), which is offloaded.*fx_offload.restore"
+    for target in (model, model.layers[1], copy.deepcopy(model)):
+        with pytest.raises(fx_offload.OffloadError, match=refused):
+            torch.export.export(target, (x,))        # grad enabled: not the grad error
+    with pytest.raises(Exception, match=r"fx_offload\.restore\(model\) first"):
+        torch.export.export(model, (x,), strict=True)
+    assert_weights(model, reference)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), reference(x))
+        assert torch.equal(model(x), reference(x))
+    fx_offload.restore(model)
+    with torch.no_grad():
+        program = torch.export.export(model, (x,))
+        assert torch.equal(program.module()(x), reference(x))
+    assert_weights(model, reference)
