@@ -1066,3 +1066,60 @@ def test_torch_export_of_an_offloaded_model_says_restore_first():
         program = torch.export.export(model, (x,))
         assert torch.equal(program.module()(x), reference(x))
     assert_weights(model, reference)
+
+
+def test_ctrl_c_in_dynamos_guard_evaluation_stops_the_call_it_ended():
+    """SIGINT while Dynamo evaluates the guards of a compiled forward during generate: the
+    handler ends the call (the weights back on the truth) and raises, but the guard
+    evaluation takes the KeyboardInterrupt for a failed guard and runs a graph anyway.  The
+    call stops at that graph's first op with a KeyboardInterrupt saying so (before, the
+    generate went on under a warning that the model was another instance, not offloaded,
+    to be placed); the weights are intact and the next generate is right."""
+    import logging
+    import signal
+    import sys
+    transformers = pytest.importorskip("transformers", reason="install the test extra")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=4, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=256,
+                                      max_position_embeddings=128)
+    model = transformers.LlamaForCausalLM(config).eval()
+    reference = copy.deepcopy(model)
+    fx_offload.compile_forward(model, group_size=2, num_in_group=1, inner_backend="aot_eager")
+    ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False,
+                  pad_token_id=0)
+    with torch.no_grad():
+        want = reference.generate(ids, **kwargs)
+        assert torch.equal(model.generate(ids, **kwargs), want)
+    pressed = []
+
+    def ctrl_c_in_guards(frame, event, arg):
+        # the config's attributes read by a guard: called straight from the C++ guard
+        # evaluation, below Dynamo's own wrapper frame
+        if (pressed and event == "call" and frame.f_code.co_name == "__getattribute__"
+                and frame.f_back is not None and frame.f_back.f_code.co_filename.replace(
+                    "\\", "/").endswith("torch/_dynamo/eval_frame.py")):
+            pressed.clear()
+            signal.raise_signal(signal.SIGINT)
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("fx_offload").addHandler(handler)
+    before = signal.getsignal(signal.SIGINT)
+    pressed.append(True)
+    sys.setprofile(ctrl_c_in_guards)
+    try:
+        with torch.no_grad(), pytest.raises(KeyboardInterrupt, match=r"swallowed the "
+                                            r"KeyboardInterrupt .*the weights are safe"):
+            model.generate(ids, **kwargs)
+    finally:
+        sys.setprofile(None)
+        logging.getLogger("fx_offload").removeHandler(handler)
+    assert not pressed                              # the signal came in a guard
+    assert not [w for w in warnings if "not offloaded" in w]
+    assert signal.getsignal(signal.SIGINT) == before
+    assert_weights(model, reference)
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, **kwargs), want)
