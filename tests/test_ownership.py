@@ -1123,3 +1123,34 @@ def test_ctrl_c_in_dynamos_guard_evaluation_stops_the_call_it_ended():
     assert_weights(model, reference)
     with torch.no_grad():
         assert torch.equal(model.generate(ids, **kwargs), want)
+
+
+def test_ctrl_c_in_guard_evaluation_before_a_recompile_stops_the_compile():
+    """The same with one compiled graph: the guard that the interrupt made fail leaves none
+    to run, and Dynamo compiles the frame again inside the ended call (before, that compile
+    and its graph ran on under the warning about another instance).  The compile stops with
+    the KeyboardInterrupt; the weights are intact and the next calls are right."""
+    import signal
+    import sys
+    model, compiled, reference, x = offloaded()
+    pressed = [True]
+
+    def ctrl_c_in_guards(frame, event, arg):
+        # the guard function Dynamo generates for the compiled frame (Python code it calls
+        # from its C++ guard evaluation)
+        if (pressed and event == "call" and frame.f_code.co_filename == "<string>"
+                and frame.f_code.co_name == "guard"):
+            pressed.clear()
+            signal.raise_signal(signal.SIGINT)
+    sys.setprofile(ctrl_c_in_guards)
+    try:
+        with torch.no_grad(), pytest.raises(KeyboardInterrupt, match="swallowed the "
+                                                                   "KeyboardInterrupt"):
+            compiled(x)
+    finally:
+        sys.setprofile(None)
+    assert not pressed
+    assert_weights(model, reference)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(compiled(x), reference(x))
