@@ -98,6 +98,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
     state, first, layer_frame = _state_for_graph(gm, gi, options, not placement_given)
     if state is None:
         return compile_inner(gm, example_inputs, options)
+    state.turns.stop_if_interrupted()     # a compile in a call that Ctrl-C ended
     _check_grad_mode(gi, state, example_inputs)
     placed_with = getattr(state, "placed_with", None)   # set by fx_offload.place
     if placed_with and not set(placed_with) & set(given):

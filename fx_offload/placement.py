@@ -288,8 +288,9 @@ class EnterCall(hooks.OurHook):
         # planner: under memory_budget, the plan a copy (or the model in a new dtype) keeps
         self.options, self.device, self.chunks, self.planner = options, device, chunks, planner
 
-    @torch._dynamo.disable
+    @torch._dynamo.disable(reason=f"fx_offload: an offloaded model: {hooks.EXPORT_REFUSED}")
     def __call__(self, module, args, kwargs=None):
+        hooks.refuse_export(module)
         state = registry.state_for_model(module)
         tokens = call_tokens(args, kwargs or {})
         if state is None:
@@ -326,9 +327,9 @@ class EnterCall(hooks.OurHook):
                 log.info("fx_offload: %s carries offload hooks but no offload state (a copy, "
                          "or unpickled): offloading it again", type(module).__name__)
             else:
-                log.warning("fx_offload: %s of %s changed (dtype, shape, place in the layer "
-                            "stack, or the modules holding it); offloading the model again "
-                            "in its new form", changed, type(module).__name__)
+                log.warning("fx_offload: %s of %s changed (dtype, shape, kind such as a "
+                            "quantized weight, place in the layer stack, or the modules "
+                            "holding it); offloading the model again in its new form", changed, type(module).__name__)
                 with old.holding_slots():   # no call of the old state runs meanwhile
                     if old.restored:
                         return None         # fx_offload.restore got there first

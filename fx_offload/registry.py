@@ -149,6 +149,8 @@ def state_for_op(handle: int):
     if compiled_for is not None and (compiled_for.holder == threading.get_ident()
                                      or not compiled_for.entered):
         return compiled_for     # its own model's call (the first one runs before any hook)
+    if compiled_for is not None:
+        compiled_for.turns.stop_if_interrupted()  # its call, ended by Ctrl-C, runs on
     # (an entry of a call whose hold another thread ended, runtime.turns, may be left)
     me = threading.get_ident()
     active = next((s for s in reversed(getattr(_ACTIVE, "calls", ()) or ())

@@ -1042,3 +1042,115 @@ def test_what_a_capture_that_raised_recorded_as_landed_is_forgotten_as_the_next_
     assert contents.slot(0) == {(0, 0): None}
     contents.forget_captured()
     assert contents.slot(0) == {(0, 0): None}   # landed for good
+
+
+def test_torch_export_of_an_offloaded_model_says_restore_first():
+    """torch.export traces with fake tensors, which the call hook cannot point at slots (it
+    failed reading a fake tensor's data pointer): the model, a layer of it and a copy are
+    refused with what to do, before grad mode is looked at and with the model unchanged;
+    strict export stops at the hook with the same advice; after restore the plain model
+    exports and its program computes as the model."""
+    model, compiled, reference, x = offloaded()
+    refused = r"torch.export of (MLPStack|MLPBlock), which is offloaded.*fx_offload.restore"
+    for target in (model, model.layers[1], copy.deepcopy(model)):
+        with pytest.raises(fx_offload.OffloadError, match=refused):
+            torch.export.export(target, (x,))        # grad enabled: not the grad error
+    with pytest.raises(Exception, match=r"fx_offload\.restore\(model\) first"):
+        torch.export.export(model, (x,), strict=True)
+    assert_weights(model, reference)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), reference(x))
+        assert torch.equal(model(x), reference(x))
+    fx_offload.restore(model)
+    with torch.no_grad():
+        program = torch.export.export(model, (x,))
+        assert torch.equal(program.module()(x), reference(x))
+    assert_weights(model, reference)
+
+
+def test_ctrl_c_in_dynamos_guard_evaluation_stops_the_call_it_ended():
+    """SIGINT while Dynamo evaluates the guards of a compiled forward during generate: the
+    handler ends the call (the weights back on the truth) and raises, but the guard
+    evaluation takes the KeyboardInterrupt for a failed guard and runs a graph anyway.  The
+    call stops at that graph's first op with a KeyboardInterrupt saying so (before, the
+    generate went on under a warning that the model was another instance, not offloaded,
+    to be placed); the weights are intact and the next generate is right."""
+    import logging
+    import signal
+    import sys
+    transformers = pytest.importorskip("transformers", reason="install the test extra")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=4, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=256,
+                                      max_position_embeddings=128)
+    model = transformers.LlamaForCausalLM(config).eval()
+    reference = copy.deepcopy(model)
+    fx_offload.compile_forward(model, group_size=2, num_in_group=1, inner_backend="aot_eager")
+    ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False,
+                  pad_token_id=0)
+    with torch.no_grad():
+        want = reference.generate(ids, **kwargs)
+        assert torch.equal(model.generate(ids, **kwargs), want)
+    pressed = []
+
+    def ctrl_c_in_guards(frame, event, arg):
+        # the config's attributes read by a guard: called straight from the C++ guard
+        # evaluation, below Dynamo's own wrapper frame
+        if (pressed and event == "call" and frame.f_code.co_name == "__getattribute__"
+                and frame.f_back is not None and frame.f_back.f_code.co_filename.replace(
+                    "\\", "/").endswith("torch/_dynamo/eval_frame.py")):
+            pressed.clear()
+            signal.raise_signal(signal.SIGINT)
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("fx_offload").addHandler(handler)
+    before = signal.getsignal(signal.SIGINT)
+    pressed.append(True)
+    sys.setprofile(ctrl_c_in_guards)
+    try:
+        with torch.no_grad(), pytest.raises(KeyboardInterrupt, match=r"swallowed the "
+                                            r"KeyboardInterrupt .*the weights are safe"):
+            model.generate(ids, **kwargs)
+    finally:
+        sys.setprofile(None)
+        logging.getLogger("fx_offload").removeHandler(handler)
+    assert not pressed                              # the signal came in a guard
+    assert not [w for w in warnings if "not offloaded" in w]
+    assert signal.getsignal(signal.SIGINT) == before
+    assert_weights(model, reference)
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, **kwargs), want)
+
+
+def test_ctrl_c_in_guard_evaluation_before_a_recompile_stops_the_compile():
+    """The same with one compiled graph: the guard that the interrupt made fail leaves none
+    to run, and Dynamo compiles the frame again inside the ended call (before, that compile
+    and its graph ran on under the warning about another instance).  The compile stops with
+    the KeyboardInterrupt; the weights are intact and the next calls are right."""
+    import signal
+    import sys
+    model, compiled, reference, x = offloaded()
+    pressed = [True]
+
+    def ctrl_c_in_guards(frame, event, arg):
+        # the guard function Dynamo generates for the compiled frame (Python code it calls
+        # from its C++ guard evaluation)
+        if (pressed and event == "call" and frame.f_code.co_filename == "<string>"
+                and frame.f_code.co_name == "guard"):
+            pressed.clear()
+            signal.raise_signal(signal.SIGINT)
+    sys.setprofile(ctrl_c_in_guards)
+    try:
+        with torch.no_grad(), pytest.raises(KeyboardInterrupt, match="swallowed the "
+                                                                   "KeyboardInterrupt"):
+            compiled(x)
+    finally:
+        sys.setprofile(None)
+    assert not pressed
+    assert_weights(model, reference)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(compiled(x), reference(x))

@@ -250,6 +250,41 @@ def test_the_host_twin_path_run_on_the_cpu(monkeypatch):
         assert torch.equal(model(x.half()), reference(x.half()))
 
 
+@pytest.mark.parametrize("then", ["compiled", "eager", "restore"])
+def test_quantizing_an_offloaded_model_offloads_its_layers_anew(then):
+    """torchao's quantize_ applied to a model after it was offloaded (each weight replaced
+    by a new Parameter around a quantized tensor of the same shape and dtype): the next
+    call offloads the layers anew as packed bytes and computes as the same quantized model
+    not offloaded, and restore gives the quantized weights back.  Before, the quantized
+    weight passed for a plain one of the same shape and dtype, and the call, an eager call
+    and restore all failed reading its data pointer."""
+    model, (x,) = models.build("mlp", num_layers=6, hidden=64, inner=128)
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), reference(x))
+    torchao = _torchao()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for target in (model, reference):
+            torchao.quantize_(target.eval(), torchao.Int8WeightOnlyConfig())
+    with torch.no_grad():
+        want = reference(x)
+        if then != "restore":
+            for _ in range(3):
+                assert torch.equal((compiled if then == "compiled" else model)(x), want)
+            state = registry.state_for_model(model)
+            assert state.layers == [1, 3, 5]
+            assert state.masters[1]["fc1.weight:qdata"].dtype == torch.int8
+            if then == "compiled":
+                assert state.stats["prefetches"] > 0 and state.stats["sync_loads"] == 0
+        fx_offload.restore(model)
+        assert registry.state_for_model(model) is None
+        for name, p in model.named_parameters():
+            assert same_weights(p, dict(reference.named_parameters())[name]), name
+        assert torch.equal(model(x), want)
+
+
 def test_a_tensor_subclass_with_inner_tensors_of_its_own_kind_is_refused():
     """A weight whose bytes are not plain inner tensors (a subclass nested in a subclass)
     cannot be laid out in a host block: refused by name, nothing offloaded."""

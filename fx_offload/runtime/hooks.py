@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .. import dtensor, registry
-from ..errors import GradModeError
+from ..errors import GradModeError, OffloadError
 
 
 def refuse_grad(state, args) -> None:
@@ -34,6 +34,28 @@ def refuse_grad(state, args) -> None:
             "or set requires_grad_(False) on its parameters and inputs")
 
 
+# torch.export of an offloaded model: its offloaded weights live in host blocks that this
+# process's offload state streams into slots, which an exported program cannot carry (its
+# graph would hold this process's ops, or weights split between the host and the device)
+EXPORT_REFUSED = (
+    "an exported program cannot carry weights that this process streams from host memory. "
+    "Call fx_offload.restore(model) first and export the plain model (compile it again "
+    "afterwards to offload it anew)")
+
+
+# disabled: torch.export(strict=True) traces the hooks with Dynamo, which then stops here
+# and names the reason
+@torch._dynamo.disable(reason=f"fx_offload: an offloaded model: {EXPORT_REFUSED}")
+def refuse_export(module: nn.Module) -> None:
+    """Refuse ``torch.export`` (which traces the model with fake tensors) of an offloaded
+    model, or of a copy of one, before anything of it changes."""
+    if torch.compiler.is_exporting():
+        raise OffloadError(
+            f"torch.export of {type(module).__name__}, which is offloaded (or a copy of an "
+            f"offloaded model, which offloads itself at its first call): {EXPORT_REFUSED}; "
+            "the model is unchanged", where="fx_offload")
+
+
 class OurHook:
     """What every hook fx_offload installs is (so a copy's are found and removed)."""
 
@@ -50,6 +72,8 @@ class LayerEnter(OurHook):
         self.token, self.handle, self.layer = token, handle, layer
 
     def __call__(self, module, args):
+        if torch.compiler.is_exporting():   # False while torch.compile traces this hook
+            refuse_export(module)
         if not torch.compiler.is_compiling():
             state = registry.state_for_token(self.token)
             if state is None:

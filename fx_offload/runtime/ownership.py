@@ -61,6 +61,8 @@ class Ownership(ParamVersions):
         if self.restored:
             return
         turns, me = self.turns, threading.get_ident()
+        if root:
+            turns.interrupted = None     # a new call: an interrupt reached its caller
         if turns.holder == me and turns.kind == "call":
             if not root:
                 turns.depth += 1         # a layer inside this thread's call
@@ -121,6 +123,7 @@ class Ownership(ParamVersions):
         """Ctrl-C stopped this thread's call (:mod:`.interrupts`): end it as the hook that
         torch skips would have."""
         if self.turns.holder == threading.get_ident() and self.turns.kind == "call":
+            self.turns.note_interrupted()
             self.turns.depth = 1
             self.leave()
 

@@ -22,6 +22,11 @@ raises.  Such a hold is ended (:meth:`Turns.end_left`):
   held it), or gone;
 * by the holder's own thread at its next touch (a call, a load, ``update_weights``).
 
+A call that Ctrl-C ended is noted by its outermost frame calling the model: where the
+``KeyboardInterrupt`` is swallowed on its way out (Dynamo's guard evaluation does) and that
+frame runs on, the call's next op or compile raises it again
+(:meth:`Turns.stop_if_interrupted`).
+
 Frames are told by their code objects (``Module._call_impl``, the ``load`` inside
 ``Module.load_state_dict``, which Dynamo never compiles) and the module they run, read from
 those frames only: no frame of the user's code is looked into.
@@ -64,6 +69,8 @@ class Turns:
         self.kind = None                # "call", "load", or the code of a plain hold
         self.module = None              # the module whose load took the turn
         self.depth = 0                  # nested enters of the holder's call
+        self.interrupted: tuple | None = None   # (thread, id of its frame calling the
+        #   model) of a call Ctrl-C ended, until the model's next call
 
     def take(self, kind, module=None) -> None:
         """Wait for the turn (ending a hold left behind), then hold it as ``kind``."""
@@ -99,6 +106,36 @@ class Turns:
             elif code is self.kind:
                 return True
         return False
+
+    # ---- a call Ctrl-C ended that runs on ----------------------------------------------
+    def note_interrupted(self) -> None:
+        """Ctrl-C ends this thread's call (:mod:`.interrupts`): remember the outermost frame
+        calling the model, to know whether that call runs on."""
+        found = None
+        for frame in _frames(threading.get_ident()):
+            if frame.f_code is _CALL and self._runs_model(frame.f_locals.get("self")):
+                found = id(frame)
+        self.interrupted = None if found is None else (threading.get_ident(), found)
+
+    def stop_if_interrupted(self) -> None:
+        """Ctrl-C ended this thread's call of the model, yet that call runs on: something
+        between the signal handler and the caller swallowed the ``KeyboardInterrupt``
+        (Dynamo's guard evaluation takes any exception for a failed guard, then runs another
+        graph or compiles one).  The parameters hold the truth and the slots are free, so
+        the call cannot go on with them: it stops here, as the user asked."""
+        noted = self.interrupted
+        if noted is None or noted[0] != threading.get_ident():
+            return
+        if not any(id(frame) == noted[1] and frame.f_code is _CALL and
+                   self._runs_model(frame.f_locals.get("self")) for frame in _frames(noted[0])):
+            self.interrupted = None     # that call is over: the interrupt reached its caller
+            return
+        raise KeyboardInterrupt(
+            f"fx_offload: Ctrl-C interrupted a call of {self.model_name} at a point that "
+            "swallowed the KeyboardInterrupt (Dynamo's guard evaluation takes it for a "
+            "failed guard), and the call went on. The call had been ended as the interrupt "
+            "came: the weights are safe (the parameters hold them), so the call stops here. "
+            "Call the model again to go on; nothing needs restoring")
 
     def left_here(self) -> bool:
         """This thread holds the turn, yet no longer runs what took it."""

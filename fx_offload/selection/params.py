@@ -146,8 +146,11 @@ class OffloadedParam:
         if value is None:
             return False
         if not self.inner:
+            # a tensor subclass (a quantized weight) in a plain weight's place holds its
+            # bytes in inner tensors of other sizes: the layer is laid out anew
             view = views[self.suffix]
-            return value.shape == view.shape and value.dtype == view.dtype
+            return value.shape == view.shape and value.dtype == view.dtype and \
+                not subclass.is_subclass(value)
         if type(value) is not type(self.param):
             return False
         return all(t.shape == views[k].shape and t.dtype == views[k].dtype
