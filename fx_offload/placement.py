@@ -57,6 +57,7 @@ def place(model: nn.Module, device: str | torch.device = "cuda", *, checkpoint=N
     positional arguments or a dict of keyword arguments) made on the meta device.
     ``inner_backend`` and ``mode`` given here are those of a later compile that sets
     neither."""
+    registry.model_arg(model, "fx_offload.place")
     try:
         opts = parse_options(options)
     except OffloadError as error:   # the options of this call: named as place's
