@@ -33,6 +33,8 @@ def restore(model: nn.Module) -> None:
     state = registry.settled_state(model)  # a call offloading it anew: the state it makes
     if state is None:
         if registry.forget_nothing_offloaded(model):
+            for handle in hooks.call_hooks(model):  # of one left whole after an offload
+                handle.remove()
             return
         if hooks.carries_hooks(model):
             raise OffloadError(
