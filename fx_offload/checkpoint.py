@@ -199,6 +199,7 @@ def _read_folder(path: str) -> dict[str, Entry]:
             weight_map = json.load(f).get("weight_map", {})
         entries = {}
         for shard in sorted(set(weight_map.values())):
+            _check_shard(index, path, shard, weight_map)
             for name, entry in _read_header(os.path.join(path, shard)).items():
                 if weight_map.get(name) == shard:
                     entries[name] = entry
@@ -213,6 +214,20 @@ def _read_folder(path: str) -> dict[str, Entry]:
     raise OffloadError(
         f"{path} holds no model.safetensors or model.safetensors.index.json (found {found}); "
         "save the model with save_pretrained (safetensors), or give the file itself",
+        where=WHERE)
+
+
+def _check_shard(index: str, path: str, shard: str, weight_map: dict) -> None:
+    """The shard ``index`` names is a file: checked before any tensor is read, so that a
+    missing one leaves the model as it was."""
+    if os.path.isfile(os.path.join(path, shard)):
+        return
+    held = sorted(name for name, s in weight_map.items() if s == shard)
+    more = f" and {len(held) - NAMES_SHOWN} more" if len(held) > NAMES_SHOWN else ""
+    raise OffloadError(
+        f"{index} names the shard {shard!r}, which is not in {path}; it should hold "
+        f"{len(held)} tensor(s) ({held[:NAMES_SHOWN]}{more}). Copy the shard into the folder "
+        "(an interrupted download?), or save the model again; nothing was placed",
         where=WHERE)
 
 

@@ -30,10 +30,7 @@ def compile_forward(model: nn.Module, *, dynamic: bool | None = None, mode: str 
     ``dynamic``, ``mode`` and ``fullgraph`` go to ``torch.compile``; ``dynamic=True`` keeps
     one graph for a prompt and its one-token decode steps.  A ``torch.compile`` wrapper is
     accepted (its module's forward is compiled)."""
-    module = registry.model_of(model)
-    if not isinstance(module, nn.Module):
-        raise OffloadError(f"expected an nn.Module, got {type(model).__name__}",
-                           where="fx_offload.compile_forward")
+    module = registry.model_arg(model, "fx_offload.compile_forward")
     current = module.__dict__.get("forward")
     if current is not None and hasattr(current, "_torchdynamo_orig_callable"):
         offloaded = registry.state_for_model(module) is not None or \

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+import operator
 import os
 import re
 from typing import Any, Iterable, Mapping
@@ -153,13 +155,27 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e\+?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
+def as_int(value: Any) -> int | None:
+    """``value`` as an int where it is one: an int, or anything else that says it is a whole
+    number through ``__index__`` (numpy's integers, a one-element integer tensor); None for
+    anything else, and for a bool (True is not a count)."""
+    if isinstance(value, bool):     # (numpy's bool has no __index__)
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def parse_size(name: str, value: Any) -> int:
-    """Bytes from an int (or a whole float, ``40e9``) or a string such as ``"40GiB"``,
-    ``"512 MiB"``, ``"1.5e9"``."""
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-        return value
+    """Bytes from an int (or a whole float, ``40e9``; numpy's numbers too) or a string such
+    as ``"40GiB"``, ``"512 MiB"``, ``"1.5e9"``."""
+    whole = as_int(value)
+    if whole is None and isinstance(value, numbers.Real) and not isinstance(value, bool) \
+            and math.isfinite(value) and float(value).is_integer():
+        whole = int(value)
+    if whole is not None and whole >= 1:
+        return whole
     if isinstance(value, str):
         match = _SIZE.match(value)
         if match and match.group(2).lower() in _UNITS:
@@ -174,7 +190,7 @@ def parse_size(name: str, value: Any) -> int:
 def _check_rate(name: str, value: Any, unit: str) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
             math.isfinite(value) and value > 0):
         raise OffloadError(
             f"option {name!r} must be a positive number ({unit}), "
@@ -185,13 +201,12 @@ def _check_rate(name: str, value: Any, unit: str) -> float | None:
 def _check_plan_tokens(value: Any) -> tuple[int, ...] | None:
     if value is None:
         return None
-    values = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
+    values = (value,) if as_int(value) is not None else value
     try:
-        values = tuple(values)
+        values = tuple(as_int(v) for v in values)
     except TypeError:
         values = ()
-    if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1
-                         for v in values):
+    if not values or any(v is None or v < 1 for v in values):
         raise OffloadError(
             "option 'plan_tokens' must be a token count >= 1 or a list of "
             f"them (the workload the plan is chosen for), got {value!r}")
@@ -199,10 +214,11 @@ def _check_plan_tokens(value: Any) -> tuple[int, ...] | None:
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    given, value = value, as_int(value)
+    if value is None:
         raise OffloadError(
             f"option {name!r} must be an int >= {minimum}, "
-            f"got {value!r} of type {type(value).__name__}")
+            f"got {given!r} of type {type(given).__name__}")
     if value < minimum:
         raise OffloadError(
             f"option {name!r} must be >= {minimum}, got {value}")
@@ -372,7 +388,7 @@ def _is_zero(value: Any) -> bool:
     """``value`` is a size of nothing: ``0``, ``0.0``, ``"0"``, ``"0B"``, ``"0 GiB"``."""
     if isinstance(value, bool):
         return False
-    if isinstance(value, (int, float)):
+    if as_int(value) is not None or isinstance(value, numbers.Real):
         return value == 0
     match = _SIZE.match(value) if isinstance(value, str) else None
     return bool(match and match.group(2).lower() in _UNITS and float(match.group(1)) == 0)
@@ -403,11 +419,11 @@ def _check_kv_options(options: Mapping[str, Any]) -> dict[str, Any]:
     layers = options.get("kv_layers")
     if layers is not None:
         try:
-            layers = tuple(layers)
+            layers = tuple(as_int(i) for i in layers)
         except TypeError:
-            layers = (layers,)
-        if not layers or any(isinstance(i, bool) or not isinstance(i, int) or i < 0
-                             for i in layers) or len(set(layers)) != len(layers):
+            layers = (as_int(layers),)
+        if not layers or any(i is None or i < 0 for i in layers) or \
+                len(set(layers)) != len(layers):
             raise OffloadError(
                 "option 'kv_layers' must be a list of distinct layer indices (ints >= 0) "
                 f"of the cache, such as [0, 1, 2], got {options.get('kv_layers')!r}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -57,6 +58,7 @@ def place(model: nn.Module, device: str | torch.device = "cuda", *, checkpoint=N
     positional arguments or a dict of keyword arguments) made on the meta device.
     ``inner_backend`` and ``mode`` given here are those of a later compile that sets
     neither."""
+    registry.model_arg(model, "fx_offload.place")
     try:
         opts = parse_options(options)
     except OffloadError as error:   # the options of this call: named as place's
@@ -242,13 +244,58 @@ def activate(state: OffloadState, model: nn.Module, hand_over: bool, fill=None,
 def kept_whole(model: nn.Module, choice: NothingOffloaded, then: str, now: bool = False,
                ) -> None:
     """The planner offloads nothing of ``model`` (its ``memory_budget`` holds the whole
-    weights): say so (``then``: what is done with it; ``now``: after its layers changed)
-    and record it for ``report`` and later compiles."""
+    weights): say so (``then``: what is done with it; ``now``: after its layers changed,
+    its call hooks kept, see :class:`_Whole`) and record it for ``report`` and later
+    compiles."""
     log.warning("fx_offload: memory_budget %s %sholds all %s of %s's weights: nothing is "
                 "offloaded%s", format_bytes(choice.options.memory_budget, as_option=True),
                 "now " if now else "", format_bytes(choice.planner.weights_bytes),
                 choice.model_name, then)
     registry.record_nothing_offloaded(model, choice)
+    if now:
+        _WHOLE[model] = _Whole(choice)
+
+
+class _Whole:
+    """A model that was offloaded, and that ``memory_budget`` now holds whole (its weights
+    shrank: ``.half()``, layers deleted).  Its call hooks stay: a graph Dynamo compiled for
+    its offload may run again once the weights are as they were (``.float()``: the guards
+    pass), and its ops would then run it as a plain model, over the budget.  The hooks plan
+    again as a call begins where the weights' sizes changed (``changed``)."""
+
+    def __init__(self, decision: NothingOffloaded):
+        self.decision = decision
+        self._held = [(m._parameters, name) for layer in decision.stack.modules
+                      for m in layer.modules() for name in m._parameters]
+        self._seen = self._now()
+
+    def _now(self) -> list:
+        # a comprehension over attributes: this runs as each call begins
+        return [None if t is None else (t.dtype, t.shape)
+                for owned, name in self._held for t in (owned.get(name),)]
+
+    def changed(self) -> bool:
+        """The weights' bytes differ from those the plan kept whole (a dtype or shape
+        changed, and with it their size)."""
+        now = self._now()
+        if now == self._seen:
+            return False
+        if sorted(budget.sizes_of(self.decision.stack)) != \
+                sorted(self.decision.planner.layer_sizes):
+            return True
+        self._seen = now        # another dtype of the same size (bfloat16 for float16)
+        return False
+
+
+_WHOLE: "weakref.WeakKeyDictionary[nn.Module, _Whole]" = weakref.WeakKeyDictionary()
+
+
+def still_whole(model: nn.Module) -> bool:
+    """``model`` is one :func:`kept_whole` left plain after an offload, whose weights are
+    still the size it was planned for."""
+    whole = _WHOLE.get(model)
+    return whole is not None and registry.nothing_offloaded(model) is whole.decision and \
+        not whole.changed()
 
 
 @torch.inference_mode(False)    # its tensors outlive a call under inference_mode
@@ -264,9 +311,9 @@ def _offload_again(model: nn.Module, options: OffloadOptions, device: str,
     choice = choose(model, options, device=torch.device(device), planner=planner)
     if isinstance(choice, NothingOffloaded):
         # the layers left fit the budget whole: a plain model on its device, as a first
-        # compile of it would leave it
+        # compile of it would leave it, but for its call hooks (_Whole)
         _move_the_rest(model, set(), torch.device(device))
-        hooks.strip_hooks(model)
+        hooks.strip_hooks(model, keep=hooks.call_hooks(model))
         kept_whole(model, choice, "", now=True)
         return None
     # the chunks the model had: a graph compiled for it (Dynamo shares one among copies)
@@ -294,6 +341,8 @@ class EnterCall(hooks.OurHook):
         state = registry.state_for_model(module)
         tokens = call_tokens(args, kwargs or {})
         if state is None:
+            if still_whole(module):
+                return None             # memory_budget holds it whole, as planned
             state = self._offload_once(module, None)
             if state is None:
                 return None             # its budget now holds it whole: a plain model
@@ -323,7 +372,11 @@ class EnterCall(hooks.OurHook):
             state = registry.state_for_model(module)
             if state is not None and state is not old:
                 return state                # another thread's call offloaded it
-            if old is None:
+            if old is None and registry.forget_nothing_offloaded(module):
+                log.warning("fx_offload: the weights of %s changed size since memory_budget "
+                            "held them whole (a dtype or a shape changed): planning again",
+                            type(module).__name__)
+            elif old is None:
                 log.info("fx_offload: %s carries offload hooks but no offload state (a copy, "
                          "or unpickled): offloading it again", type(module).__name__)
             else:

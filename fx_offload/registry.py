@@ -183,6 +183,16 @@ def state_for_op(handle: int):
         "torch._dynamo.reset() before compiling the other", where="fx_offload")
 
 
+def model_arg(model, where: str) -> nn.Module:
+    """What a public function taking a model was given, as :func:`model_of` finds it; the
+    one error for anything else (None, a tensor, a state dict)."""
+    module = model_of(model)
+    if not isinstance(module, nn.Module):
+        raise OffloadError(f"expected a model (an nn.Module, or what torch.compile returned "
+                           f"for one), got {type(model).__name__}", where=where)
+    return module
+
+
 def model_of(obj):
     """The module behind what ``torch.compile`` returned: ``torch.compile(model)`` (an
     ``OptimizedModule``) or ``torch.compile(model.forward)``; anything else as it is."""

@@ -293,3 +293,23 @@ def test_report_names_dynamos_recompile_limit_when_a_compiled_forward_ran_uncomp
     fx_offload.report(compiled[0])          # the first was compiled and offloaded
     with pytest.raises(fx_offload.errors.OffloadError, match="recompile_limit"):
         fx_offload.report(compiled[1])
+
+
+def test_every_public_function_taking_a_model_refuses_what_is_not_one():
+    """None, a tensor or a state dict given where a model goes: every public function whose
+    first argument is the model says what it expected (before anything else is checked),
+    as report always did; none fails inside with a TypeError."""
+    import inspect
+    takers = [name for name in fx_offload.__all__
+              for f in [getattr(fx_offload, name)]
+              if inspect.isfunction(f)
+              and next(iter(inspect.signature(f).parameters), None) == "model"]
+    assert {"place", "report", "restore", "explain", "named_weights", "update_weights",
+            "compile_forward"} <= set(takers)
+    args = {"update_weights": ({},), "explain": (torch.zeros(2),)}
+    for bad in (None, torch.zeros(2), {"w": torch.zeros(2)}):
+        for name in takers:
+            with pytest.raises(fx_offload.OffloadError, match=(
+                    rf"^fx_offload.{name}: expected a model \(an nn.Module, or what "
+                    rf"torch.compile returned for one\), got {type(bad).__name__}$")):
+                getattr(fx_offload, name)(bad, *args.get(name, ()))

@@ -166,6 +166,30 @@ def test_an_option_given_as_none_takes_its_default_and_sizes_take_their_spelling
         parse_size("memory_budget", 2.5)
 
 
+def test_whole_numbers_of_any_type_are_ints_and_bools_and_fractions_are_not():
+    """numpy's integers (and anything whole through ``__index__``) are taken wherever an int
+    is, as the same Python int; a bool, a fraction and numpy's bool are refused as before."""
+    np = pytest.importorskip("numpy")
+    opts = fx_offload.parse_options({"memory_budget": np.int64(40_000_000),
+                                     "plan_tokens": [np.int32(1), 16]})
+    assert opts.memory_budget == 40_000_000 and type(opts.memory_budget) is int
+    assert opts.plan_tokens == (1, 16)
+    assert fx_offload.parse_options({"memory_budget": "40GiB"}).memory_budget == 40 * 2**30
+    assert fx_offload.parse_options({"memory_budget": np.float32(4096)}).memory_budget == 4096
+    assert fx_offload.parse_options({"memory_budget": torch.tensor(4096)}).memory_budget == 4096
+    hand = fx_offload.parse_options({"group_size": np.int64(4), "num_in_group": np.uint8(2),
+                                     "kv_cache": "host", "kv_layers": [np.int16(0), 1]})
+    assert (hand.group_size, hand.num_in_group, hand.kv_layers) == (4, 2, (0, 1))
+    assert type(hand.group_size) is int
+    assert fx_offload.parse_options({"expert_cache": np.int64(0)}).expert_cache == 0
+    for bad in (np.bool_(True), True, np.float64(2.5), 2.5):
+        with pytest.raises(fx_offload.OffloadError, match="'memory_budget' must be a positive"):
+            fx_offload.parse_options({"memory_budget": bad})
+    for bad in (np.bool_(True), np.float64(4.0)):
+        with pytest.raises(fx_offload.OffloadError, match="'group_size' must be an int"):
+            fx_offload.parse_options({"group_size": bad})
+
+
 def test_grad_mode_row():
     model, inputs = mlp()
     with pytest.raises(Exception, match="supports inference only"):

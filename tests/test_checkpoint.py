@@ -330,6 +330,34 @@ def test_place_errors_say_what_to_change(case, pattern, tmp_path):
     assert {k: v.device for k, v in model.state_dict().items()} == before
 
 
+@pytest.mark.parametrize("built", ["meta", "real"])
+def test_an_index_naming_a_missing_shard_says_which_and_places_nothing(built, tmp_path):
+    """A save_pretrained folder whose index names a shard that is not there (a download cut
+    short): the error names the index, the shard and the tensors it should hold, and the
+    model is left as it was: on the meta device, or holding its own values."""
+    reference, _ = models.build("mlp", num_layers=4)
+    folder = save(reference, tmp_path, "sharded_folder")
+    os.remove(tmp_path / "model-00002-of-00002.safetensors")
+    if built == "meta":
+        with empty_weights():
+            model, _ = models.build("mlp", num_layers=4)
+    else:
+        model, _ = models.build("mlp", num_layers=4, seed=3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    params = dict(model.named_parameters())
+    with pytest.raises(fx_offload.OffloadError, match=(
+            r"^fx_offload.place: .*model.safetensors.index.json names the shard "
+            r"'model-00002-of-00002.safetensors', which is not in .*; it should hold 8 "
+            r"tensor\(s\) \(\['layers.0.fc1.weight', 'layers.0.fc2.weight', .*\] and 3 more\)")):
+        fx_offload.place(model, "cpu", checkpoint=folder, group_size=2, num_in_group=1)
+    assert fx_offload.registry.state_for_model(model) is None
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    assert all(p is params[n] for n, p in model.named_parameters())
+    for name, t in model.state_dict().items():
+        assert t.device == before[name].device, name
+        assert built == "meta" or torch.equal(t, before[name]), name
+
+
 def test_experts_saved_one_tensor_per_expert_get_a_clear_error(tmp_path):
     """transformers saves a fused MoE expert tensor ([E, ...]) as one tensor per expert and
     fuses them again as it loads; place() reads by name: it says so and what to do instead

@@ -6,6 +6,7 @@ verifier runs on every rewritten graph (``explain`` runs it)."""
 import copy
 import difflib
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -138,3 +139,33 @@ def test_explain_leaves_the_model_untouched():
         assert p.data_ptr() == before[n][0] and torch.equal(p, before[n][1])
     assert [r.plan is not None for r in explanation.graphs] == [True]
     assert ">>> wait_prefetch(layer 1 chunk 0)" in str(explanation)
+
+
+@pytest.mark.parametrize("options", [dict(group_size=4, num_in_group=2),
+                                     dict(memory_budget="40KiB", flop_rate=1e12,
+                                          memory_bandwidth=1e11, h2d_bandwidth=1e10,
+                                          launch_overhead=5e-6)])
+def test_explain_of_an_offloaded_model_with_other_options_explains_those(options):
+    """What other options would do to a model already offloaded: the plan and graphs they
+    give the same model not offloaded, and the offloaded model keeps its own offload, its
+    weights and its outputs."""
+    model, (x,) = models.build("mlp", num_layers=8)
+    plain = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "eager"})
+    with torch.no_grad():
+        expected = compiled(x)
+    state = fx_offload.registry.state_for_model(model)
+    truth = {n: t.clone() for n, t in fx_offload.named_weights(model)}
+    other = explain(model, x, **options)
+    torch._dynamo.reset()
+    want = explain(plain, x, **options)
+    assert other.choice.layers == want.choice.layers != state.choice.layers
+    timeless = lambda e: re.sub(r"in \d+ ms", "", str(e))     # the planner's own time
+    assert timeless(other) == timeless(want)
+    assert fx_offload.registry.state_for_model(model) is state
+    assert fx_offload.report(model).layers == [1, 3, 5, 7]
+    for n, t in fx_offload.named_weights(model):
+        assert torch.equal(t, truth[n]), n
+    with torch.no_grad():
+        assert torch.equal(compiled(x), expected)

@@ -393,6 +393,41 @@ def test_a_budgeted_model_offloaded_anew_is_planned_without_a_graph(change):
         assert rep.layers == layers
 
 
+def test_a_model_kept_whole_in_half_precision_is_planned_again_in_full(caplog):
+    """memory_budget, then .half() (the plan is made again and the budget holds the model
+    whole: nothing offloaded), then .float(): Dynamo runs the graph it compiled for the
+    first offload again, and the model is planned again at that call, not left plain over
+    the budget; the same both ways, twice.  A model restored while kept whole is plain."""
+    import logging
+    from fx_offload.runtime import hooks
+    model, (x,) = models.build("mlp")
+    budget = int(weights_bytes(model, torch.device("cpu")) * 0.6)
+    model, compiled, reference, inputs, out, expected = compile_planned("mlp", budget)
+    first = fx_offload.report(model).layers
+    assert first and torch.equal(out, expected)
+    for round_trip in range(2):
+        for dtype in (torch.float16, torch.float32):
+            model.to(dtype), reference.to(dtype)
+            with torch.no_grad(), caplog.at_level(logging.WARNING, "fx_offload"):
+                for call in range(2):
+                    y = torch.randn(x.shape, generator=torch.Generator().manual_seed(call))
+                    assert torch.equal(compiled(y.to(dtype)), reference(y.to(dtype)))
+            rep = fx_offload.report(model)
+            if dtype == torch.float16:
+                assert rep.layers == [] and not rep.planner.offloads
+            else:
+                assert rep.layers == first, round_trip
+                assert device_weights_now(model) <= budget
+                assert "changed size since memory_budget held them whole" in caplog.text
+    model.half()
+    with torch.no_grad():
+        compiled(x.half())
+    fx_offload.restore(model)
+    assert not hooks.carries_hooks(model)
+    with pytest.raises(fx_offload.OffloadError, match="has no offloaded weights"):
+        fx_offload.report(model)
+
+
 def _decode_calls(model, budget, count=4, **options):
     """A budgeted Qwen3-MoE's decode-sized calls, each equal to the model's without
     offloading; returns (the chosen plan, the offloaded suffixes per layer, the bytes the
@@ -522,7 +557,8 @@ def test_a_layer_deleted_after_planning_is_planned_again_as_a_fresh_model_would_
 def test_layers_deleted_until_the_budget_holds_the_rest_leave_a_plain_model(caplog):
     """When the layers left fit memory_budget whole, the model offloaded again is a plain
     model, as a first compile of it would leave it: a warning says so, nothing is
-    offloaded (report), its hooks are gone, and its calls give the reference outputs."""
+    offloaded (report), its layers' hooks are gone (the model's call hooks stay, to plan
+    again if its weights grow), and its calls give the reference outputs."""
     import logging
     from fx_offload.runtime import hooks
     model, inputs = models.build("decoder", num_layers=6, seed=0)
@@ -537,7 +573,10 @@ def test_layers_deleted_until_the_budget_holds_the_rest_leave_a_plain_model(capl
     assert all(torch.equal(o, reference(*inputs)) for o in outs)
     rep = fx_offload.report(model)
     assert rep.layers == [] and rep.planner is not None and not rep.planner.offloads
-    assert not hooks.carries_hooks(model)
+    assert hooks.carries_hooks(model)
+    assert not any(isinstance(getattr(h, "hook", h), hooks.OurHook) for m in model.layers
+                   for hook_dict in (m._forward_pre_hooks, m._forward_hooks,
+                                     m._state_dict_hooks) for h in hook_dict.values())
     # grown past the budget again: planned anew from the graph Dynamo compiles for it
     for _ in range(4):
         layer = copy.deepcopy(reference.layers[0])

@@ -66,12 +66,16 @@ def drop_traced_hook_waits(gm: fx.GraphModule, plan: GraphPlan) -> int:
     """Erase waits that Dynamo traced from the layers' pre-forward hooks for the layers this
     plan places its own wait for; the hook's wait would sit at the layer's entry and declare
     its inputs mutated.  Runs before the pass inserts any op, so every wait found is traced."""
-    planned = {lp.layer for lp in plan.layers}
+    return drop_waits_of(gm, plan.handle, {lp.layer for lp in plan.layers})
+
+
+def drop_waits_of(gm: fx.GraphModule, handle: int, layers=None) -> int:
+    """Erase the waits of offload state ``handle`` (of its ``layers``; None: all of them)."""
     dropped = 0
     for node in list(gm.graph.nodes):
         call = ops.OpCall.of(node)
-        if call is not None and call.kind == "wait" and call.handle == plan.handle \
-                and call.layer in planned:
+        if call is not None and call.kind == "wait" and call.handle == handle \
+                and (layers is None or call.layer in layers):
             gm.graph.erase_node(node)
             dropped += 1
     return dropped

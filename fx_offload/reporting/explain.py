@@ -16,6 +16,7 @@ from ..errors import OffloadError
 from ..graph_inputs import read_graph_inputs
 from ..options import parse_options
 from ..passes.prefetch import run_prefetch_pass
+from ..passes.rewrite import drop_waits_of
 from ..passes.plan import GraphPlan
 from ..selection import Choice, NothingOffloaded, choose
 from ..ops import OpCall
@@ -153,7 +154,7 @@ def explain(model: nn.Module, *example_inputs, aten: bool = False, dynamic: bool
             **options) -> Explanation:
     """Trace ``model`` on ``example_inputs`` and show the plan and the rewritten graphs the
     backend would produce with ``options``, without moving any weight."""
-    model = registry.model_of(model)      # the module behind a torch.compile wrapper
+    model = registry.model_arg(model, "fx_offload.explain")     # (unwraps torch.compile's)
     opts = parse_options(options)
     existing = registry.state_for_model(model)
     if existing is not None and existing.choice.options.placement_key() == opts.placement_key():
@@ -167,6 +168,10 @@ def explain(model: nn.Module, *example_inputs, aten: bool = False, dynamic: bool
     def backend(gm, inputs):
         nonlocal choice
         after = _copy_graph_module(gm)
+        if existing is not None and handle != existing.handle:
+            # other options than the model's own: its layers' hooks traced waits of its
+            # own offload into the graph, which the graph of a plain model has not
+            drop_waits_of(after, existing.handle)
         gi = read_graph_inputs(after, inputs)
         index = len(records)
         names = [source_display_name(n) or n.name for n in gi.placeholders]

@@ -181,10 +181,7 @@ def experts_moved(choice, routed=None) -> dict[int, str]:
 
 def report(model: nn.Module) -> Report:
     """What is offloaded of ``model`` (or of the module ``torch.compile`` wrapped)."""
-    model = registry.model_of(model)
-    if not isinstance(model, nn.Module):
-        raise OffloadError(f"expected a model (an nn.Module, or what torch.compile returned "
-                           f"for one), got {type(model).__name__}", where="fx_offload.report")
+    model = registry.model_arg(model, "fx_offload.report")
     weights = _weights_report(model)
     runtime = kv.runtime_of(model)
     return weights if runtime is None else dataclasses.replace(weights, kv=kv.summary(runtime))

@@ -29,10 +29,12 @@ def restore(model: nn.Module) -> None:
     then runs eagerly as before.  A compiled callable of it stays correct (its ops do nothing).
     On a model whose ``memory_budget`` plan offloaded nothing it forgets that plan, so the
     model may be compiled again with other options."""
-    model = registry.model_of(model)
+    model = registry.model_arg(model, "fx_offload.restore")
     state = registry.settled_state(model)  # a call offloading it anew: the state it makes
     if state is None:
         if registry.forget_nothing_offloaded(model):
+            for handle in hooks.call_hooks(model):  # of one left whole after an offload
+                handle.remove()
             return
         if hooks.carries_hooks(model):
             raise OffloadError(
@@ -48,7 +50,11 @@ def restore(model: nn.Module) -> None:
 
 def named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Every parameter's true value: the host master for offloaded ones."""
-    model = registry.model_of(model)
+    # checked as it is called, not at the first value read
+    return _named_weights(registry.model_arg(model, "fx_offload.named_weights"))
+
+
+def _named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     state = registry.state_for_model(model)
     masters = {} if state is None else {
         p.name: state.truth_of(layer, p) for layer, ps in state.params.items() for p in ps}
@@ -62,8 +68,8 @@ def update_weights(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> Non
     Every entry is checked, and converted to its weight's dtype, before anything is
     written: a bad entry raises :class:`OffloadError` naming it and leaves every weight as
     it was."""
-    model = registry.model_of(model)
     where = "fx_offload.update_weights"
+    model = registry.model_arg(model, where)
     state = registry.settled_state(model)  # a call offloading it anew: the state it makes
     if state is None:
         raise _not_offloaded(model, where)

@@ -32,7 +32,7 @@ import time
 import torch
 from torch import nn
 
-from .. import dtensor, subclass
+from .. import dtensor, registry, subclass
 from ..errors import META_REFUSED, BudgetError, OffloadError
 from ..options import OffloadOptions
 from ..runtime.ahead import depth_wanted
@@ -306,10 +306,12 @@ class PlannerResult:
         return "\n".join(head + table)
 
 
-def weights_bytes(model: nn.Module, device: torch.device) -> int:
+def weights_bytes(model: nn.Module, device: torch.device, as_plain: bool = False) -> int:
     """Device memory of the model's parameters and buffers (shared storage counted once).
     A tensor on the meta device counts as on ``device``: it is a model about to be placed
-    there (``place`` plans on a meta copy)."""
+    there (``place`` plans on a meta copy).  ``as_plain``: an offloaded model's, were it
+    not offloaded (``explain`` with other options): each offloaded parameter counts whole,
+    not its share of a slot that several layers' parameters point at."""
     device = torch.device(device)
     if device.index is None and device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
@@ -322,6 +324,8 @@ def weights_bytes(model: nn.Module, device: torch.device) -> int:
             continue
         elif subclass.is_subclass(t):   # a quantized weight: the bytes of its inner tensors
             key = ("subclass", id(t))
+        elif as_plain and registry.owner_of_param(t) is not None:
+            key = ("offloaded", id(t))
         else:
             key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
         if key in seen:
@@ -356,7 +360,7 @@ def layer_sets(num_layers: int) -> list[tuple[int, ...]]:
 def candidates(model: nn.Module, stack: LayerStack, options: OffloadOptions,
                device: torch.device) -> tuple[list[Candidate], int, int]:
     """(every plan, whole-model weights bytes, the least device memory any plan needs)."""
-    total = weights_bytes(model, device)
+    total = weights_bytes(model, device, as_plain=True)
     everything = range(len(stack.modules))
     found: list[Candidate] = []
     minimum = total
