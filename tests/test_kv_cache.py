@@ -4,6 +4,7 @@ contents equal the same model with its cache on the device; bad options and cach
 clear errors; a copy that fails leaves the cache usable.  CPU here; the GPU cases carry the
 ``cuda`` marker."""
 import copy
+import gc
 import weakref
 
 import pytest
@@ -92,13 +93,22 @@ def test_tokens_and_cache_equal_the_device_cache(device):
 def test_generate_own_cache_several_calls_and_a_longer_prompt():
     """generate() making its own static cache, called again with other prompt lengths (the
     cache reset between calls, a prompt filling several blocks): the reference's tokens,
-    and the slots of the caches that are gone freed."""
+    and the slots of the caches that are gone freed.  report keeps the last generate's
+    figures after its cache is gone."""
     reference, model = pair()
     for length in (5, 40, 16, 3):
         ids = torch.randint(0, 128, (1, length))
         assert torch.equal(generate(model, ids, new=8), generate(reference, ids, new=8))
         # each generate made a cache of another length; the last one's slots alone remain
         assert len(runtime_of(model).slots._flats) == 1
+    gc.collect()                # the last generate's cache is gone
+    kv = fx_offload.report(model).kv
+    per_token = 4 * 2 * 16 * 4 * 2      # 4 layers, batch 1, 2 heads, 16 dims, f32, K and V
+    capacity = kv["host_bytes"] // per_token
+    assert capacity >= 3 + 8 - 1
+    assert kv["valid_tokens"] == 3 + 8 - 1
+    assert kv["copied_per_step"] == min(16, capacity) * per_token     # one block of 16
+    assert kv["written_per_step"] == per_token
 
 
 @pytest.mark.parametrize("kv", [dict(kv_layers=[1, 3], kv_slots=1),

@@ -21,6 +21,7 @@ from ..errors import OffloadError
 from ..text import format_bytes
 from . import plan
 from .plan import KVPlan
+from .runtime import note_call
 
 log = logging.getLogger("fx_offload")
 WHERE = "kv_cache='host'"
@@ -62,11 +63,15 @@ def cache_argument(model, args, kwargs):
     return args[3] if len(args) > 3 else None
 
 
+def _inputs(args, kwargs):
+    """The call's ``input_ids`` (or ``inputs_embeds``): batch by tokens."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    return kwargs.get("inputs_embeds") if ids is None else ids
+
+
 def _dims(model, args, kwargs):
     """(batch, KV heads, key dim, value dim, dtype, device) of the cache a call needs."""
-    ids = kwargs.get("input_ids", args[0] if args else None)
-    if ids is None:
-        ids = kwargs.get("inputs_embeds")
+    ids = _inputs(args, kwargs)
     if not isinstance(ids, torch.Tensor):
         raise OffloadError("cannot tell the batch size of this call (no input_ids or "
                            "inputs_embeds tensor)", where=WHERE)
@@ -154,7 +159,7 @@ def prepare(kv, model, args, kwargs) -> None:
                           "host", i)
                 _host_layer(kv, i, layer, tuple(layer.keys.shape), tuple(layer.values.shape),
                             layer.keys.dtype, kv.device)
-        _read_lengths(kv, cache)
+        _read_lengths(kv, cache, args, kwargs)
         return
     if kv.mode != "host" and not is_static(cache):
         return      # (the budget counts a static cache only: another grows as it fills)
@@ -198,8 +203,7 @@ def prepare(kv, model, args, kwargs) -> None:
     _drop_unused_slots(kv)
     kv.allocate(first.keys, first.values)
     kv.caches[cache] = total
-    kv.latest = weakref.ref(cache)
-    _read_lengths(kv, cache)
+    _read_lengths(kv, cache, args, kwargs)
     log.info("fx_offload: %s KV cache of %d layer(s) on the host: %s "
              "(%d tokens, batch %d, blocks of %d tokens)", kv.model_name, len(chosen),
              format_bytes(total), first.max_cache_len, batch, kv.block)
@@ -273,7 +277,7 @@ def _host_layer(kv, i, layer, shape_k, shape_v, dtype, device) -> int:
     return keys.numel() * keys.element_size() + values.numel() * values.element_size()
 
 
-def _read_lengths(kv, cache) -> None:
+def _read_lengths(kv, cache, args, kwargs) -> None:
     """Each host layer's valid length, read back once per call (outside CUDA graphs the
     fills then run on the copy engine, whose copies need their sizes on the host, and the
     fills begun ahead are checked against it; a replay runs the captured fill kernel, which
@@ -284,3 +288,6 @@ def _read_lengths(kv, cache) -> None:
         return
     lengths = torch.stack([cache.layers[i].cumulative_length.reshape(()) for i in kv.layers])
     kv.lengths = dict(zip(kv.layers, lengths.tolist()))
+    ids = _inputs(args, kwargs)
+    if isinstance(ids, torch.Tensor) and ids.dim() >= 2:
+        note_call(kv, cache, ids.shape[1])
