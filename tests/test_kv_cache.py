@@ -4,6 +4,7 @@ contents equal the same model with its cache on the device; bad options and cach
 clear errors; a copy that fails leaves the cache usable.  CPU here; the GPU cases carry the
 ``cuda`` marker."""
 import copy
+import gc
 import weakref
 
 import pytest
@@ -92,13 +93,22 @@ def test_tokens_and_cache_equal_the_device_cache(device):
 def test_generate_own_cache_several_calls_and_a_longer_prompt():
     """generate() making its own static cache, called again with other prompt lengths (the
     cache reset between calls, a prompt filling several blocks): the reference's tokens,
-    and the slots of the caches that are gone freed."""
+    and the slots of the caches that are gone freed.  report keeps the last generate's
+    figures after its cache is gone."""
     reference, model = pair()
     for length in (5, 40, 16, 3):
         ids = torch.randint(0, 128, (1, length))
         assert torch.equal(generate(model, ids, new=8), generate(reference, ids, new=8))
         # each generate made a cache of another length; the last one's slots alone remain
         assert len(runtime_of(model).slots._flats) == 1
+    gc.collect()                # the last generate's cache is gone
+    kv = fx_offload.report(model).kv
+    per_token = 4 * 2 * 16 * 4 * 2      # 4 layers, batch 1, 2 heads, 16 dims, f32, K and V
+    capacity = kv["host_bytes"] // per_token
+    assert capacity >= 3 + 8 - 1
+    assert kv["valid_tokens"] == 3 + 8 - 1
+    assert kv["copied_per_step"] == min(16, capacity) * per_token     # one block of 16
+    assert kv["written_per_step"] == per_token
 
 
 @pytest.mark.parametrize("kv", [dict(kv_layers=[1, 3], kv_slots=1),
@@ -412,3 +422,37 @@ def test_a_direct_forward_call_with_a_fresh_cache_is_refused():
     with pytest.raises(Exception, match="not model.forward directly"):
         with torch.no_grad():
             model.forward(ids, past_key_values=cache, use_cache=True)
+
+
+def host_model(**kv):
+    """The model of ``pair()`` (the same weights) with kv_cache='host', and no reference."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
+    model.generation_config.eos_token_id = None
+    return fx_offload.compile_forward(model, inner_backend="aot_eager", dynamic=True,
+                                      kv_cache="host", kv_block_size=16, **kv, **WEIGHTS)
+
+
+def test_a_cache_handed_to_another_model_is_taken_over():
+    """A StaticCache used by one kv_cache='host' model, reset, and handed to another (which
+    keeps other layers on the host), then back: each model takes it over from the other
+    (the one that let it go no longer holds its tensors) and gives the tokens the first
+    model gave with the cache new; report keeps each model's own last figures."""
+    first, second = host_model(), host_model(kv_layers=[1, 3])
+    ids = torch.randint(0, 128, (1, 9))
+    cache = static_cache(first, 1, 32)
+    expected = generate(first, ids, new=3, past_key_values=cache)
+    figures = fx_offload.report(first).kv
+    assert figures["valid_tokens"] == 9 + 3 - 1
+    cache.reset()                       # (the prompt alone: one graph compiled, not two)
+    assert torch.equal(generate(second, ids, new=1, past_key_values=cache), expected[:, :10])
+    assert all(runtime_of(first).owner_of(layer.keys) is None for layer in cache.layers)
+    hosts = [runtime_of(second).owner_of(layer.keys) for layer in cache.layers]
+    assert hosts == [None, (1, "keys"), None, (3, "keys")]
+    assert fx_offload.report(first).kv == figures
+    assert fx_offload.report(second).kv["host_bytes"] == figures["host_bytes"] // 2
+    cache.reset()
+    assert torch.equal(generate(first, ids, new=3, past_key_values=cache), expected)
+    assert [runtime_of(first).owner_of(layer.keys) for layer in cache.layers] == \
+        [(i, "keys") for i in range(4)]
+    assert all(runtime_of(second).owner_of(layer.keys) is None for layer in cache.layers)

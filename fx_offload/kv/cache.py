@@ -19,8 +19,9 @@ import torch
 
 from ..errors import OffloadError
 from ..text import format_bytes
-from . import plan
+from . import ops, plan
 from .plan import KVPlan
+from .runtime import note_call
 
 log = logging.getLogger("fx_offload")
 WHERE = "kv_cache='host'"
@@ -62,20 +63,22 @@ def cache_argument(model, args, kwargs):
     return args[3] if len(args) > 3 else None
 
 
+def _inputs(args, kwargs):
+    """The call's ``input_ids`` (or ``inputs_embeds``): batch by tokens."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    return kwargs.get("inputs_embeds") if ids is None else ids
+
+
 def new_tokens(args, kwargs) -> int | None:
     """The tokens a call writes into its cache: its input's sequence length (None where
     the call has no input_ids or inputs_embeds tensor)."""
-    ids = kwargs.get("input_ids", args[0] if args else None)
-    if not isinstance(ids, torch.Tensor):
-        ids = kwargs.get("inputs_embeds")
+    ids = _inputs(args, kwargs)
     return ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() >= 2 else None
 
 
 def _dims(model, args, kwargs):
     """(batch, KV heads, key dim, value dim, dtype, device) of the cache a call needs."""
-    ids = kwargs.get("input_ids", args[0] if args else None)
-    if ids is None:
-        ids = kwargs.get("inputs_embeds")
+    ids = _inputs(args, kwargs)
     if not isinstance(ids, torch.Tensor):
         raise OffloadError("cannot tell the batch size of this call (no input_ids or "
                            "inputs_embeds tensor)", where=WHERE)
@@ -147,7 +150,8 @@ def _initialize(layer, keys, values, device) -> None:
 def prepare(kv, model, args, kwargs) -> None:
     """Make this call's cache ready: its host layers in host memory, the rest initialized
     on the device.  A cache seen before keeps its host memory; a layer whose tensors were
-    replaced (beam search's ``reorder_cache``) is put back on the host."""
+    replaced (beam search's ``reorder_cache``) is put back on the host; a cache another
+    model's runtime holds is taken over from it (:func:`release`)."""
     cache = cache_argument(model, args, kwargs)
     use_cache = kwargs.get("use_cache")
     if use_cache is None:
@@ -163,7 +167,7 @@ def prepare(kv, model, args, kwargs) -> None:
                           "host", i)
                 _host_layer(kv, i, layer, tuple(layer.keys.shape), tuple(layer.values.shape),
                             layer.keys.dtype, kv.device)
-        _read_lengths(kv, cache)
+        _read_lengths(kv, cache, args, kwargs)
         return
     if kv.mode != "host" and not is_static(cache):
         return      # (the budget counts a static cache only: another grows as it fills)
@@ -175,6 +179,7 @@ def prepare(kv, model, args, kwargs) -> None:
         chosen = [i for i, c in enumerate(layers)
                   if kv.mode == "auto" and not isinstance(c, sliding)]
     batch, heads, dk, dv, dtype, device = _dims(model, args, kwargs)
+    held = _take_over(kv, cache)        # a cache another model's runtime held
     sizes = {i: batch * heads * layer.max_cache_len * (dk + dv) * dtype.itemsize
              for i, layer in enumerate(layers)}
     if kv.plan is None:
@@ -188,6 +193,8 @@ def prepare(kv, model, args, kwargs) -> None:
     else:
         plan.warn_if_over(kv, sizes)
     if not kv.layers:
+        for i in held:
+            _keep_on_device(layers[i], device)
         kv.caches[cache] = 0
         return      # the whole cache on the device, as transformers makes it
     chosen = kv.layers      # (under "auto" the plan's, fewer than the movable ones)
@@ -198,7 +205,9 @@ def prepare(kv, model, args, kwargs) -> None:
         shape_k = (batch, heads, layer.max_cache_len, dk)
         shape_v = (batch, heads, layer.max_cache_len, dv)
         if i in chosen:
-            total += _host_layer(kv, i, layer, shape_k, shape_v, dtype, device)
+            total += _host_layer(kv, i, layer, shape_k, shape_v, dtype, device, held.get(i))
+        elif i in held:
+            _keep_on_device(layer, device)
         elif not layer.is_initialized:
             layer.lazy_initialization(
                 torch.empty(shape_k[:2] + (0, dk), dtype=dtype, device=device),
@@ -207,8 +216,7 @@ def prepare(kv, model, args, kwargs) -> None:
     _drop_unused_slots(kv)
     kv.allocate(first.keys, first.values)
     kv.caches[cache] = total
-    kv.latest = weakref.ref(cache)
-    _read_lengths(kv, cache)
+    _read_lengths(kv, cache, args, kwargs)
     log.info("fx_offload: %s KV cache of %d layer(s) on the host: %s "
              "(%d tokens, batch %d, blocks of %d tokens)", kv.model_name, len(chosen),
              format_bytes(total), first.max_cache_len, batch, kv.block)
@@ -268,21 +276,70 @@ def _live_shapes(kv) -> frozenset:
     return frozenset(shapes)
 
 
-def _host_layer(kv, i, layer, shape_k, shape_v, dtype, device) -> int:
+def _host_layer(kv, i, layer, shape_k, shape_v, dtype, device, held=None) -> int:
     """Put cache layer ``i`` in host memory (its tokens, where it holds some, kept); the
-    bytes it takes."""
-    keys = host_tensor(shape_k, dtype, device, kv.pinned)
-    values = host_tensor(shape_v, dtype, device, kv.pinned)
-    if layer.is_initialized:        # a cache that holds tokens already: keep them
-        keys.copy_(layer.keys)
-        values.copy_(layer.values)
+    bytes it takes.  ``held``: the layer is another runtime's host layer, whose tensors
+    (``held``: its records of their page-locked memory) are taken as they are."""
+    if held is not None and (tuple(layer.keys.shape), tuple(layer.values.shape),
+                             layer.keys.dtype, layer.keys.device) == \
+            (shape_k, shape_v, dtype, device):
+        keys, values = layer.keys, layer.values
+        kv.pinned.update(held)
+    else:
+        keys = host_tensor(shape_k, dtype, device, kv.pinned)
+        values = host_tensor(shape_v, dtype, device, kv.pinned)
+        if layer.is_initialized:        # a cache that holds tokens already: keep them
+            keys.copy_(layer.keys)
+            values.copy_(layer.values)
     _initialize(layer, keys, values, device)
     for t, what in ((keys, "keys"), (values, "values"), (layer.cumulative_length, "pos")):
         kv.owners[t.data_ptr()] = (i, what, weakref.ref(t))
     return keys.numel() * keys.element_size() + values.numel() * values.element_size()
 
 
-def _read_lengths(kv, cache) -> None:
+def _keep_on_device(layer, device) -> None:
+    """Another model's host layer that this one keeps on the device: a device copy of it
+    (read through the link at every step otherwise)."""
+    _initialize(layer, layer.keys.clone(), layer.values.clone(), device)
+
+
+def _take_over(kv, cache) -> dict[int, dict]:
+    """The host layers of ``cache`` that another model's runtime holds (a cache handed on
+    from one model to another), which that runtime gives up to ``kv``."""
+    held = {}
+    for other in ops.runtimes():
+        if other is not kv and cache in other.caches:
+            held.update(release(other, cache))
+    return held
+
+
+def release(kv, cache) -> dict[int, dict]:
+    """Give ``cache`` up to another model's runtime: ``kv`` forgets its tensors and the fills
+    it began ahead (they may hold the cache's blocks), so that its model, called with the
+    cache again, takes it back as a new cache; its graphs refuse the cache until then (the
+    update's owner check).  Returns {host layer: the page-locked memory's records}."""
+    del kv.caches[cache]
+    if kv.copy_stream is not None and not torch.cuda.is_current_stream_capturing():
+        current = torch.cuda.current_stream(kv.device)  # its copies that read or write the
+        current.wait_stream(kv.copy_stream)             # cache come before the new owner's
+        current.wait_stream(kv.write_stream)
+    kv.next_call.filled = {}
+    kv.before_replay.begun = {}
+    held = {}
+    for i in kv.layers:
+        layer = cache.layers[i]
+        mine = [t for t, what in ((layer.keys, "keys"), (layer.values, "values"),
+                                  (layer.cumulative_length, "pos"))
+                if kv.owner_of(t) == (i, what)]
+        for t in mine:
+            kv.owners.pop(t.data_ptr())
+        if len(mine) == 3:
+            held[i] = {t.data_ptr(): kv.pinned.pop(t.data_ptr()) for t in mine[:2]
+                       if t.data_ptr() in kv.pinned}
+    return held
+
+
+def _read_lengths(kv, cache, args, kwargs) -> None:
     """Each host layer's valid length, read back once per call (outside CUDA graphs the
     fills then run on the copy engine, whose copies need their sizes on the host, and the
     fills begun ahead are checked against it; a replay runs the captured fill kernel, which
@@ -293,3 +350,6 @@ def _read_lengths(kv, cache) -> None:
         return
     lengths = torch.stack([cache.layers[i].cumulative_length.reshape(()) for i in kv.layers])
     kv.lengths = dict(zip(kv.layers, lengths.tolist()))
+    ids = _inputs(args, kwargs)
+    if isinstance(ids, torch.Tensor) and ids.dim() >= 2:
+        note_call(kv, cache, ids.shape[1])

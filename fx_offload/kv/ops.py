@@ -40,6 +40,12 @@ def register(runtime) -> None:
         _RUNTIMES[runtime.handle] = runtime
 
 
+def runtimes() -> list:
+    """Every live host KV runtime."""
+    with _LOCK:
+        return list(_RUNTIMES.values())
+
+
 def runtime_for(handle: int):
     runtime = _RUNTIMES.get(int(handle))
     if runtime is None:

@@ -70,7 +70,7 @@ class HostKV:
         self.fill_known = copies.fill_known
         self.hook = None                         # the model's call hooks (fx_offload.kv):
         self.after_hook = None                   # before and after each call
-        self.latest = None                       # a weak reference to the latest cache
+        self.figures: dict = {}                  # what report shows (note_call)
         self.pinned: dict[int, object] = {}      # address -> weakref of the host tensor
         self.lengths: dict[int, int] = {}        # from the hook: each layer's valid length
         self.call_lengths: dict[int, int] = {}   # the same, taken by this call's begin
@@ -268,25 +268,29 @@ class HostKV:
         self.ended = True
 
 
+def note_call(kv, cache, tokens: int) -> None:
+    """Keep what ``fx_offload.report`` shows of this call's cache: its host bytes, its valid
+    tokens once the call has written its ``tokens``, and what a decode step at that length
+    moves (the valid blocks in, one token out).  Counted on the host from the lengths the
+    hook read, and kept until the next call: a cache ``generate`` makes is gone when a user
+    asks."""
+    first = cache.layers[kv.layers[0]]
+    capacity = first.keys.shape[2]
+    valid = min(kv.lengths[kv.layers[0]] + tokens, capacity)
+    per_token = sum(t.numel() // capacity * t.element_size() for i in kv.layers
+                    for t in (cache.layers[i].keys, cache.layers[i].values))
+    kv.figures = dict(host_bytes=kv.caches.get(cache, 0), valid_tokens=valid,
+                      copied_per_step=copies.rounded(valid, kv.block, capacity) * per_token,
+                      written_per_step=per_token)
+
+
 def summary(kv) -> dict:
-    """What ``fx_offload.report`` shows: the latest cache's host bytes, its valid tokens,
-    and what a decode step at that length moves (the valid blocks in, one token out)."""
-    cache = kv.latest() if kv.latest is not None else None
+    """What ``fx_offload.report`` shows: the slots, the plan, and the latest call's figures
+    (:func:`note_call`)."""
     out = dict(layers=list(kv.layers), block=kv.block, slots=kv.num_slots,
                slot_bytes=kv.slot_bytes(), host_bytes=0, valid_tokens=0,
                copied_per_step=0, written_per_step=0,
                plan=kv.plan.describe() if kv.plan is not None and kv.budget is not None
                else None)
-    if cache is None or not kv.layers:
-        return out
-    per_token = []
-    for i in kv.layers:
-        layer = cache.layers[i]
-        per_token.append(sum(t[:, :, :1].numel() * t.element_size()
-                             for t in (layer.keys, layer.values)))
-    valid = int(cache.layers[kv.layers[0]].cumulative_length)
-    tokens = cache.layers[kv.layers[0]].keys.shape[2]
-    out.update(host_bytes=kv.caches.get(cache, 0), valid_tokens=valid,
-               copied_per_step=copies.rounded(valid, kv.block, tokens) * sum(per_token),
-               written_per_step=sum(per_token))
+    out.update(kv.figures)
     return out

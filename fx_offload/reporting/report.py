@@ -49,7 +49,8 @@ class Report:
     # option expert_cache: (room in experts per routed layer, device bytes, bytes the last
     # call's picked experts found there instead of crossing the link, experts held now)
     expert_cache: tuple[int, int, int, int] | None = None
-    # kv_cache="host": HostKV.summary() (host and slot bytes, what a decode step moves)
+    # kv_cache="host": kv.summary() (host and slot bytes; the latest call's cache and what
+    # a decode step at its length moves, kept until the next call)
     kv: dict = dataclasses.field(default_factory=dict)
     # routed MoE layers' other weights fetched ahead (runtime.ahead): (buffers, their
     # device bytes, counted in buffer_bytes); None where there is no such ring
