@@ -140,3 +140,35 @@ def test_vmap_over_stacked_weights_is_refused_and_loses_nothing():
     with torch.no_grad(), pytest.raises(fx_offload.OffloadError, match="torch.func transform"):
         torch.func.vmap(one, in_dims=(0, 0, None))(params, buffers, x)
     assert_is(model, compiled, reference, x)
+
+
+NEW_LAYERS = ("layers.1.", "layers.3.")     # one run before the hook, one after
+
+
+@pytest.mark.parametrize("how,through,kind", [
+    ("update_weights", "compiled", "own storage"), ("load_state_dict", "compiled", "host block"),
+    ("update_weights", "model", "host block"), ("load_state_dict", "model", "own storage")])
+def test_weights_written_from_a_forward_hook_land(how, through, kind):
+    """A hook on layer 2 writes layers 1 and 3: this call computes layer 3 with the new
+    weights (as a plain model does), the next ones both."""
+    armed, new = [], {}
+
+    def hook(m):
+        @torch.compiler.disable     # one graph break, rather than Dynamo tracing a load
+        def write(module, args, output):
+            if not armed:
+                return
+            if how == "update_weights" and m is model:
+                fx_offload.update_weights(m, new)
+            else:
+                m.load_state_dict(new, strict=False)
+        return write
+
+    model, compiled, reference, other, x = offloaded(kind, hook)
+    new.update({k: v for k, v in other.state_dict().items() if k.startswith(NEW_LAYERS)})
+    with torch.no_grad():
+        armed.append(True)
+        got = (compiled if through == "compiled" else model)(x)
+        assert torch.equal(got, reference(x))
+        armed.clear()
+    assert_is(model, compiled, reference, x)

@@ -21,6 +21,7 @@ from .. import registry
 from ..errors import OffloadError
 from .contents import capturing
 from .fingerprint import Fingerprint
+from .in_call import WritesInCall
 from .interrupts import GUARD
 from .turns import Turns
 from .versions import ParamVersions
@@ -31,7 +32,7 @@ class ShapeChanged(Exception):
     slots no longer fit, and the model must be offloaded anew."""
 
 
-class Ownership(ParamVersions):
+class Ownership(ParamVersions, WritesInCall):
     """Call-by-call ownership of an offloaded model's weights (a mixin)."""
 
     def _init_ownership(self) -> None:
@@ -83,6 +84,7 @@ class Ownership(ParamVersions):
                 self._root_call = root
                 if root:    # first: the copy stream works while the rest runs; a layer
                     self.begin_entry_refills(tokens)   # changed: reloaded when taken up
+                self.forget_write()
                 self._take_up_changes()
                 self.after_take_up(root)
                 if self.buffers is not None:    # a record a copy found corrupt, unless
@@ -109,6 +111,7 @@ class Ownership(ParamVersions):
             return
         with GUARD.holding():            # Ctrl-C waits until the parameters are back
             try:
+                self.forget_write()
                 self._point_at(truth=True)
                 if self._root_call and self.ahead is not None and not capturing():
                     self.ahead.end_call(self._versions)     # crosses while the host works
