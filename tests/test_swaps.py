@@ -12,6 +12,7 @@ import torch
 from torch.func import functional_call
 
 import fx_offload
+from fx_offload import registry
 from fx_offload.tools import models
 
 OPTIONS = {"group_size": 2, "num_in_group": 1, "prefetch_step": 1, "inner_backend": "aot_eager"}
@@ -78,6 +79,25 @@ def test_functional_call_of_some_weights_of_a_layer():
     with torch.no_grad():
         assert torch.equal(functional_call(compiled, swapped, (x,)),
                            functional_call(reference, swapped, (x,)))
+    assert_is(model, compiled, reference, x)
+
+
+def test_new_weights_go_into_the_host_block_unless_a_kept_tensor_views_it():
+    """``load_state_dict(assign=True)`` lets the old parameter objects go: their host block
+    takes the new values in place (host memory holds the weights once), but for a layer
+    whose ``state_dict()`` value is kept, which keeps its values, as on a plain model."""
+    model, compiled, reference, other, x = offloaded("host block")
+    buffers = registry.state_for_model(model).buffers
+    blocks = {layer: buffers.block_of(layer).data_ptr() for layer in (1, 3)}
+    kept = model.state_dict()["layers.3.fc1.weight"]
+    was = kept.clone()
+    model.load_state_dict(copy.deepcopy(other.state_dict()), assign=True)
+    reference.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        assert torch.equal(compiled(x), other(x))
+    assert torch.equal(kept, was)
+    assert buffers.block_of(1).data_ptr() == blocks[1]
+    assert buffers.block_of(3).data_ptr() != blocks[3]
     assert_is(model, compiled, reference, x)
 
 

@@ -196,14 +196,15 @@ class Ownership(ParamVersions, WritesInCall):
         news = _new_values(self.buffers.masters, moved)
         if news:                            # rare: a copy in flight may read a host block
             self.synchronize()
-        for layer, values in news.items():  # never over what a kept tensor views
-            self.buffers.take_values(layer, values)
-            stale.add(layer)
         for layer, p, current, _, copy in moved:
-            masters = self.buffers.masters[layer]
             if current is not p.param and p.host is None:   # else its values were copied:
                 registry.replace_param(self, layer, p.param, current)   # the twin stays
-                p.param = current
+                p.param = current       # first: an old object only this held is let go,
+        for layer, values in news.items():  # so its block is not taken as viewed by it
+            self.buffers.take_values(layer, values)     # never over what a kept tensor
+            stale.add(layer)                            # views (.new_values)
+        for layer, p, current, _, copy in moved:
+            masters = self.buffers.masters[layer]
             if p.host is not None:              # the twin views the host block again
                 old = p.host
                 if p.retwin(masters) is not old:
