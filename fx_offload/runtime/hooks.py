@@ -135,6 +135,7 @@ class LoadTakesTurn(OurHook):
         while state is not None:
             state.turns.begin_load(module)
             if not state.restored:
+                state.begin_write(module)   # from inside a call: into the truth (.in_call)
                 return
             # offloaded anew while this waited: the new state's turn (its post-hook, on
             # the module by then, gives it back), or none for a restored model
@@ -151,6 +152,7 @@ class LoadGivesBack(OurHook):
     def __call__(self, module, incompatible_keys):
         state = registry.state_for_load(self.token)
         if state is not None:
+            state.end_write(module)
             state.turns.end_load(module)
 
 

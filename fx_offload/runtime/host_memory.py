@@ -85,6 +85,21 @@ def views_into(buffer: torch.Tensor, layout: tuple,
     return views
 
 
+def viewed_elsewhere(view: torch.Tensor) -> bool:
+    """Some tensor besides ``view`` (a host block's view, which has a storage of its own:
+    :func:`views_into`) holds its storage: a ``p.data`` or ``state_dict()`` value the user
+    kept, a parameter object swapped out.  Writing the view would change what they hold,
+    which a plain model never does when a parameter is given other storage.  Counted with
+    the storage's use count, less what asking for it adds (measured on a fresh tensor); where
+    torch does not say, every view counts as held elsewhere."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return True
+    fresh = torch.empty(1)
+    asked, probe = view.untyped_storage(), fresh.untyped_storage()   # held while counted
+    return count(asked._cdata) > count(probe._cdata)     # the probe: one tensor, the asking
+
+
 def _zero_gaps(buffer: torch.Tensor, layout: tuple, total: int) -> None:
     """Zero the alignment padding between tensors: never read, but copied with them, and
     compressed with them (``compress="lossless"``: random bytes there would be escapes)."""

@@ -18,8 +18,10 @@ import weakref
 import torch
 
 from .. import registry
+from ..errors import OffloadError
 from .contents import capturing
 from .fingerprint import Fingerprint
+from .in_call import WritesInCall
 from .interrupts import GUARD
 from .turns import Turns
 from .versions import ParamVersions
@@ -30,7 +32,7 @@ class ShapeChanged(Exception):
     slots no longer fit, and the model must be offloaded anew."""
 
 
-class Ownership(ParamVersions):
+class Ownership(ParamVersions, WritesInCall):
     """Call-by-call ownership of an offloaded model's weights (a mixin)."""
 
     def _init_ownership(self) -> None:
@@ -84,6 +86,7 @@ class Ownership(ParamVersions):
                 self._root_call = root
                 if root:    # first: the copy stream works while the rest runs; a layer
                     self.begin_entry_refills(tokens)   # changed: reloaded when taken up
+                self.forget_write()
                 self._take_up_changes()
                 self.after_take_up(root)
                 if self.buffers is not None:    # a record a copy found corrupt, unless
@@ -110,6 +113,7 @@ class Ownership(ParamVersions):
             return
         with GUARD.holding():            # Ctrl-C waits until the parameters are back
             try:
+                self.forget_write()
                 self._point_at(truth=True)
                 if self._root_call and self.ahead is not None and not capturing():
                     self.ahead.end_call(self._versions)     # crosses while the host works
@@ -184,6 +188,7 @@ class Ownership(ParamVersions):
                 current = p.current()
                 if p.host is not None and p.ptrs(p.host) != p.ptrs_in(masters):
                     current = p.host    # an inner tensor of the host twin was set anew
+                _refuse_transformed(p, current)
                 if not p.fits(current, masters):
                     raise ShapeChanged(p.name)
                 if current is p.param and p.ptrs() in (p.ptrs_in(masters), p.ptrs_in(views)):
@@ -191,27 +196,18 @@ class Ownership(ParamVersions):
                 handed = self._handover.pop(p.name, None)
                 copy = current is not p.param or handed != (p.ptrs(), p.versions())
                 moved.append((layer, p, current, masters, copy))
-        # Read every new value before writing any host block: a parameter moved from one
-        # layer to another still views the host block it came from.
-        sources = {}
-        if any(copy for *_, copy in moved):     # rare: only then look at the host blocks
-            blocks = {t.untyped_storage().data_ptr()
-                      for masters in self.buffers.masters.values() for t in masters.values()}
-            sources = {id(cur): {key: (t.detach().clone()
-                                       if t.untyped_storage().data_ptr() in blocks
-                                       else t.detach())
-                                 for key, t in p.parts(cur).items()}
-                       for _, p, cur, _, copy in moved if copy}
-            self.synchronize()              # a copy in flight may be reading a host block
-        for layer, p, current, masters, copy in moved:
-            if copy:
-                with torch.no_grad():
-                    for key, value in sources[id(current)].items():
-                        masters[key].copy_(value)
-                stale.add(layer)
+        news = _new_values(self.buffers.masters, moved)
+        if news:                            # rare: a copy in flight may read a host block
+            self.synchronize()
+        for layer, p, current, _, copy in moved:
             if current is not p.param and p.host is None:   # else its values were copied:
                 registry.replace_param(self, layer, p.param, current)   # the twin stays
-                p.param = current
+                p.param = current       # first: an old object only this held is let go,
+        for layer, values in news.items():  # so its block is not taken as viewed by it
+            self.buffers.take_values(layer, values)     # never over what a kept tensor
+            stale.add(layer)                            # views (.new_values)
+        for layer, p, current, _, copy in moved:
+            masters = self.buffers.masters[layer]
             if p.host is not None:              # the twin views the host block again
                 old = p.host
                 if p.retwin(masters) is not old:
@@ -255,6 +251,36 @@ def _runs_model(state, module) -> bool:
     model = state.model_ref()
     return module is not None and (module is model or getattr(module, "_orig_mod", None)
                                    is model or any(module is m for m in state.stack.modules))
+
+
+def _new_values(masters: dict, moved: list) -> dict[int, dict]:
+    """Layer -> key in its host block -> the new value, of the ``moved`` entries whose
+    values are taken up.  All are read before any host block changes: a parameter moved
+    from one layer to another still views the host block it came from (then a copy)."""
+    news: dict[int, dict] = {}
+    if not any(copy for *_, copy in moved):
+        return news
+    blocks = {t.untyped_storage().data_ptr() for views in masters.values()
+              for t in views.values()}
+    for layer, p, current, _, copy in moved:
+        if copy:
+            news.setdefault(layer, {}).update(
+                {key: t.detach().clone() if t.untyped_storage().data_ptr() in blocks
+                 else t.detach() for key, t in p.parts(current).items()})
+    return news
+
+
+def _refuse_transformed(p, current) -> None:
+    """A tensor of a ``torch.func`` transform (``vmap`` over ``stack_module_state``'s
+    weights, ``grad``) held by an offloaded parameter: its per-sample weights cannot go
+    through one slot."""
+    if current is not None and torch._C._functorch.is_functorch_wrapped_tensor(current):
+        raise OffloadError(
+            f"{p.name} holds a tensor of a torch.func transform (vmap of functional_call, "
+            "as over stack_module_state's weights, or grad): an offloaded layer computes "
+            "with one set of weights in its slot. Call functional_call on a model that is "
+            "not offloaded (fx_offload.restore(model), or a copy of it restored), or vmap "
+            "over the inputs alone", where="fx_offload")
 
 
 def _check_stack(state) -> None:

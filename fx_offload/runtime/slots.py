@@ -33,11 +33,12 @@ from .ahead import AheadCopies
 from .compressed import StagedCopies
 from .compressed_layers import CompressedLayers
 from .host_memory import HostBlock, align_for, layout_of, views_into
+from .new_values import NewValues
 
 log = logging.getLogger("fx_offload")
 
 
-class SlotBuffers(CompressedLayers):
+class SlotBuffers(NewValues, CompressedLayers):
     """Masters and slots for a :class:`~fx_offload.selection.Choice`."""
 
     # One copy per chunk from a packed host block into its slot, not one per parameter (the

@@ -81,11 +81,16 @@ def update_weights(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> Non
     staged = [_staged(name, value, targets, model, where) for name, value in weights.items()]
     # Everything checked and converted: write.  Between calls the parameters are the
     # truth; an in-place copy moves their version, so the next call reloads any slot
-    # holding them.
+    # holding them.  From inside a call (a forward hook) they point at the truth for the
+    # write, and then the slots follow (.in_call).
     while state is not None:
         with state.holding_slots():
             if not state.restored:
-                _write(staged)
+                state.begin_write(staged)
+                try:
+                    _write(staged)
+                finally:
+                    state.end_write(staged)
                 return
         # offloaded anew while this waited (the parameters may point at the new state's
         # slots in another thread's call): its turn, or none for a restored model
