@@ -1,5 +1,5 @@
 """compress="lossless": bf16 weights cross the link as records of 12 bits a word plus escapes
-(fx_offload.runtime.lossless) and are decoded into the slot; outputs stay bitwise those of the
+(fx_offload.codecs.lossless) and are decoded into the slot; outputs stay bitwise those of the
 model without offloading, and everything a user does to the weights keeps its guarantees."""
 import contextlib
 import copy
@@ -13,7 +13,7 @@ import torch
 import fx_offload
 from fx_offload import registry
 from fx_offload.errors import OffloadError
-from fx_offload.runtime import ans, lossless
+from fx_offload.codecs import ans, lossless
 from fx_offload.tools import models
 from helpers import bf16_decoder
 

@@ -118,6 +118,23 @@ def test_the_library_never_imports_the_tools():
     assert bad == [], bad
 
 
+def runtime_imports(graph: dict) -> list:
+    """(module, runtime module) for each import of ``fx_offload.runtime`` by a module of
+    ``selection/`` or ``passes/``."""
+    early = ("fx_offload.selection", "fx_offload.passes")
+    return sorted((a, b) for a, edges in graph.items()
+                  if a in early or a.startswith(tuple(e + "." for e in early))
+                  for b in edges
+                  if b == "fx_offload.runtime" or b.startswith("fx_offload.runtime."))
+
+
+def test_selection_and_the_pass_never_import_the_runtime():
+    """The phases run one way, selection -> pass -> runtime: what the planner must know of
+    the runtime's rules lives in a leaf both import (``fx_offload.copy_rules``), the
+    codecs in ``fx_offload.codecs``."""
+    assert runtime_imports(import_graph()) == []
+
+
 def test_classes_and_functions_stay_small():
     too_long = []
     for name, path in modules().items():
@@ -145,6 +162,13 @@ def test_the_checks_can_fail(tmp_path):
     graph = import_graph(pkg)
     assert find_cycle(graph) == ["fx_offload.a", "fx_offload.b", "fx_offload.a"]
     assert "fx_offload.tools.demo" in graph["fx_offload.b"]
+    (pkg / "selection").mkdir()
+    (pkg / "runtime").mkdir()
+    for f in ("selection/__init__.py", "runtime/__init__.py", "runtime/slots.py"):
+        (pkg / f).write_text("")
+    (pkg / "selection" / "budget.py").write_text("def f():\n    from ..runtime import slots\n")
+    assert runtime_imports(import_graph(pkg)) == [("fx_offload.selection.budget",
+                                                   "fx_offload.runtime.slots")]
     with pytest.raises(RecursionError):
         depth(graph)
 

@@ -41,42 +41,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 
 import torch
 
+from ..copy_rules import depth_wanted
 from .contents import capturing
 
 log = logging.getLogger("fx_offload")
-
-DEPTH = 4           # the fewest buffers in the ring (fewer only where fewer chunks follow)
-MOST = 8            # the most the library picks by itself
-PER_BUFFER = 5      # routed layers fetched ahead per buffer, between the two
-
-
-def depth_wanted(layers: int) -> int:
-    """How many buffers for a ring that fetches ``layers`` routed layers' other chunks:
-    ``FX_OFFLOAD_AHEAD`` (a count; 0 turns the ring off), else one per :data:`PER_BUFFER`
-    layers, at least :data:`DEPTH` and at most :data:`MOST`.
-
-    The count follows the measurements, not a model of them (why eight pay at 48 layers
-    and not at 8 was not traced; the fills begun as a call ends, which can use only the
-    host's time between calls, are one candidate).  Measured with Hugging Face
-    ``generate`` under CUDA graphs, Qwen3-30B-A3B's layer shapes, one slot
-    (docs/notes/2026-11-27-moe-ring-ahead.md): at 8 layers four buffers were faster than
-    eight at batch 1 (19.10 against 19.71 ms/token) and as fast at batch 8; at 48 layers
-    eight were 2.9% faster than four (108.14 against 111.32), and sixteen no faster than
-    eight."""
-    value = os.environ.get("FX_OFFLOAD_AHEAD", "").strip()
-    default = min(MOST, max(DEPTH, layers // PER_BUFFER))
-    if not value:
-        return default
-    if value.isdigit():
-        return int(value)
-    log.warning("fx_offload: the environment variable FX_OFFLOAD_AHEAD=%r sets how many "
-                "routed MoE layers' other weights are fetched ahead, a count (0 turns it "
-                "off): the default, %d, used", value, default)
-    return default
 
 
 @dataclasses.dataclass

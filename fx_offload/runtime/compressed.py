@@ -1,6 +1,6 @@
 """One offloaded layer's compressed host copy (``compress="lossless"``): the records of its
-chunks (by :mod:`.ans` on a GPU with nvCOMP, else :mod:`.lossless`) in one page-locked
-block, and the copy of a chunk through a staging buffer on the device::
+chunks (by :mod:`fx_offload.codecs`: nvCOMP's ANS on a GPU with nvCOMP, else ours) in one
+page-locked block, and the copy of a chunk through a staging buffer on the device::
 
     host block (the truth)  [ chunk 0 | chunk 1 | chunk 2 ]      raw bytes, as without
                                encode     encode    raw (not all bf16, or not worth it)
@@ -33,17 +33,12 @@ import logging
 import torch
 
 from ..errors import OffloadError
-from . import ans, lossless, record_check
+from ..codecs import ans, codec_for, lossless
+from . import record_check
 from .host_memory import HostBlock
 
 log = logging.getLogger("fx_offload")
 
-
-def codec_for(device: torch.device):
-    """The codec of records copied to ``device`` (a module with ``NAME``, ``encode`` and
-    ``decode``): nvCOMP's ANS on a GPU where nvCOMP is installed (:mod:`.ans`), else ours
-    (:mod:`.lossless`, which also decodes on the CPU)."""
-    return ans if ans.available(device) else lossless
 
 
 class CompressedBlock:

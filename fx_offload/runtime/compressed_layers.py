@@ -17,7 +17,8 @@ import logging
 import torch
 
 from ..text import format_bytes
-from . import file_backed, lossless
+from ..codecs import lossless
+from . import file_backed
 from .compressed import CompressedBlock
 
 log = logging.getLogger("fx_offload")

@@ -14,8 +14,9 @@ import math
 
 import torch
 
+from ..copy_rules import ALIGN
+
 log = logging.getLogger("fx_offload")
-ALIGN = 512                       # bytes; keeps every view aligned for the copy engine
 ALIGN_CPU = 64                    # bytes; a CPU run only needs each view's dtype aligned
 _FALLBACK_WARNED = False
 

@@ -23,18 +23,12 @@ import logging
 
 import torch
 
+from ..copy_rules import WHOLE_ABOVE, expected_share
 from . import gather
 from .contents import capturing
 from .expert_cache import ExpertCache
 
 log = logging.getLogger("fx_offload")
-WHOLE_ABOVE = 0.5       # expected share of a layer's experts a call picks: above it, whole
-
-
-def expected_share(num_experts: int, k: int, tokens: int) -> float:
-    """Expected share of ``num_experts`` experts that ``tokens`` tokens pick, ``k`` each, if
-    each picked at random."""
-    return 1.0 - (1.0 - min(k / num_experts, 1.0)) ** tokens
 
 
 class RoutedExperts:

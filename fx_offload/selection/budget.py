@@ -35,9 +35,7 @@ from torch import nn
 from .. import dtensor, registry, subclass
 from ..errors import META_REFUSED, BudgetError, OffloadError
 from ..options import OffloadOptions
-from ..runtime.ahead import depth_wanted
-from ..runtime.host_memory import ALIGN
-from ..runtime.routed import WHOLE_ABOVE, expected_share
+from ..copy_rules import ALIGN, WHOLE_ABOVE, depth_wanted, expected_share
 from ..schedule import Schedule
 from ..text import format_bytes, render_table
 from . import compression

@@ -35,7 +35,7 @@ class Choice:
     # layer -> its copy chunks, arranged once at the first graph (fx_offload.layout.arrange),
     # which also puts each layer's params in the order of its host block
     layout: dict = dataclasses.field(default_factory=dict)
-    # "lossless": each chunk of bf16 weights crosses the link compressed (runtime.lossless)
+    # "lossless": each chunk of bf16 weights crosses the link compressed (codecs.lossless)
     compress: str = "none"
     # where compressed layers' uncompressed weights live (runtime.file_backed)
     uncompressed_weights: str = "auto"

@@ -3,14 +3,13 @@ bytes a copy moves, sampled from the model's own weights, and the decode's rate.
 
 A copy of a compressed layer takes ``max(moved bytes / H2D bandwidth, raw bytes / decode
 rate)``: the link and the decode run on their own streams, one chunk apart
-(:mod:`fx_offload.runtime.compressed`).
+(:mod:`fx_offload.runtime.compressed`, decoding with :mod:`fx_offload.codecs`).
 """
 from __future__ import annotations
 
 import torch
 
-from ..runtime import ans, lossless
-from ..runtime.compressed import codec_for
+from ..codecs import ans, codec_for, lossless
 from .stack import LayerStack
 
 # measured on normal(0, 0.02) bf16 weights of Llama-3-8B shape, per codec (the measurements:

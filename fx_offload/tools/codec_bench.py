@@ -28,7 +28,7 @@ import time
 import torch
 
 from ..layout import Chunk
-from ..runtime import ans, lossless
+from ..codecs import ans, lossless
 from ..runtime.compressed import CompressedBlock, StagedCopies
 from .bench import h2d_bandwidth
 

@@ -33,7 +33,7 @@ import time
 import torch
 
 from .. import backend, compile_forward, registry, report
-from ..runtime import ans
+from ..codecs import ans
 from ..schedule import Schedule
 from .bench import at_least, h2d_bandwidth
 

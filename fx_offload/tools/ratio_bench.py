@@ -8,7 +8,7 @@ of sequences drawn from a fixed random Markov chain of 256 states (each state go
 Then, for the layers' weights cast to bf16, before and after training, and for weights drawn
 normal(0, 0.02):
 
-* ``ours``: the bytes of fx_offload's records (:mod:`fx_offload.runtime.lossless`) over the
+* ``ours``: the bytes of fx_offload's records (:mod:`fx_offload.codecs.lossless`) over the
   raw bytes, each weight one chunk;
 * ``nvCOMP``: the same for nvCOMP's ANS records, where nvCOMP's library and a GPU are there;
 * ``exponent bound``: (8 + H) / 16, H the entropy of the weights' exponents in bits: what a
@@ -26,7 +26,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..runtime import ans, lossless
+from ..codecs import ans, lossless
 from . import models
 
 
