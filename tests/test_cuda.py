@@ -13,7 +13,7 @@ import fx_offload
 from helpers import assert_same_greedy_tokens
 from fx_offload.runtime.slots import SlotBuffers
 from fx_offload.tools import models
-from fx_offload.tools.profiling import overlap_from_events
+from fx_offload.benchmarks.profiling import overlap_from_events
 
 pytestmark = pytest.mark.cuda
 

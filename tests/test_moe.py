@@ -598,7 +598,7 @@ def test_the_link_profile_counts_the_gather_kernels_as_busy():
     """``moe --profile``'s summary: a gather kernel reads host memory, so the link is busy
     while it runs, beside the copy stream's copies; compute kernels leave it idle."""
     import types
-    from fx_offload.tools.profiling import link_gaps
+    from fx_offload.benchmarks.profiling import link_gaps
     cuda = types.SimpleNamespace(name="CUDA")
 
     def event(name, start, end):
@@ -622,7 +622,7 @@ def test_the_moe_benchmark_puts_the_gathered_rows_at_the_gather_kernels_rate(cap
     ``x gather`` only the bytes the gathers did not move (the gathered rows at the gather
     kernel's own rate); a row that moved its experts whole gathered nothing, so the two
     agree.  Without a GPU the gather's rate is not measured."""
-    from fx_offload.tools import bench, moe_bench
+    from fx_offload.benchmarks import bench, moe_bench
     routed, whole = "fx_offload, experts='routed'", "fx_offload, experts='whole'"
     rows = {(routed, 1): (100.0, 35.0), (whole, 1): (200.0, 140.0)}
     moved = {(routed, 1): (3 * 10**9, 0, 2 * 10**9), (whole, 1): (7 * 10**9, 0, 0)}
@@ -646,14 +646,14 @@ def test_the_step_clock_leaves_out_the_gap_that_waits_for_the_prompt():
     first tick waits for the prompt's forward, not for a decode step.  With 3 new tokens and
     that gap counted, half the gaps were not steps and the median came out at about half a
     step; left out, every gap is one."""
-    from fx_offload.tools.generate_bench import step_gaps
+    from fx_offload.benchmarks.generate_bench import step_gaps
     # the prompt's forward nearly done when its tick comes: a short first gap, then 40 ms steps
     ticks = [1.000, 1.002, 1.042, 1.082]
     assert step_gaps(ticks) == pytest.approx([40.0, 40.0])
     assert step_gaps(ticks[:2]) == []           # two new tokens: no step to time
     # so the benchmarks that time decode by the clock alone refuse fewer than three
     import argparse
-    from fx_offload.tools import kv_bench, moe_bench
+    from fx_offload.benchmarks import kv_bench, moe_bench
     for tool in (moe_bench, kv_bench):
         parser = argparse.ArgumentParser()
         tool.add_arguments(parser)

@@ -14,7 +14,7 @@ import fx_offload
 from fx_offload.selection import budget as planner
 from fx_offload.selection import device_rates
 from fx_offload.tools import models
-from fx_offload.tools.bench import schedule_bound
+from fx_offload.benchmarks.bench import schedule_bound
 from fx_offload.schedule import Schedule
 from fx_offload.selection.budget import simulate, weights_bytes
 from fx_offload.selection.stack import find_layer_stack

@@ -9,9 +9,10 @@ import textwrap
 
 import torch
 
+from ..benchmarks import (bench, bigger, codec_bench, flux_bench, generate_bench, hostmem_bench,
+                          kv_bench, moe_bench, ratio_bench, trace_bench)
 from ..errors import OffloadError
-from . import (bench, bigger, codec_bench, demo, flux_bench, generate_bench, hostmem_bench,
-               inspect_cli, kv_bench, moe_bench, ratio_bench, trace_bench)
+from . import demo, inspect_cli
 
 # name, module (its add_arguments and run), the line in the list of commands, and the
 # description its --help opens with: what it does, what it needs, an example

@@ -13,7 +13,7 @@ import time
 import torch
 
 from .. import report, restore
-from .bench import at_least
+from ..benchmarks.common import at_least
 from .models import TOOL_LAYERS, build
 
 

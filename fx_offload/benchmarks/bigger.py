@@ -22,7 +22,7 @@ import torch
 from .. import place, registry, report
 from ..schedule import Schedule
 from .bench import h2d_bandwidth
-from .models import TinyDecoder
+from ..tools.models import TinyDecoder
 
 SHAPES = {   # hidden, heads, kv_heads, inner, vocab
     "llama70b": dict(hidden=8192, heads=64, kv_heads=8, inner=28672, vocab=1024),

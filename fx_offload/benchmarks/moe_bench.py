@@ -40,17 +40,14 @@ import sys
 import torch
 
 from .. import backend, compile_forward, registry, report
-from .bench import at_least, gather_bandwidth, h2d_bandwidth
-from .generate_bench import build_random, graphs_route as _graphs, measure
+from .bench import gather_bandwidth, h2d_bandwidth
+from .common import add_generate_arguments, build_random, graphs_route as _graphs
+from .generate_bench import measure
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layers", type=int, default=8, help="decoder layers")
-    parser.add_argument("--prompt", type=int, default=512, help="prompt tokens")
-    parser.add_argument("--new-tokens", type=at_least(3, "tokens generated per timed generate "
-                                                  "(decode is timed from the second to the "
-                                                  "last)"),
-                        default=17, help="tokens generated per timed generate")
+    add_generate_arguments(parser, layers=8, new_tokens=17, fewest=3,
+                           timed="decode is timed from the second to the last")
     parser.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
     parser.add_argument("--prefetch-step", type=int, default=1,
                         help="slots (prefetch_step); 1, the library's default, measures what "
@@ -69,18 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated depths of the ring that fetches routed layers' "
                              "other chunks ahead (FX_OFFLOAD_AHEAD; 0: off) for the routed "
                              "rows, a row each; empty: the library's default alone")
-    parser.add_argument("--repeats", type=int, default=3, help="timed generates of each row")
-    parser.add_argument("--methods", default="resident,fx_offload,accelerate",
-                        help="comma-separated among resident, fx_offload, accelerate")
     parser.add_argument("--profile", action="store_true",
                         help="after each fx_offload row's timing, profile the decode steps of "
                              "one generate and print how busy the link was (copies and the "
                              "routed experts' gather) and its longest idle gaps")
-    parser.add_argument("--cuda-graphs", action="store_true",
-                        help="decode through transformers' own compile route instead: a static "
-                             "cache and CompileConfig (reduce-overhead: CUDA graphs), naming "
-                             "fx_offload.backend(...) for the fx_offload rows; prefill then runs "
-                             "eagerly")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -27,7 +27,7 @@ from ..runtime.slots import SlotBuffers
 from ..schedule import Schedule
 from ..selection.budget import CHUNKS_PREDICTED, simulate, weights_bytes
 from .baselines import HookPrefetcher, accelerate_offload
-from .models import TinyDecoder
+from ..tools.models import TinyDecoder
 from .profiling import copies_alone
 
 log = logging.getLogger("fx_offload")
@@ -132,20 +132,6 @@ def _time(fn, ids, repeats: int, device, sync_each_call: bool = False) -> float:
 def _synchronize(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)     # every stream of the device: copies included
-
-
-def at_least(minimum: int, what: str):
-    """An argparse ``type``: an int no smaller than ``minimum``, else an error naming
-    ``what``."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = minimum - 1
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{what}: an int >= {minimum}, got {text!r}")
-        return value
-    return parse
 
 
 def _rate(run, nbytes: int, device) -> float:

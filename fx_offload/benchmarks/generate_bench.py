@@ -35,15 +35,13 @@ import torch
 from .. import backend, compile_forward, registry, report
 from ..codecs import ans
 from ..schedule import Schedule
-from .bench import at_least, h2d_bandwidth
+from .bench import h2d_bandwidth
+from .common import add_generate_arguments, build_random, graphs_route
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layers", type=int, default=16, help="decoder layers")
-    parser.add_argument("--prompt", type=int, default=512, help="prompt tokens")
-    parser.add_argument("--new-tokens", type=at_least(2, "tokens generated per timed generate "
-                                                  "(decode is timed between them)"),
-                        default=33, help="tokens generated per timed generate")
+    add_generate_arguments(parser, layers=16, new_tokens=33, fewest=2,
+                           timed="decode is timed between them")
     parser.add_argument("--prefetch-step", type=int, default=2,
                         help="option prefetch_step of the fx_offload rows")
     parser.add_argument("--circular-prefetch", default="auto",
@@ -64,14 +62,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "must give the same tokens bitwise)")
     parser.add_argument("--step-clock", action="store_true",
                         help="decode: the median time between two decode steps")
-    parser.add_argument("--repeats", type=int, default=3, help="timed generates of each row")
-    parser.add_argument("--methods", default="resident,fx_offload,accelerate",
-                        help="comma-separated among resident, fx_offload, accelerate")
-    parser.add_argument("--cuda-graphs", action="store_true",
-                        help="decode through transformers' own compile route instead: a static "
-                             "cache and CompileConfig (reduce-overhead: CUDA graphs), naming "
-                             "fx_offload.backend(...) for the fx_offload rows; prefill then runs "
-                             "eagerly")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -231,30 +221,6 @@ def _quantize(model, fmt: str) -> None:
     else:
         config = getattr(quantization, TORCHAO_CONFIGS[fmt])()
     quantization.quantize_(model.model.layers, config)
-
-
-def graphs_route(configured) -> dict:
-    """``generate``'s keywords for transformers' compile route (a static cache, CUDA graphs),
-    compiling with ``configured`` (an fx_offload backend) or, for ``None``, Inductor."""
-    from transformers import CompileConfig
-    config = CompileConfig() if configured is None else CompileConfig(backend=configured)
-    return dict(cache_implementation="static", compile_config=config)
-
-
-def build_random(model_class, config):
-    """A Hugging Face causal LM of ``config`` on the GPU, bf16 weights drawn normal(0, 0.02)
-    (as trained weights are scaled), generating always the full length."""
-    with torch.device("meta"):
-        model = model_class(config).to(torch.bfloat16)     # no float32 copy on the GPU
-    model = model.to_empty(device="cuda").eval()
-    gen = torch.Generator("cuda").manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, device="cuda").mul_(0.02))
-        model.model.rotary_emb.__init__(config, device="cuda")
-    model.generation_config.eos_token_id = None     # always the full length
-    model.generation_config.pad_token_id = 0
-    return model
 
 
 def step_gaps(ticks: list[float]) -> list[float]:

@@ -37,8 +37,9 @@ import torch
 from .. import compile_forward, report
 from ..text import format_bytes
 from ..selection.budget import weights_bytes
-from .bench import at_least, h2d_bandwidth
-from .generate_bench import build_random, step_gaps
+from .bench import h2d_bandwidth
+from .common import at_least, build_random
+from .generate_bench import step_gaps
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..codecs import ans, lossless
-from . import models
+from ..tools import models
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -78,7 +78,7 @@ def _measure(args: argparse.Namespace) -> dict:
     import torch
 
     import fx_offload
-    from . import models
+    from ..tools import models
     torch.manual_seed(0)
     model, (x,) = models.build("decoder", num_layers=args.layers, hidden=args.hidden,
                                inner=args.inner)

@@ -1,0 +1,64 @@
+"""What the benchmarks share: their common flags, the argparse check of a count, and the
+Hugging Face models they build with random weights."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+
+def add_generate_arguments(parser: argparse.ArgumentParser, *, layers: int, new_tokens: int,
+                           fewest: int, timed: str) -> None:
+    """The flags of the benchmarks that time Hugging Face ``generate`` (``generate`` and
+    ``moe``): ``fewest`` new tokens at least, decode timed as ``timed`` says."""
+    parser.add_argument("--layers", type=int, default=layers, help="decoder layers")
+    parser.add_argument("--prompt", type=int, default=512, help="prompt tokens")
+    parser.add_argument("--new-tokens", type=at_least(fewest, "tokens generated per timed "
+                                                      f"generate ({timed})"),
+                        default=new_tokens, help="tokens generated per timed generate")
+    parser.add_argument("--repeats", type=int, default=3, help="timed generates of each row")
+    parser.add_argument("--methods", default="resident,fx_offload,accelerate",
+                        help="comma-separated among resident, fx_offload, accelerate")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="decode through transformers' own compile route instead: a static "
+                             "cache and CompileConfig (reduce-overhead: CUDA graphs), naming "
+                             "fx_offload.backend(...) for the fx_offload rows; prefill then runs "
+                             "eagerly")
+
+
+def at_least(minimum: int, what: str):
+    """An argparse ``type``: an int no smaller than ``minimum``, else an error naming
+    ``what``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{what}: an int >= {minimum}, got {text!r}")
+        return value
+    return parse
+
+
+def graphs_route(configured) -> dict:
+    """``generate``'s keywords for transformers' compile route (a static cache, CUDA graphs),
+    compiling with ``configured`` (an fx_offload backend) or, for ``None``, Inductor."""
+    from transformers import CompileConfig
+    config = CompileConfig() if configured is None else CompileConfig(backend=configured)
+    return dict(cache_implementation="static", compile_config=config)
+
+
+def build_random(model_class, config):
+    """A Hugging Face causal LM of ``config`` on the GPU, bf16 weights drawn normal(0, 0.02)
+    (as trained weights are scaled), generating always the full length."""
+    with torch.device("meta"):
+        model = model_class(config).to(torch.bfloat16)     # no float32 copy on the GPU
+    model = model.to_empty(device="cuda").eval()
+    gen = torch.Generator("cuda").manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, device="cuda").mul_(0.02))
+        model.model.rotary_emb.__init__(config, device="cuda")
+    model.generation_config.eos_token_id = None     # always the full length
+    model.generation_config.pad_token_id = 0
+    return model
