@@ -337,7 +337,8 @@ class EnterCall(hooks.OurHook):
 
     @torch._dynamo.disable(reason=f"fx_offload: an offloaded model: {hooks.EXPORT_REFUSED}")
     def __call__(self, module, args, kwargs=None):
-        hooks.refuse_export(module)
+        if torch.compiler.is_exporting():   # (a check per call, not a call per call)
+            hooks.refuse_export(module)
         state = registry.state_for_model(module)
         tokens = call_tokens(args, kwargs or {})
         if state is None:
@@ -382,7 +383,8 @@ class EnterCall(hooks.OurHook):
             else:
                 log.warning("fx_offload: %s of %s changed (dtype, shape, kind such as a "
                             "quantized weight, place in the layer stack, or the modules "
-                            "holding it); offloading the model again in its new form", changed, type(module).__name__)
+                            "holding it); offloading the model again in its new form",
+                            changed, type(module).__name__)
                 with old.holding_slots():   # no call of the old state runs meanwhile
                     if old.restored:
                         return None         # fx_offload.restore got there first

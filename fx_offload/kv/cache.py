@@ -350,6 +350,6 @@ def _read_lengths(kv, cache, args, kwargs) -> None:
         return
     lengths = torch.stack([cache.layers[i].cumulative_length.reshape(()) for i in kv.layers])
     kv.lengths = dict(zip(kv.layers, lengths.tolist()))
-    ids = _inputs(args, kwargs)
-    if isinstance(ids, torch.Tensor) and ids.dim() >= 2:
-        note_call(kv, cache, ids.shape[1])
+    tokens = new_tokens(args, kwargs)
+    if tokens is not None:
+        note_call(kv, cache, tokens)
