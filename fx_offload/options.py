@@ -57,7 +57,7 @@ class OffloadOptions:
     h2d_bandwidth: float | None = None
     launch_overhead: float | None = None
     # the KV cache (fx_offload.kv): a static cache's layers in host memory
-    kv_cache: str = "auto"      # under memory_budget the planner may move layers (kv.plan)
+    kv_cache: str = "auto"      # under memory_budget the planner may move layers (kv.host_layers)
     kv_layers: tuple[int, ...] | None = None    # None: every layer of the cache
     kv_block_size: int = 256    # tokens: the valid prefix crosses the link in whole blocks
     kv_slots: int = 2

@@ -12,7 +12,7 @@ import torch
 
 import fx_offload
 from fx_offload.errors import OffloadError
-from fx_offload.kv import rewrite, runtime_of, verify
+from fx_offload.kv import reroute, runtime_of, verify_reroute
 
 transformers = pytest.importorskip("transformers", reason="install the test extra")
 
@@ -131,36 +131,36 @@ def test_graph_holds_one_update_per_layer_and_verifies():
     refill planted into the wrong slot and a missing join."""
     reference, model = pair()
     graphs = []
-    original = fx_offload.kv.rewrite.apply
+    original = fx_offload.kv.reroute.apply
 
     def keep(gm, runtime, layers):
         original(gm, runtime, layers)
         graphs.append((gm, runtime))
-    fx_offload.kv.rewrite.apply = keep
+    fx_offload.kv.reroute.apply = keep
     try:
         generate(model, torch.randint(0, 128, (1, 9)), new=3)
     finally:
-        fx_offload.kv.rewrite.apply = original
+        fx_offload.kv.reroute.apply = original
     gm, runtime = graphs[-1]
     targets = [n.target for n in gm.graph.nodes]
-    ops = fx_offload.kv.ops
+    ops = fx_offload.kv.kv_ops
     assert targets.count(ops.BEGIN) == 1 and targets.count(ops.JOIN) == 1
     assert targets.count(ops.UPDATE) == 4
-    assert not [n for n in gm.graph.nodes if rewrite._is_index_copy(n)]
+    assert not [n for n in gm.graph.nodes if reroute._is_index_copy(n)]
     begin = next(n for n in gm.graph.nodes if n.target is ops.BEGIN)
     assert list(begin.args[5]) == [0, 1]
     updates = [n for n in gm.graph.nodes if n.target is ops.UPDATE]
     assert [(u.args[8], u.args[9]) for u in updates] == [(0, 2), (1, 3), (2, -1), (3, -1)]
-    verify.verify(gm.graph, runtime)
+    verify_reroute.verify(gm.graph, runtime)
     bad = copy.deepcopy(gm)
     first = next(n for n in bad.graph.nodes if n.target is ops.UPDATE)
     first.args = first.args[:9] + (3,)          # slot 0 refilled with layer 3 (slot 1)
-    with pytest.raises(rewrite.KVPassError, match="whose slot is 1"):
-        verify.verify(bad.graph, runtime)
+    with pytest.raises(reroute.KVPassError, match="whose slot is 1"):
+        verify_reroute.verify(bad.graph, runtime)
     bad = copy.deepcopy(gm)
     bad.graph.erase_node(next(n for n in bad.graph.nodes if n.target is ops.JOIN))
-    with pytest.raises(rewrite.KVPassError, match="before kv_join"):
-        verify.verify(bad.graph, runtime)
+    with pytest.raises(reroute.KVPassError, match="before kv_join"):
+        verify_reroute.verify(bad.graph, runtime)
 
 
 def _step(model, cache, ids, start):

@@ -1,4 +1,4 @@
-"""``memory_budget`` counts a static KV cache (fx_offload.kv.plan): under the default
+"""``memory_budget`` counts a static KV cache (fx_offload.kv.host_layers): under the default
 ``kv_cache="auto"`` the fewest cache layers that make the weights and the cache fit go to the
 host, before any weight is offloaded; the weight planner gets what the cache leaves."""
 import copy
@@ -8,7 +8,7 @@ import torch
 
 import fx_offload
 from fx_offload.errors import BudgetError, OffloadError
-from fx_offload.kv import plan, runtime_of
+from fx_offload.kv import host_layers, runtime_of
 from fx_offload.selection.budget import weights_bytes
 from helpers import PLANNER_RATES as RATES
 
@@ -22,14 +22,14 @@ PER_LAYER = 1 * 2 * LENGTH * (16 + 16) * 4      # the weights (about 0.65 MiB)
 
 def test_choose_takes_the_fewest_layers_from_the_end():
     sizes = {i: 100 for i in range(4)}
-    fits = plan.choose(sizes, [0, 1, 2, 3], 2, budget=1400, weights=1000, planned=False)
+    fits = host_layers.choose(sizes, [0, 1, 2, 3], 2, budget=1400, weights=1000, planned=False)
     assert fits.layers == () and fits.device_bytes == 400
     # 100 too many: one or two host layers free nothing (their slots take it back)
-    some = plan.choose(sizes, [0, 1, 2, 3], 2, budget=1300, weights=1000, planned=False)
+    some = host_layers.choose(sizes, [0, 1, 2, 3], 2, budget=1300, weights=1000, planned=False)
     assert some.layers == (1, 2, 3) and some.device_bytes == 300
-    short = plan.choose(sizes, [0, 1, 2, 3], 2, budget=1000, weights=1000, planned=False)
+    short = host_layers.choose(sizes, [0, 1, 2, 3], 2, budget=1000, weights=1000, planned=False)
     assert short.layers == (0, 1, 2, 3) and short.device_bytes == 200     # the most it frees
-    one_slot = plan.choose(sizes, [0, 2], 1, budget=1350, weights=1000, planned=False)
+    one_slot = host_layers.choose(sizes, [0, 2], 1, budget=1350, weights=1000, planned=False)
     assert one_slot.layers == (0, 2) and one_slot.device_bytes == 300
     assert "memory_budget" in some.describe()
 

@@ -3,12 +3,12 @@
 ``compile_forward(model, kv_cache="host", ...)`` installs a call hook that puts the chosen
 layers of each static cache the model is called with in host memory (:mod:`.cache`); the
 backend's KV pass reroutes those layers' writes and reads through device slots
-(:mod:`.rewrite`, checked by :mod:`.verify`); at run time each step fills a slot with the
+(:mod:`.reroute`, checked by :mod:`.verify_reroute`); at run time each step fills a slot with the
 layer's valid blocks ahead of its attention and writes the step's tokens back
 (:mod:`.runtime`, copies driven from the device: :mod:`.copies`), and as each call ends
-begins the next call's first fills (:mod:`.ahead`).  Under ``memory_budget`` the hook also
+begins the next call's first fills (:mod:`.next_call`).  Under ``memory_budget`` the hook also
 plans the cache's share of the budget and, under ``kv_cache="auto"``, its host layers
-(:mod:`.plan`).
+(:mod:`.host_layers`).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from torch._logging import trace_structured
 
 from .. import registry
 from ..errors import OffloadError
-from . import cache, ops, rewrite, verify
+from . import cache, kv_ops, reroute, verify_reroute
 from .runtime import HostKV, summary
 
 log = logging.getLogger("fx_offload")
@@ -37,7 +37,7 @@ def runtime_of(model) -> HostKV | None:
 
 
 def reserved(model) -> int:
-    """The device bytes of ``model``'s KV cache under its plan (:mod:`.plan`), which the
+    """The device bytes of ``model``'s KV cache under its plan (:mod:`.host_layers`), which the
     weight planner leaves it out of ``memory_budget`` (0: no cache planned yet, or the
     weights planned first)."""
     runtime = _BY_MODEL.get(model)
@@ -55,7 +55,7 @@ def install(model, options) -> HostKV:
             return runtime
         uninstall(model)    # other KV options: a new runtime takes each cache over
     runtime = HostKV(model, registry.new_handle(), options)
-    ops.register(runtime)
+    kv_ops.register(runtime)
     _BY_MODEL[model] = runtime
     ref = weakref.ref(runtime)
 
@@ -95,14 +95,14 @@ def uninstall(model) -> None:
 def _writes_a_cache(gm) -> bool:
     """The graph writes a cache the hook did not prepare: one passed in (a placeholder) or
     one transformers allocates inside the graph (a lazily initialized layer)."""
-    return any(rewrite._is_index_copy(n) for n in gm.graph.nodes)
+    return any(reroute._is_index_copy(n) for n in gm.graph.nodes)
 
 
 def run_kv_pass(gm, example_inputs, options) -> list[int]:
     """Reroute the host cache layers this graph writes; returns them (none: nothing to do)."""
     if options.kv_cache == "device":
         return []
-    runtime, layers = rewrite.find_layers(gm, example_inputs, list(_BY_MODEL.values()))
+    runtime, layers = reroute.find_layers(gm, example_inputs, list(_BY_MODEL.values()))
     if not layers:
         if options.kv_cache == "host" and _writes_a_cache(gm):
             raise OffloadError(
@@ -114,8 +114,8 @@ def run_kv_pass(gm, example_inputs, options) -> list[int]:
         return []
     started = time.perf_counter()
     _trace("fx_offload_kv_before", gm)
-    rewrite.apply(gm, runtime, layers)
-    verify.verify(gm.graph, runtime)
+    reroute.apply(gm, runtime, layers)
+    verify_reroute.verify(gm.graph, runtime)
     _trace("fx_offload_kv_after", gm)
     counters["fx_offload"]["kv_layers"] += len(layers)
     counters["fx_offload"]["kv_pass_us"] += int((time.perf_counter() - started) * 1e6)

@@ -19,8 +19,8 @@ import torch
 
 from ..errors import OffloadError
 from ..text import format_bytes
-from . import ops, plan
-from .plan import KVPlan
+from . import host_layers, kv_ops
+from .host_layers import KVPlan
 from .runtime import note_call
 
 log = logging.getLogger("fx_offload")
@@ -191,7 +191,7 @@ def prepare(kv, model, args, kwargs) -> None:
         raise OffloadError(f"this cache's layers {chosen} differ from the first cache's "
                            f"{kv.layers}; give kv_layers", where=WHERE)
     else:
-        plan.warn_if_over(kv, sizes)
+        host_layers.warn_if_over(kv, sizes)
     if not kv.layers:
         for i in held:
             _keep_on_device(layers[i], device)
@@ -223,13 +223,13 @@ def prepare(kv, model, args, kwargs) -> None:
 
 
 def decide(kv, model, sizes: dict[int, int], movable: list[int], device) -> "KVPlan":
-    """The cache's plan (:mod:`.plan`): the layers asked for under ``kv_cache="host"``;
+    """The cache's plan (:mod:`.host_layers`): the layers asked for under ``kv_cache="host"``;
     under ``memory_budget`` the budget's share too, and under ``"auto"`` the layers."""
     from .. import registry
     from ..selection.budget import weights_bytes
     budget = kv.budget
     if budget is None:          # "host" without a budget: no share to count
-        return plan.KVPlan(tuple(movable), sizes, kv.num_slots, None, 0, False)
+        return host_layers.KVPlan(tuple(movable), sizes, kv.num_slots, None, 0, False)
     weights, planned = weights_bytes(model, device), False
     state, nothing = registry.state_for_model(model), registry.nothing_offloaded(model)
     planner = state.choice.planner if state is not None else \
@@ -239,9 +239,9 @@ def decide(kv, model, sizes: dict[int, int], movable: list[int], device) -> "KVP
         weights = planner.weights_bytes if chosen is None else chosen.weights_bytes
         planned = True
     if kv.mode == "auto":
-        return plan.choose(sizes, movable, kv.num_slots, budget, weights, planned)
+        return host_layers.choose(sizes, movable, kv.num_slots, budget, weights, planned)
     layers = tuple(movable) if kv.mode == "host" else ()
-    return plan.KVPlan(layers, sizes, kv.num_slots, budget, weights, planned)
+    return host_layers.KVPlan(layers, sizes, kv.num_slots, budget, weights, planned)
 
 
 def _drop_unused_slots(kv) -> None:
@@ -307,7 +307,7 @@ def _take_over(kv, cache) -> dict[int, dict]:
     """The host layers of ``cache`` that another model's runtime holds (a cache handed on
     from one model to another), which that runtime gives up to ``kv``."""
     held = {}
-    for other in ops.runtimes():
+    for other in kv_ops.runtimes():
         if other is not kv and cache in other.caches:
             held.update(release(other, cache))
     return held

@@ -78,7 +78,7 @@ def fill(host: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor, block: int,
     """Copy the blocks of ``host`` that hold the first ``pos`` tokens (a one-element device
     tensor) into ``slot``, on the current stream; nothing where ``done`` (a one-element
     device flag, read when the copy runs) is set: the slot was filled ahead
-    (:class:`.ahead.BeforeReplay`)."""
+    (:class:`.next_call.BeforeReplay`)."""
     src, token_words = _rows(host)
     dst, _ = _rows(slot)
     tokens = host.shape[2]

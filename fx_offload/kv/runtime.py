@@ -36,8 +36,8 @@ import weakref
 import torch
 
 from . import copies
-from .ahead import BeforeReplay, NextCall
-from .slots import KVSlots
+from .next_call import BeforeReplay, NextCall
+from .kv_slots import KVSlots
 
 log = logging.getLogger("fx_offload")
 
@@ -53,7 +53,7 @@ class HostKV:
         self.wanted = options.kv_layers          # None: every layer of the cache
         self.mode = options.kv_cache             # "host", or "auto"/"device" under a budget
         self.budget = options.memory_budget
-        self.plan = None                         # .plan.KVPlan, made at the first cache
+        self.plan = None                         # .host_layers.KVPlan, made at the first cache
         self.layers: list[int] = []              # host layers, set by the first cache
         # data_ptr -> (layer, "keys"|"values"|"pos", weak reference to the tensor)
         self.owners: dict[int, tuple] = {}
@@ -129,13 +129,13 @@ class HostKV:
 
     def done_flag(self, layer: int | None) -> torch.Tensor:
         """The device flag that tells ``layer``'s fill at a call's begin that its slot was
-        filled ahead (:class:`.ahead.BeforeReplay`); for ``None``, a flag never set."""
+        filled ahead (:class:`.next_call.BeforeReplay`); for ``None``, a flag never set."""
         i = len(self.layers) if layer is None else self.layers.index(layer)
         return self.done[i:i + 1]
 
     def views(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
         """The slot of ``layer`` for caches shaped like ``keys``/``values``: its keys, values
-        and positions buffers (:mod:`.slots`)."""
+        and positions buffers (:mod:`.kv_slots`)."""
         if self.slots is None:
             self.slots = KVSlots(self.model_name, min(self.num_slots, len(self.layers)))
         return self.slots.views(self.slot_of(layer), keys, values)

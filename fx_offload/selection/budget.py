@@ -442,7 +442,7 @@ def _experts_only(model: nn.Module, stack: LayerStack, options: OffloadOptions,
 def plan(model: nn.Module, stack: LayerStack, options: OffloadOptions, costs: GraphCosts,
          rates: DeviceRates, device: torch.device, runner_ups: int = 4,
          reserved: int = 0) -> PlannerResult:
-    """``reserved``: device bytes of the budget the KV cache takes (fx_offload.kv.plan);
+    """``reserved``: device bytes of the budget the KV cache takes (fx_offload.kv.host_layers);
     the bytes the option ``expert_cache`` asks for are set aside too."""
     started = time.perf_counter()
     budget = options.memory_budget - reserved - options.expert_cache_asked

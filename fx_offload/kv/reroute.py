@@ -37,7 +37,7 @@ from torch import fx
 
 from ..errors import OffloadError
 from ..graph_inputs import storage_of, value_of
-from . import ops
+from . import kv_ops
 
 log = logging.getLogger("fx_offload")
 _INDEX_COPY = {torch.Tensor.index_copy_, torch.ops.aten.index_copy_.default}
@@ -147,7 +147,7 @@ def apply(gm: fx.GraphModule, runtime, layers: list[KVLayer]) -> None:
         anchor = _set_value(graph.call_function(torch.empty_like, (source,)),
                             value_of(source))
     with graph.inserting_after(anchor):
-        _set_value(graph.call_function(ops.BEGIN, (
+        _set_value(graph.call_function(kv_ops.BEGIN, (
             anchor, [kl.keys for kl in begun], [kl.values for kl in begun],
             [kl.pos for kl in begun], runtime.handle, [kl.layer for kl in begun])), None)
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -158,7 +158,7 @@ def apply(gm: fx.GraphModule, runtime, layers: list[KVLayer]) -> None:
         nxt = by_layer.get(kl.target)
         nxt_args = [] if nxt is None else [nxt.keys, nxt.values, nxt.pos]
         with graph.inserting_after(later):
-            update = graph.call_function(ops.UPDATE, (
+            update = graph.call_function(kv_ops.UPDATE, (
                 anchor, wk.args[3], wv.args[3], wk.args[2], kl.keys, kl.values, nxt_args,
                 runtime.handle, kl.layer, kl.target))
         outs = (_fake_like(kl.keys), _fake_like(kl.values))
@@ -173,7 +173,7 @@ def apply(gm: fx.GraphModule, runtime, layers: list[KVLayer]) -> None:
             write.replace_all_uses_with(out)
             graph.erase_node(write)
             for user in list(source_node.users):
-                if user in (update, out_k, out_v) or user.target in (ops.BEGIN, ops.UPDATE):
+                if user in (update, out_k, out_v) or user.target in (kv_ops.BEGIN, kv_ops.UPDATE):
                     continue
                 if order.get(user, len(order)) < order[later]:
                     raise KVPassError(
@@ -193,10 +193,10 @@ def apply(gm: fx.GraphModule, runtime, layers: list[KVLayer]) -> None:
             tied.append(n)
     if tied:
         with graph.inserting_before(output):
-            _set_value(graph.call_function(ops.JOIN, (tied, runtime.handle)), None)
+            _set_value(graph.call_function(kv_ops.JOIN, (tied, runtime.handle)), None)
     else:   # no output of its own to tie to: right after the last update, tied to its keys,
         # which the attention reads after it (an op tied to nothing later is dead code)
         with graph.inserting_after(last_update.next):
-            _set_value(graph.call_function(ops.JOIN, ([last_update], runtime.handle)), None)
+            _set_value(graph.call_function(kv_ops.JOIN, ([last_update], runtime.handle)), None)
     graph.lint()
     gm.recompile()

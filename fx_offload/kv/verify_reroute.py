@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from torch import fx
 
-from . import ops
-from .rewrite import KVPassError
+from . import kv_ops
+from .reroute import KVPassError
 
 
 def _fail(node: fx.Node, why: str):
@@ -42,10 +42,10 @@ def verify(graph: fx.Graph, runtime) -> None:
         filled.add(layer)
 
     for node in graph.nodes:
-        if node.target is ops.BEGIN:
+        if node.target is kv_ops.BEGIN:
             for layer in node.args[5]:
                 fill(node, int(layer))
-        elif node.target is ops.UPDATE:
+        elif node.target is kv_ops.UPDATE:
             layer, target = int(node.args[8]), int(node.args[9])
             slot = runtime.slot_of(layer)
             if layer in updated:
@@ -63,7 +63,7 @@ def verify(graph: fx.Graph, runtime) -> None:
                     _fail(node, f"layer {layer} refills slot {slot} with layer {target}, "
                                 f"whose slot is {runtime.slot_of(target)}")
                 fill(node, target)
-        elif node.target is ops.JOIN:
+        elif node.target is kv_ops.JOIN:
             joined = True
     if occupant:
         slot, layer = next(iter(occupant.items()))

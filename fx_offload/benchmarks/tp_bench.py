@@ -1,5 +1,5 @@
 """Tensor parallelism with offloading, one process per GPU: ``torchrun --nproc-per-node 2
--m fx_offload.benchmarks.tp_run``.
+-m fx_offload.benchmarks.tp_bench``.
 
 Builds a model sharded with torch's TP API, offloads every second layer's local shards on
 each rank, checks the outputs against the same TP model not offloaded (same inner compiler)
@@ -191,7 +191,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="torchrun ... -m fx_offload.benchmarks.tp_run")
+    ap = argparse.ArgumentParser(prog="torchrun ... -m fx_offload.benchmarks.tp_bench")
     add_arguments(ap)
     args = ap.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
