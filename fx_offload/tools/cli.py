@@ -1,5 +1,5 @@
 """Command line: ``python -m fx_offload
-demo|inspect|bench|bigger|flux|generate|moe|trace|codec|hostmem|ratio|kv``."""
+demo|inspect|bench|bigger|flux|generate|moe|trace|codec|hostmem|ratio|kv|train``."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +10,7 @@ import textwrap
 import torch
 
 from ..benchmarks import (bench, bigger, codec_bench, flux_bench, generate_bench, hostmem_bench,
-                          kv_bench, moe_bench, ratio_bench, trace_bench)
+                          kv_bench, moe_bench, ratio_bench, trace_bench, train_bench)
 from ..errors import OffloadError
 from . import demo, inspect_cli
 
@@ -87,6 +87,14 @@ TOOLS = (
      "Time generate at a long context with the KV cache on the host, against the cache on "
      "the device and transformers' offloaded static cache. Needs a GPU and transformers.",
      "python -m fx_offload kv --context 16384"),
+    ("train", train_bench, "a LoRA training step on a frozen offloaded base against resident, "
+                           "FSDP2's CPU offload and accelerate (a GPU; --device cpu --quick "
+                           "as a smoke run)",
+     "Time a LoRA fine-tuning step (forward, backward, AdamW) on a Llama of Llama-3-8B layer "
+     "shapes whose frozen base is offloaded, against the same step resident, FSDP2 with "
+     "CPUOffloadPolicy and accelerate's cpu_offload, with peak memory and the copy bound. "
+     "Needs a GPU, transformers and peft; --device cpu --quick is a smoke run.",
+     "python -m fx_offload train --layers 16 --seq 2048"),
 )
 
 
