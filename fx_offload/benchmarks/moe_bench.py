@@ -29,6 +29,12 @@ probe read 12-14% slower than the copy engine), the rest at the copy engine's.  
 rows planned by ``memory_budget`` instead (where the budget holds the layers' attention,
 routers and norms, the planner offloads their expert tensors alone).  Needs a GPU and
 ``transformers``.
+
+``--host-compute`` runs the routed rows with each ``host_compute`` value asked for: the
+experts computed on the host's cores read their weights in place (``host GiB``, from
+``report``), and such a step's bound is the larger of its copies over the link and its host
+reads over the host's read rate (``host_compute``'s own measurement), the two running at
+once.
 """
 from __future__ import annotations
 
@@ -66,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated depths of the ring that fetches routed layers' "
                              "other chunks ahead (FX_OFFLOAD_AHEAD; 0: off) for the routed "
                              "rows, a row each; empty: the library's default alone")
+    parser.add_argument("--host-compute", default="",
+                        help="comma-separated host_compute values (never, auto, always) of the "
+                             "routed rows, a row each; empty: the library's default alone")
     parser.add_argument("--profile", action="store_true",
                         help="after each fx_offload row's timing, profile the decode steps of "
                              "one generate and print how busy the link was (copies and the "
@@ -117,18 +126,24 @@ def run(args: argparse.Namespace) -> int:
         del model
         _free()
     depths = [d for d in args.ahead.split(",") if d] or [None]
-    rows_of = [(e, c, None, a) for e in args.experts.split(",") if e
+    hosts = [h for h in args.host_compute.split(",") if h] or [None]
+    rows_of = [(e, c, None, a, h) for e in args.experts.split(",") if e
                for c in (args.expert_cache.split(",") if e == "routed" else ["0"])
-               for a in (depths if e == "routed" else [None])]
-    rows_of += [("routed", "auto", b, None) for b in args.memory_budget.split(",") if b]
+               for a in (depths if e == "routed" else [None])
+               for h in (hosts if e == "routed" else [None])]
+    rows_of += [("routed", "auto", b, None, h) for b in args.memory_budget.split(",") if b
+                for h in hosts]
     default_depth = os.environ.get("FX_OFFLOAD_AHEAD")
-    for experts, cache, budget, depth in rows_of if "fx_offload" in methods else []:
+    read_rate = _host_read_rate() if any(h != "never" for h in hosts) else None
+    for experts, cache, budget, depth, host in rows_of if "fx_offload" in methods else []:
         torch._dynamo.reset()
         _set_env("FX_OFFLOAD_AHEAD", default_depth if depth is None else depth)
         model = build()
         options = dict(group_size=1, num_in_group=1, prefetch_step=args.prefetch_step) \
             if budget is None else dict(memory_budget=budget)
         options |= dict(experts=experts, expert_cache=cache if cache != "0" else None)
+        if host is not None:
+            options["host_compute"] = host
         extra = _graphs(backend(**options)) if args.cuda_graphs else {}
         if not args.cuda_graphs:
             compile_forward(model, dynamic=True, **options)
@@ -136,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
                 f"experts={experts!r}" + (f", cache {cache}" if cache != "0" else "")
                 + (f", ahead {depth}" if depth is not None else "")
                 if budget is None else f"fx_offload, memory_budget={budget}, experts={experts!r}"
-                ) + graphs
+                ) + (f", host_compute={host!r}" if host and experts == "routed" else "") + graphs
         for b in batches:
             rows[(name, b)], tokens[(name, b)] = measure(model, prompts[b], args, extra=extra,
                                                          steps=True)
@@ -163,8 +178,17 @@ def run(args: argparse.Namespace) -> int:
                                                              steps=True)
             del model
     torch.cuda.empty_cache()
-    _print_table(rows, tokens, moved, bandwidth, gathering)
+    _print_table(rows, tokens, moved, bandwidth, gathering, read_rate)
     return 0
+
+
+def _host_read_rate() -> float:
+    """The rate the host's cores read host memory (bytes/s), as ``host_compute`` measured it
+    (cached per machine)."""
+    from ..host_compute.rates import host_rates
+    rate = host_rates(torch.device("cuda")).read_rate
+    print(f"host read rate {rate / 1e9:.1f} GB/s (host_compute's measurement)", flush=True)
+    return rate
 
 
 def _profile(model, prompt, extra, new_tokens: int = 6) -> None:
@@ -193,16 +217,20 @@ def _profile(model, prompt, extra, new_tokens: int = 6) -> None:
           f"{link_gaps(events, after, kernels=('_gather_rows',))}", flush=True)
 
 
-def _print_table(rows, tokens, moved, bandwidth, gathering) -> None:
-    print(f"\n{'method':72s} {'batch':>5s} {'prefill ms':>10s} {'decode ms/tok':>13s} "
-          f"{'GiB/step':>8s} {'x bound':>8s} {'x gather':>8s} {'cached':>8s} {'x routed':>8s} "
-          f"{'x whole':>8s} {'same tokens':>11s}")
+def _print_table(rows, tokens, moved, bandwidth, gathering, read_rate=None) -> None:
+    print(f"\n{'method':88s} {'batch':>5s} {'prefill ms':>10s} {'decode ms/tok':>13s} "
+          f"{'GiB/step':>8s} {'host GiB':>8s} {'x bound':>8s} {'x gather':>8s} {'cached':>8s} "
+          f"{'x routed':>8s} {'x whole':>8s} {'same tokens':>11s}")
     for (name, b), (prefill, decode) in rows.items():
         ref = tokens.get(("resident", b))
         same = "-" if ref is None or name.startswith("resident") else (
             "yes" if torch.equal(tokens[(name, b)], ref) else "NO")
-        nbytes, cached, gathered = moved.get((name, b), (None, 0, 0))
-        bound = decode / (nbytes / bandwidth * 1e3) if nbytes else float("nan")
+        nbytes, cached, gathered, host = moved.get((name, b), (None, 0, 0, 0))
+        # a step's bound: its copies over the link and its host reads over the host's read
+        # rate, both at once, so the larger of the two
+        floor = max(nbytes / bandwidth, host / read_rate if host and read_rate else 0.0) \
+            if nbytes else None
+        bound = decode / (floor * 1e3) if floor else float("nan")
         # the gathered rows at the gather kernel's rate, the rest at the copy engine's
         reach = decode / (((nbytes - gathered) / bandwidth + gathered / gathering) * 1e3) \
             if nbytes else float("nan")
@@ -212,16 +240,17 @@ def _print_table(rows, tokens, moved, bandwidth, gathering) -> None:
                       if bb == b and "experts='whole'" in n), None)
         to_whole = decode / whole if whole and nbytes else float("nan")
         gib = f"{nbytes / 2**30:8.3f}" if nbytes else f"{'-':>8s}"
-        print(f"{name:72s} {b:5d} {prefill:10.1f} {decode:13.2f} {gib} {bound:8.3f} "
+        print(f"{name:88s} {b:5d} {prefill:10.1f} {decode:13.2f} {gib} {host / 2**30:8.3f} "
+              f"{bound:8.3f} "
               f"{reach:8.3f} {cached / 2**30:8.3f} {routed:8.3f} {to_whole:8.3f} {same:>11s}")
 
 
-def _step_bytes(model) -> tuple[int, int, int]:
+def _step_bytes(model) -> tuple[int, int, int, int]:
     """Bytes the last decode step had to move: every offloaded byte but the expert tensors',
     plus the expert rows it gathered across the link (counted on the device, replays of a
     CUDA graph too) where experts are routed, else every expert's; the bytes of picked
-    experts the expert cache held (they did not cross); and of the first, the gathered
-    rows.  This is what the step must move, whatever moved (``copied_bytes_last_call`` says
+    experts the expert cache held (they did not cross); of the first, the gathered
+    rows; and the host memory its host-computed experts read in place.  This is what the step must move, whatever moved (``copied_bytes_last_call`` says
     what did)."""
     rep = report(model)
     state = registry.state_for_model(model)
@@ -231,7 +260,9 @@ def _step_bytes(model) -> tuple[int, int, int]:
     gathered = int(state.routed.gathered) if routed else 0
     cached = int(state.routed.cached_bytes) if routed else 0
     others = sum(rep.layer_bytes.values()) - expert_bytes
-    return others + (gathered if routed else expert_bytes), cached, gathered
+    # host-computed experts gathered nothing: what they read is counted apart
+    return others + (gathered if routed else expert_bytes), cached, gathered, \
+        rep.host_read_bytes_last_call
 
 
 def _set_env(name: str, value: str | None) -> None:
