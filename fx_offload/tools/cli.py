@@ -1,5 +1,5 @@
 """Command line: ``python -m fx_offload
-demo|inspect|bench|bigger|flux|generate|moe|trace|codec|hostmem|ratio|kv``."""
+demo|inspect|bench|bigger|flux|generate|moe|trace|codec|hostmem|ratio|kv|host``."""
 from __future__ import annotations
 
 import argparse
@@ -9,8 +9,8 @@ import textwrap
 
 import torch
 
-from ..benchmarks import (bench, bigger, codec_bench, flux_bench, generate_bench, hostmem_bench,
-                          kv_bench, moe_bench, ratio_bench, trace_bench)
+from ..benchmarks import (bench, bigger, codec_bench, flux_bench, generate_bench, host_bench,
+                          hostmem_bench, kv_bench, moe_bench, ratio_bench, trace_bench)
 from ..errors import OffloadError
 from . import demo, inspect_cli
 
@@ -87,6 +87,13 @@ TOOLS = (
      "Time generate at a long context with the KV cache on the host, against the cache on "
      "the device and transformers' offloaded static cache. Needs a GPU and transformers.",
      "python -m fx_offload kv --context 16384"),
+    ("host", host_bench, "computing on the host's cores with weights in host memory: the "
+                         "read rate, the link, and the host kernels at decode shapes "
+                         "(--quick as a smoke run)",
+     "Time the host's read rate, the pinned copy rate (a GPU) and both at once, and the host "
+     "kernels (routed experts of Qwen3-30B-A3B shapes, the dense layers of Llama-3-8B) at "
+     "decode shapes, each against the read rate. Runs on the CPU; --quick is a smoke run.",
+     "python -m fx_offload host --paths all"),
 )
 
 

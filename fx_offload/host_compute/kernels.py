@@ -1,0 +1,180 @@
+"""Kernels that compute with weights in host memory on the host's cores.
+
+``routed_experts`` runs a token's routed experts (a Qwen3-MoE layer's, rows ``[gate; up]``
+of ``gate_up`` then ``down``) and ``linear`` a dense layer, both reading the weights where
+they are (bf16, fp16 or fp32) and accumulating every product in fp32; both return fp32.
+
+Paths (``path=``; ``None`` picks the fastest for the shape, see ``_pick``):
+
+``upcast``
+    each distinct expert's weights converted to fp32, then fp32 matmuls (torch's, oneDNN
+    or MKL).  The reference: exact fp32 accumulation.
+``native``
+    torch's ``F.linear`` in the weights' own dtype (oneDNN for bf16, AMX where present);
+    its outputs are rounded to that dtype between the two matmuls of an expert.
+
+Threads: every path runs on torch's intra-op pool (OpenMP), whose size is
+``torch.get_num_threads()``; torch sizes it to the physical cores by default and
+``torch.set_num_threads(n)`` resizes it for these kernels as for every other CPU op.
+:func:`host_threads` says its size now.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import OffloadError
+
+WHERE = "fx_offload.host_compute"
+WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu,
+               "gelu_tanh": lambda v: F.gelu(v, approximate="tanh"), "relu": F.relu}
+EXPERT_PATHS = ("upcast", "native")
+LINEAR_PATHS = ("upcast", "native")
+
+
+def host_threads() -> int:
+    """The threads these kernels run on: torch's intra-op pool (``torch.get_num_threads()``,
+    the physical cores unless ``torch.set_num_threads`` or ``OMP_NUM_THREADS`` said
+    otherwise)."""
+    return torch.get_num_threads()
+
+
+def physical_cores() -> int:
+    """The physical cores this process may run on (hyperthread siblings counted once)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    cores = set()
+    for cpu in cpus:
+        base = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+        try:
+            with open(base + "physical_package_id") as f, open(base + "core_id") as g:
+                cores.add((f.read().strip(), g.read().strip()))
+        except OSError:
+            cores.add(("?", cpu))
+    return len(cores) or (os.cpu_count() or 1)
+
+
+def routed_experts(x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor,
+                   gate_up: torch.Tensor, down: torch.Tensor, act: str = "silu",
+                   path: str | None = None) -> torch.Tensor:
+    """``sum_j gates[t, j] * down[e] @ (act(gate) * up)`` with ``gate, up = (gate_up[e] @
+    x[t]).chunk(2)`` and ``e = ids[t, j]``, for every token ``t``: a (T, H) fp32 tensor.
+
+    ``x`` (T, H) fp32/bf16/fp16, ``ids`` (T, k) integer expert ids, ``gates`` (T, k) float
+    routing weights, ``gate_up`` (E, 2I, H) and ``down`` (E, H, I) in one of bf16, fp16,
+    fp32, contiguous, all on the CPU.  An id outside ``[0, E)`` (such as the sentinel ``E``)
+    contributes nothing."""
+    _check_experts(x, ids, gates, gate_up, down, act, path)
+    T, H = x.shape
+    out = torch.zeros(T, H, dtype=torch.float32)
+    if T == 0 or ids.shape[1] == 0:
+        return out
+    ids, gates = ids.contiguous(), gates.contiguous()
+    path = path or _pick_experts(T, gate_up.dtype)
+    fn = ACTIVATIONS[act]
+    valid = (ids >= 0) & (ids < gate_up.shape[0])
+    for e in torch.unique(ids[valid]).tolist():
+        rows, slot = (ids == e).nonzero(as_tuple=True)
+        xe = x[rows]
+        if path == "upcast":
+            gu = F.linear(xe.float(), gate_up[e].float())
+            g, u = gu.chunk(2, -1)
+            y = F.linear(fn(g) * u, down[e].float())
+        else:
+            dt = gate_up.dtype
+            g, u = F.linear(xe.to(dt), gate_up[e]).float().chunk(2, -1)
+            y = F.linear((fn(g) * u).to(dt), down[e]).float()
+        out.index_add_(0, rows, y * gates[rows, slot, None].float())
+    return out
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+           path: str | None = None) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` in fp32: ``x`` (..., in), ``w`` (out, in) contiguous in bf16,
+    fp16 or fp32, ``bias`` (out,) or None, all on the CPU."""
+    _check_linear(x, w, bias, path)
+    path = path or _pick_linear(x.numel() // max(x.shape[-1], 1), w.dtype)
+    b = None if bias is None else bias.float()
+    if path == "upcast" or w.dtype == torch.float32:
+        return F.linear(x.float(), w.float(), b)
+    y = F.linear(x.to(w.dtype), w).float()
+    return y if b is None else y + b
+
+
+def _pick_experts(tokens: int, dtype: torch.dtype) -> str:
+    return "upcast"
+
+
+def _pick_linear(tokens: int, dtype: torch.dtype) -> str:
+    return "upcast"
+
+
+def _fail(function: str, message: str) -> None:
+    raise OffloadError(message, where=f"{WHERE}.{function}")
+
+
+def _check_host(function: str, **tensors: torch.Tensor | None) -> None:
+    for name, t in tensors.items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            _fail(function, f"{name} must be a tensor, got {type(t).__name__}")
+        if t is not None and t.device.type != "cpu":
+            _fail(function, f"{name} is on {t.device}; these kernels compute on the host: "
+                            "give tensors on the CPU")
+
+
+def _check_weight(function: str, name: str, w: torch.Tensor, dims: int) -> None:
+    if w.dim() != dims:
+        _fail(function, f"{name} must have {dims} dimensions, got shape {tuple(w.shape)}")
+    if w.dtype not in WEIGHT_DTYPES:
+        _fail(function, f"{name} must be bf16, fp16 or fp32, got {w.dtype}")
+    if not w.is_contiguous():
+        _fail(function, f"{name} (shape {tuple(w.shape)}, strides {w.stride()}) is not "
+                        "contiguous: a copy per call would cost more than the compute; call "
+                        ".contiguous() once where the weights are placed")
+
+
+def _check_path(function: str, path: str | None, known: tuple[str, ...]) -> None:
+    if path is not None and path not in known:
+        _fail(function, f"path must be None (the fastest for the shape) or one of "
+                        f"{list(known)}, got {path!r}")
+
+
+def _check_experts(x, ids, gates, gate_up, down, act, path) -> None:
+    fn = "routed_experts"
+    _check_host(fn, x=x, ids=ids, gates=gates, gate_up=gate_up, down=down)
+    _check_weight(fn, "gate_up", gate_up, 3)
+    _check_weight(fn, "down", down, 3)
+    E, I2, H = gate_up.shape
+    if I2 % 2 or tuple(down.shape) != (E, H, I2 // 2):
+        _fail(fn, f"gate_up (E, 2I, H) and down (E, H, I) disagree: got gate_up "
+                  f"{tuple(gate_up.shape)} and down {tuple(down.shape)}")
+    if down.dtype != gate_up.dtype:
+        _fail(fn, f"gate_up and down must share a dtype, got {gate_up.dtype} and {down.dtype}")
+    if x.dim() != 2 or x.shape[1] != H or not x.is_floating_point():
+        _fail(fn, f"x must be a (tokens, {H}) float tensor, got {x.dtype} of shape "
+                  f"{tuple(x.shape)}")
+    if ids.dim() != 2 or ids.shape[0] != x.shape[0] or ids.is_floating_point() \
+            or ids.dtype == torch.bool or ids.is_complex():
+        _fail(fn, f"ids must be a ({x.shape[0]}, k) integer tensor, got {ids.dtype} of shape "
+                  f"{tuple(ids.shape)}")
+    if tuple(gates.shape) != tuple(ids.shape) or not gates.is_floating_point():
+        _fail(fn, f"gates must be a float tensor of ids' shape {tuple(ids.shape)}, got "
+                  f"{gates.dtype} of shape {tuple(gates.shape)}")
+    if act not in ACTIVATIONS:
+        _fail(fn, f"act must be one of {sorted(ACTIVATIONS)}, got {act!r}")
+    _check_path(fn, path, EXPERT_PATHS)
+
+
+def _check_linear(x, w, bias, path) -> None:
+    fn = "linear"
+    _check_host(fn, x=x, w=w, bias=bias)
+    _check_weight(fn, "w", w, 2)
+    if x.dim() < 1 or x.shape[-1] != w.shape[1] or not x.is_floating_point():
+        _fail(fn, f"x must be a float tensor (..., {w.shape[1]}) for w of shape "
+                  f"{tuple(w.shape)}, got {x.dtype} of shape {tuple(x.shape)}")
+    if bias is not None and (tuple(bias.shape) != (w.shape[0],) or not bias.is_floating_point()):
+        _fail(fn, f"bias must be a float tensor of shape ({w.shape[0]},), got "
+                  f"{bias.dtype} of shape {tuple(bias.shape)}")
+    _check_path(fn, path, LINEAR_PATHS)
