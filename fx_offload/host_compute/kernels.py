@@ -26,13 +26,14 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import OffloadError
+from . import native as _native
 
 WHERE = "fx_offload.host_compute"
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu,
                "gelu_tanh": lambda v: F.gelu(v, approximate="tanh"), "relu": F.relu}
-EXPERT_PATHS = ("upcast", "native")
-LINEAR_PATHS = ("upcast", "native")
+EXPERT_PATHS = ("upcast", "native", "loops")
+LINEAR_PATHS = ("upcast", "native", "loops")
 
 
 def host_threads() -> int:
@@ -73,6 +74,10 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor,
         return out
     ids, gates = ids.contiguous(), gates.contiguous()
     path = path or _pick_experts(T, gate_up.dtype)
+    lib = _native.library() if path == "loops" else None
+    if lib is not None:
+        return _native.experts(lib, x.float().contiguous(), ids.long(), gates, gate_up, down,
+                               act)
     fn = ACTIVATIONS[act]
     valid = (ids >= 0) & (ids < gate_up.shape[0])
     for e in torch.unique(ids[valid]).tolist():
@@ -96,7 +101,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     fp16 or fp32, ``bias`` (out,) or None, all on the CPU."""
     _check_linear(x, w, bias, path)
     path = path or _pick_linear(x.numel() // max(x.shape[-1], 1), w.dtype)
-    b = None if bias is None else bias.float()
+    b = None if bias is None else bias.float().contiguous()
+    lib = _native.library() if path == "loops" else None
+    if lib is not None:
+        x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
+        return _native.linear(lib, x2, w, b).reshape(*x.shape[:-1], w.shape[0])
     if path == "upcast" or w.dtype == torch.float32:
         return F.linear(x.float(), w.float(), b)
     y = F.linear(x.to(w.dtype), w).float()

@@ -1,0 +1,237 @@
+"""The ``loops`` path: a small C kernel compiled on first use for this CPU (``-march=native``)
+and called through ``ctypes``.
+
+One parallel region per matmul, over blocks of output rows of every routed expert at once,
+so that a decode step's few small matmuls (8 experts of 3 MiB each) share all the cores
+instead of running one after another.  Each row is read once, converted from bf16/fp16 to
+fp32 in registers and dotted with every token routed to its expert, accumulating in fp32.
+
+The region is OpenMP, linked to the same ``libgomp`` torch loaded (the loader matches it by
+its soname), with ``torch.get_num_threads()`` threads: torch's pool, not a second one.
+Where no C compiler is found or the build fails, :func:`library` returns ``None`` and the
+kernels fall back to torch's paths (with one warning)."""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float vf __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef _Float16 vx __attribute__((vector_size(32)));
+#define INL static inline __attribute__((always_inline))
+
+/* 16 weights from i on, as fp32: bf16 widened by a shift, fp16 converted */
+INL vf load_w(const int wt, const char* w, int64_t i) {
+    vf f;
+    if (wt == 0) { vh r; memcpy(&r, w + 2 * i, 32); vu u = __builtin_convertvector(r, vu) << 16;
+                   memcpy(&f, &u, 64); }
+    else if (wt == 1) { vx r; memcpy(&r, w + 2 * i, 32); f = __builtin_convertvector(r, vf); }
+    else memcpy(&f, w + 4 * i, 64);
+    return f;
+}
+
+INL float one_w(const int wt, const char* w, int64_t i) {
+    if (wt == 0) { uint32_t u = (uint32_t)((const uint16_t*)w)[i] << 16; float f; memcpy(&f, &u, 4);
+                   return f; }
+    if (wt == 1) return (float)((const _Float16*)w)[i];
+    return ((const float*)w)[i];
+}
+
+/* out[t] = w . X[t] for m <= 8 rows of X (stride ldx): the row of w is read once and each
+   block of it meets every row of X in registers, one accumulator per row */
+INL void dots_m(const int wt, const int m, const char* w, int64_t n, const float* X, int64_t ldx,
+                float* out) {
+    vf acc[8];
+    for (int t = 0; t < m; ++t) acc[t] = (vf){0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        vf wv = load_w(wt, w, i);
+        for (int t = 0; t < m; ++t) { vf xv; memcpy(&xv, X + t * ldx + i, 64); acc[t] += wv * xv; }
+    }
+    for (int t = 0; t < m; ++t) {
+        float s = 0.f;
+        for (int j = 0; j < 16; ++j) s += acc[t][j];
+        for (int64_t j = i; j < n; ++j) s += one_w(wt, w, j) * X[t * ldx + j];
+        out[t] = s;
+    }
+}
+
+#define CASE(WT, M) case (WT) * 8 + (M) - 1: dots_m(WT, M, w, n, X + t0 * ldx, ldx, out + t0); break;
+#define CASES(WT) CASE(WT, 1) CASE(WT, 2) CASE(WT, 3) CASE(WT, 4) CASE(WT, 5) CASE(WT, 6) \
+                  CASE(WT, 7) CASE(WT, 8)
+
+static void dots(int wt, const char* w, int64_t n, const float* X, int64_t ldx, int64_t m,
+                 float* out) {
+    for (int64_t t0 = 0; t0 < m; t0 += 8) {
+        int k = m - t0 < 8 ? (int)(m - t0) : 8;
+        switch (wt * 8 + k - 1) { CASES(0) CASES(1) CASES(2) }
+    }
+}
+
+static inline float act(int a, float g) {
+    if (a == 0) return g / (1.f + expf(-g));
+    if (a == 1) return 0.5f * g * (1.f + erff(g * 0.70710678f));
+    if (a == 2) return 0.5f * g * (1.f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g)));
+    return g > 0.f ? g : 0.f;
+}
+
+static inline int64_t lesser(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* y (m, n) = x (m, k) . w (n, k)^T + bias, blocks of rows of w over the threads */
+void fx_linear(int wt, const void* w, int64_t n, int64_t k, const float* x, int64_t m,
+               const float* bias, float* y, int threads, int64_t block) {
+    int64_t size = wt == 2 ? 4 : 2, blocks = (n + block - 1) / block;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+        float v[64];
+        for (int64_t r = b * block; r < lesser((b + 1) * block, n); ++r)
+            for (int64_t t0 = 0; t0 < m; t0 += 64) {
+                int64_t mm = lesser(64, m - t0);
+                dots(wt, (const char*)w + r * k * size, k, x + t0 * k, k, mm, v);
+                for (int64_t t = 0; t < mm; ++t) y[(t0 + t) * n + r] = v[t] + (bias ? bias[r] : 0.f);
+            }
+    }
+}
+
+/* Routed experts: expert experts[s] serves the pairs p in [start[s], start[s+1]): xp[p] is the
+   token's activations, gate[p] its routing weight, token[p] its row of y.  h (pairs, inter) is
+   scratch, y (tokens, hidden) zeroed.  Pairs of one expert are at most 64 (split above). */
+void fx_experts(int wt, const void* gate_up, const void* down, int64_t hidden, int64_t inter,
+                const float* xp, const int64_t* experts, int64_t n_experts, const int64_t* start,
+                const int64_t* token, const float* gate, int a, float* h, float* y,
+                int threads, int64_t block) {
+    int64_t size = wt == 2 ? 4 : 2, blocks = (inter + block - 1) / block;
+    #pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
+    for (int64_t s = 0; s < n_experts; ++s)
+        for (int64_t b = 0; b < blocks; ++b) {
+            const char* w = (const char*)gate_up + experts[s] * 2 * inter * hidden * size;
+            int64_t p0 = start[s], m = start[s + 1] - p0;
+            float g[64], u[64];
+            for (int64_t r = b * block; r < lesser((b + 1) * block, inter); ++r) {
+                dots(wt, w + r * hidden * size, hidden, xp + p0 * hidden, hidden, m, g);
+                dots(wt, w + (inter + r) * hidden * size, hidden, xp + p0 * hidden, hidden, m, u);
+                for (int64_t t = 0; t < m; ++t) h[(p0 + t) * inter + r] = act(a, g[t]) * u[t] * gate[p0 + t];
+            }
+        }
+    blocks = (hidden + block - 1) / block;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; ++b)
+        for (int64_t s = 0; s < n_experts; ++s) {
+            const char* w = (const char*)down + experts[s] * hidden * inter * size;
+            int64_t p0 = start[s], m = start[s + 1] - p0;
+            float v[64];
+            for (int64_t r = b * block; r < lesser((b + 1) * block, hidden); ++r) {
+                dots(wt, w + r * inter * size, inter, h + p0 * inter, inter, m, v);
+                for (int64_t t = 0; t < m; ++t) y[token[p0 + t] * hidden + r] += v[t];
+            }
+        }
+}
+"""
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-Wno-psabi", "-fopenmp", "-fPIC", "-shared"]
+WEIGHT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def library():
+    """The compiled kernel (a ``ctypes.CDLL``), or ``None`` where it cannot be built."""
+    if "lib" not in _state:
+        with _lock:
+            if "lib" not in _state:
+                _state["lib"] = _build()
+    return _state["lib"]
+
+
+def _build():
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        log.warning("fx_offload.host_compute: no C compiler found; the 'loops' path falls "
+                    "back to torch's")
+        return None
+    key = hashlib.sha256((SOURCE + " ".join(FLAGS) + compiler).encode()).hexdigest()[:16]
+    folder = os.path.join(tempfile.gettempdir(), f"fx_offload_host_{os.getuid()}")
+    os.makedirs(folder, exist_ok=True)
+    target = os.path.join(folder, f"kernels_{key}.so")
+    if not os.path.exists(target):
+        src = os.path.join(folder, f"kernels_{key}.c")
+        with open(src, "w") as f:
+            f.write(SOURCE)
+        partial = f"{target}.{os.getpid()}"
+        done = subprocess.run([compiler, *FLAGS, src, "-o", partial, "-lm"],
+                              capture_output=True, text=True, check=False)
+        if done.returncode:
+            log.warning("fx_offload.host_compute: building the 'loops' kernel failed; falling "
+                        "back to torch's paths:\n%s", done.stderr[-2000:])
+            return None
+        os.replace(partial, target)            # atomic: another process may build it too
+    try:
+        lib = ctypes.CDLL(target)
+    except OSError as err:
+        log.warning("fx_offload.host_compute: loading the 'loops' kernel failed (%s); falling "
+                    "back to torch's paths", err)
+        return None
+    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.fx_linear.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, ptr, i32, i64]
+    lib.fx_experts.argtypes = [i32, ptr, ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, i32, ptr,
+                               ptr, i32, i64]
+    return lib
+
+
+def linear(lib, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x (m, k) @ w.T + bias`` in fp32 by the kernel; ``x`` fp32 contiguous."""
+    m, (n, k) = x.shape[0], w.shape
+    y = torch.empty(m, n, dtype=torch.float32)
+    if m:
+        lib.fx_linear(WEIGHT_CODES[w.dtype], w.data_ptr(), n, k, x.data_ptr(), m,
+                      None if bias is None else bias.data_ptr(), y.data_ptr(),
+                      torch.get_num_threads(), _block(n))
+    return y
+
+
+def experts(lib, x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor,
+            gate_up: torch.Tensor, down: torch.Tensor, act: str) -> torch.Tensor:
+    """The routed experts by the kernel; ``x`` fp32 contiguous (T, H), ``ids`` (T, k)."""
+    T, H = x.shape
+    E, I = gate_up.shape[0], down.shape[2]
+    out = torch.zeros(T, H, dtype=torch.float32)
+    flat = ids.reshape(-1)
+    keep = ((flat >= 0) & (flat < E)).nonzero().squeeze(1)
+    if keep.numel() == 0:
+        return out
+    chosen, order = flat[keep].sort(stable=True)
+    pairs = keep[order]                         # (token, slot) pairs grouped by expert
+    names, counts = torch.unique_consecutive(chosen, return_counts=True)
+    start = torch.zeros(len(names) + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=start[1:])
+    token = (pairs // ids.shape[1]).contiguous()
+    weight = gates.reshape(-1)[pairs].float().contiguous()
+    xp = x[token]                               # each pair's activations, grouped by expert
+    h = torch.empty(len(pairs), I, dtype=torch.float32)
+    lib.fx_experts(WEIGHT_CODES[gate_up.dtype], gate_up.data_ptr(), down.data_ptr(), H, I,
+                   xp.data_ptr(), names.data_ptr(), len(names), start.data_ptr(),
+                   token.data_ptr(), weight.data_ptr(), ACT_CODES[act], h.data_ptr(),
+                   out.data_ptr(), torch.get_num_threads(), _block(I))
+    return out
+
+
+def _block(rows: int) -> int:
+    """Rows per task: enough tasks to share among the threads, each a few rows long."""
+    return max(1, min(16, rows // (4 * torch.get_num_threads()) or 1))
