@@ -68,6 +68,19 @@ def test_every_expert_path_equals_the_float64_reference(path, dtype):
 
 
 @pytest.mark.parametrize("path", kernels.EXPERT_PATHS)
+def test_an_expert_serving_more_tokens_than_the_kernel_holds_at_once(path):
+    """loops serves an expert in pieces of native.PAIRS (token, slot) pairs: 200 tokens with
+    k=8 of 10 experts give each about 160; linear takes rows of x 64 at a time."""
+    gate_up, down = weights(torch.bfloat16)
+    x, ids, gates = routing(200, 8)
+    close(routed_experts(x, ids, gates, gate_up, down, path=path),
+          reference(x, ids, gates, gate_up, down), tolerance(path, torch.bfloat16))
+    w = down[0]
+    close(linear(x[:150, :I], w, path=path), x[:150, :I].double() @ w.double().t(),
+          tolerance(path, torch.bfloat16))
+
+
+@pytest.mark.parametrize("path", kernels.EXPERT_PATHS)
 def test_bf16_activations_and_the_chosen_path(path):
     gate_up, down = weights(torch.bfloat16)
     x, ids, gates = routing(8, 4, x_dtype=torch.bfloat16)

@@ -67,11 +67,13 @@ def run(args: argparse.Namespace) -> int:
     read = _read_rows(read_gib, quick, reps)
     for t in tokens:
         for path in _paths(args.paths, kernels.EXPERT_PATHS):
-            _row(f"experts {path}", *_experts(t, path, dtype, span, quick, reps), read)
+            name = path or f"auto={kernels.pick(t, dtype, experts=True)}"
+            _row(f"experts {name}", *_experts(t, path, dtype, span, quick, reps), read)
     for t in tokens:
         for path in _paths(args.paths, kernels.LINEAR_PATHS):
+            name = path or f"auto={kernels.pick(t, dtype, experts=False)}"
             for what, timed in _dense(t, path, dtype, span, quick, reps):
-                _row(f"{what} {path}", *timed, read)
+                _row(f"{what} {name}", *timed, read)
     if args.kt_kernel:
         _kt_rows(tokens, span, quick, reps, read)
     return 0
@@ -88,7 +90,7 @@ def _paths(chosen: str, known: tuple[str, ...]) -> list:
 def _row(what: str, shape: str, seconds: float, nbytes: float, read: float | None) -> None:
     rate = nbytes / seconds / 1e9
     ratio = f"{rate / read:.2f}" if read else "-"
-    print(f"| {what.replace('None', 'auto')} | {shape} | {seconds * 1e3:.3f} | {rate:.1f} | "
+    print(f"| {what} | {shape} | {seconds * 1e3:.3f} | {rate:.1f} | "
           f"{ratio} |", flush=True)
 
 

@@ -4,14 +4,25 @@
 of ``gate_up`` then ``down``) and ``linear`` a dense layer, both reading the weights where
 they are (bf16, fp16 or fp32) and accumulating every product in fp32; both return fp32.
 
-Paths (``path=``; ``None`` picks the fastest for the shape, see ``_pick``):
+Paths (``path=``; ``None`` picks per shape, see :func:`pick`):
 
+``loops``
+    a C kernel built for this CPU on first use (:mod:`.native`): one parallel region per
+    matmul over blocks of rows of every routed expert together; each weight is read once,
+    widened to fp32 in registers and meets every token routed to its expert there.
 ``upcast``
-    each distinct expert's weights converted to fp32, then fp32 matmuls (torch's, oneDNN
-    or MKL).  The reference: exact fp32 accumulation.
+    each distinct expert's weights converted to fp32, then torch's fp32 matmuls (MKL).
+    Exact fp32 accumulation, but the conversion writes and reads the expert again.
 ``native``
     torch's ``F.linear`` in the weights' own dtype (oneDNN for bf16, AMX where present);
     its outputs are rounded to that dtype between the two matmuls of an expert.
+
+The choice: ``loops`` everywhere, except fp32 weights at one token, where MKL's fp32
+matrix-vector product (``native``) reads at the memory's rate already.  Why: torch's paths
+run one matmul after another, and at decode an expert's matmul is 1.5 to 3 MiB, too small
+to keep 16 or 32 cores busy (bf16 ``torch.mv`` reads at 37 of 86 GB/s on 16 cores); one
+region over the row blocks of all eight experts keeps every core streaming.  ``upcast``
+reads each weight three times.  ``python -m fx_offload host --paths all`` times every path.
 
 Threads: every path runs on torch's intra-op pool (OpenMP), whose size is
 ``torch.get_num_threads()``; torch sizes it to the physical cores by default and
@@ -73,7 +84,7 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor,
     if T == 0 or ids.shape[1] == 0:
         return out
     ids, gates = ids.contiguous(), gates.contiguous()
-    path = path or _pick_experts(T, gate_up.dtype)
+    path = path or pick(T, gate_up.dtype, experts=True)
     lib = _native.library() if path == "loops" else None
     if lib is not None:
         return _native.experts(lib, x.float().contiguous(), ids.long(), gates, gate_up, down,
@@ -100,7 +111,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     """``x @ w.T (+ bias)`` in fp32: ``x`` (..., in), ``w`` (out, in) contiguous in bf16,
     fp16 or fp32, ``bias`` (out,) or None, all on the CPU."""
     _check_linear(x, w, bias, path)
-    path = path or _pick_linear(x.numel() // max(x.shape[-1], 1), w.dtype)
+    path = path or pick(x.numel() // max(x.shape[-1], 1), w.dtype, experts=False)
     b = None if bias is None else bias.float().contiguous()
     lib = _native.library() if path == "loops" else None
     if lib is not None:
@@ -112,12 +123,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     return y if b is None else y + b
 
 
-def _pick_experts(tokens: int, dtype: torch.dtype) -> str:
-    return "upcast"
-
-
-def _pick_linear(tokens: int, dtype: torch.dtype) -> str:
-    return "upcast"
+def pick(tokens: int, dtype: torch.dtype, experts: bool) -> str:
+    """The path ``path=None`` takes for ``tokens`` tokens of weights in ``dtype``."""
+    if dtype == torch.float32 and tokens == 1 and not experts:
+        return "native"
+    return "loops" if _native.library() is not None else "upcast"
 
 
 def _fail(function: str, message: str) -> None:

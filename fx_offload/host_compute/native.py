@@ -30,19 +30,25 @@ SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 
-typedef float vf __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));
-typedef uint32_t vu __attribute__((vector_size(64)));
-typedef _Float16 vx __attribute__((vector_size(32)));
+/* one register of fp32: 16 lanes with AVX-512, else 8 (wider types would live on the stack) */
+#ifdef __AVX512F__
+#define VL 16
+#else
+#define VL 8
+#endif
+typedef float vf __attribute__((vector_size(4 * VL)));
+typedef uint16_t vh __attribute__((vector_size(2 * VL)));
+typedef uint32_t vu __attribute__((vector_size(4 * VL)));
+typedef _Float16 vx __attribute__((vector_size(2 * VL)));
 #define INL static inline __attribute__((always_inline))
 
-/* 16 weights from i on, as fp32: bf16 widened by a shift, fp16 converted */
+/* VL weights from i on, as fp32: bf16 widened by a shift, fp16 converted */
 INL vf load_w(const int wt, const char* w, int64_t i) {
     vf f;
-    if (wt == 0) { vh r; memcpy(&r, w + 2 * i, 32); vu u = __builtin_convertvector(r, vu) << 16;
-                   memcpy(&f, &u, 64); }
-    else if (wt == 1) { vx r; memcpy(&r, w + 2 * i, 32); f = __builtin_convertvector(r, vf); }
-    else memcpy(&f, w + 4 * i, 64);
+    if (wt == 0) { vh r; memcpy(&r, w + 2 * i, sizeof r); vu u = __builtin_convertvector(r, vu) << 16;
+                   memcpy(&f, &u, sizeof f); }
+    else if (wt == 1) { vx r; memcpy(&r, w + 2 * i, sizeof r); f = __builtin_convertvector(r, vf); }
+    else memcpy(&f, w + 4 * i, sizeof f);
     return f;
 }
 
@@ -53,34 +59,58 @@ INL float one_w(const int wt, const char* w, int64_t i) {
     return ((const float*)w)[i];
 }
 
-/* out[t] = w . X[t] for m <= 8 rows of X (stride ldx): the row of w is read once and each
-   block of it meets every row of X in registers, one accumulator per row */
-INL void dots_m(const int wt, const int m, const char* w, int64_t n, const float* X, int64_t ldx,
-                float* out) {
-    vf acc[8];
-    for (int t = 0; t < m; ++t) acc[t] = (vf){0};
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        vf wv = load_w(wt, w, i);
-        for (int t = 0; t < m; ++t) { vf xv; memcpy(&xv, X + t * ldx + i, 64); acc[t] += wv * xv; }
+/* out[r * m + t] = w[r] . X[t] for rows r < nr <= 16 of w (stride n) and m <= 8 rows of X
+   (stride ldx).  The columns go in chunks of 24 KiB of X: a chunk of X stays in L1 while every
+   row's chunk meets it (one token: whole rows, read straight through), each weight is converted
+   once and meets every row of X in registers, and the partial sums wait in a small array
+   between chunks. */
+INL void dots_m(const int wt, const int m, const char* w, int64_t nr, int64_t n, const float* X,
+                int64_t ldx, float* out) {
+    vf part[16][8];
+    const int64_t KC = (6144 / m) / VL * VL;
+    int64_t size = wt == 2 ? 4 : 2, nv = n - n % VL;
+    for (int64_t r = 0; r < nr; ++r)
+        for (int t = 0; t < m; ++t) part[r][t] = (vf){0};
+    for (int64_t c = 0; c < nv; c += KC) {
+        int64_t end = c + KC < nv ? c + KC : nv;
+        for (int64_t r = 0; r < nr; ++r) {
+            const char* row = w + r * n * size;
+            vf acc[8];
+            #pragma GCC unroll 8
+            for (int t = 0; t < m; ++t) acc[t] = part[r][t];
+            for (int64_t i = c; i < end; i += VL) {
+                vf wv = load_w(wt, row, i);
+                #pragma GCC unroll 8
+                for (int t = 0; t < m; ++t) {
+                    vf xv; memcpy(&xv, X + t * ldx + i, sizeof xv); acc[t] += wv * xv;
+                }
+            }
+            #pragma GCC unroll 8
+            for (int t = 0; t < m; ++t) part[r][t] = acc[t];
+        }
     }
-    for (int t = 0; t < m; ++t) {
-        float s = 0.f;
-        for (int j = 0; j < 16; ++j) s += acc[t][j];
-        for (int64_t j = i; j < n; ++j) s += one_w(wt, w, j) * X[t * ldx + j];
-        out[t] = s;
-    }
+    for (int64_t r = 0; r < nr; ++r)
+        for (int t = 0; t < m; ++t) {
+            float s = 0.f;
+            for (int j = 0; j < VL; ++j) s += part[r][t][j];
+            for (int64_t j = nv; j < n; ++j) s += one_w(wt, w + r * n * size, j) * X[t * ldx + j];
+            out[r * m + t] = s;
+        }
 }
 
-#define CASE(WT, M) case (WT) * 8 + (M) - 1: dots_m(WT, M, w, n, X + t0 * ldx, ldx, out + t0); break;
+#define CASE(WT, M) case (WT) * 8 + (M) - 1: dots_m(WT, M, w, nr, n, X + t0 * ldx, ldx, v); break;
 #define CASES(WT) CASE(WT, 1) CASE(WT, 2) CASE(WT, 3) CASE(WT, 4) CASE(WT, 5) CASE(WT, 6) \
                   CASE(WT, 7) CASE(WT, 8)
 
-static void dots(int wt, const char* w, int64_t n, const float* X, int64_t ldx, int64_t m,
-                 float* out) {
+/* out[r * ldo + t] = w[r] . X[t] for nr <= 16 rows of w and any m */
+static void dots(int wt, const char* w, int64_t nr, int64_t n, const float* X, int64_t ldx,
+                 int64_t m, float* out, int64_t ldo) {
+    float v[16 * 8];
     for (int64_t t0 = 0; t0 < m; t0 += 8) {
         int k = m - t0 < 8 ? (int)(m - t0) : 8;
         switch (wt * 8 + k - 1) { CASES(0) CASES(1) CASES(2) }
+        for (int64_t r = 0; r < nr; ++r)
+            for (int t = 0; t < k; ++t) out[r * ldo + t0 + t] = v[r * k + t];
     }
 }
 
@@ -93,19 +123,22 @@ static inline float act(int a, float g) {
 
 static inline int64_t lesser(int64_t a, int64_t b) { return a < b ? a : b; }
 
-/* y (m, n) = x (m, k) . w (n, k)^T + bias, blocks of rows of w over the threads */
+/* y (m, n) = x (m, k) . w (n, k)^T + bias, blocks of rows of w over the threads; block <= 16,
+   v holds a block's results for every row of x */
 void fx_linear(int wt, const void* w, int64_t n, int64_t k, const float* x, int64_t m,
                const float* bias, float* y, int threads, int64_t block) {
     int64_t size = wt == 2 ? 4 : 2, blocks = (n + block - 1) / block;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < blocks; ++b) {
-        float v[64];
-        for (int64_t r = b * block; r < lesser((b + 1) * block, n); ++r)
-            for (int64_t t0 = 0; t0 < m; t0 += 64) {
-                int64_t mm = lesser(64, m - t0);
-                dots(wt, (const char*)w + r * k * size, k, x + t0 * k, k, mm, v);
-                for (int64_t t = 0; t < mm; ++t) y[(t0 + t) * n + r] = v[t] + (bias ? bias[r] : 0.f);
-            }
+        int64_t r0 = b * block, nr = lesser(block, n - r0);
+        float v[16 * 64];
+        for (int64_t t0 = 0; t0 < m; t0 += 64) {
+            int64_t mm = lesser(64, m - t0);
+            dots(wt, (const char*)w + r0 * k * size, nr, k, x + t0 * k, k, mm, v, mm);
+            for (int64_t r = 0; r < nr; ++r)
+                for (int64_t t = 0; t < mm; ++t)
+                    y[(t0 + t) * n + r0 + r] = v[r * mm + t] + (bias ? bias[r0 + r] : 0.f);
+        }
     }
 }
 
@@ -121,30 +154,33 @@ void fx_experts(int wt, const void* gate_up, const void* down, int64_t hidden, i
     for (int64_t s = 0; s < n_experts; ++s)
         for (int64_t b = 0; b < blocks; ++b) {
             const char* w = (const char*)gate_up + experts[s] * 2 * inter * hidden * size;
-            int64_t p0 = start[s], m = start[s + 1] - p0;
-            float g[64], u[64];
-            for (int64_t r = b * block; r < lesser((b + 1) * block, inter); ++r) {
-                dots(wt, w + r * hidden * size, hidden, xp + p0 * hidden, hidden, m, g);
-                dots(wt, w + (inter + r) * hidden * size, hidden, xp + p0 * hidden, hidden, m, u);
-                for (int64_t t = 0; t < m; ++t) h[(p0 + t) * inter + r] = act(a, g[t]) * u[t] * gate[p0 + t];
-            }
+            int64_t p0 = start[s], m = start[s + 1] - p0, r0 = b * block;
+            int64_t nr = lesser(block, inter - r0);
+            float g[16 * 64], u[16 * 64];
+            dots(wt, w + r0 * hidden * size, nr, hidden, xp + p0 * hidden, hidden, m, g, m);
+            dots(wt, w + (inter + r0) * hidden * size, nr, hidden, xp + p0 * hidden, hidden, m,
+                 u, m);
+            for (int64_t r = 0; r < nr; ++r)
+                for (int64_t t = 0; t < m; ++t)
+                    h[(p0 + t) * inter + r0 + r] = act(a, g[r * m + t]) * u[r * m + t] * gate[p0 + t];
         }
     blocks = (hidden + block - 1) / block;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < blocks; ++b)
         for (int64_t s = 0; s < n_experts; ++s) {
             const char* w = (const char*)down + experts[s] * hidden * inter * size;
-            int64_t p0 = start[s], m = start[s + 1] - p0;
-            float v[64];
-            for (int64_t r = b * block; r < lesser((b + 1) * block, hidden); ++r) {
-                dots(wt, w + r * inter * size, inter, h + p0 * inter, inter, m, v);
-                for (int64_t t = 0; t < m; ++t) y[token[p0 + t] * hidden + r] += v[t];
-            }
+            int64_t p0 = start[s], m = start[s + 1] - p0, r0 = b * block;
+            int64_t nr = lesser(block, hidden - r0);
+            float v[16 * 64];
+            dots(wt, w + r0 * inter * size, nr, inter, h + p0 * inter, inter, m, v, m);
+            for (int64_t r = 0; r < nr; ++r)
+                for (int64_t t = 0; t < m; ++t) y[token[p0 + t] * hidden + r0 + r] += v[r * m + t];
         }
 }
 """
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-Wno-psabi", "-fopenmp", "-fPIC", "-shared"]
 WEIGHT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+PAIRS = 64                                      # the kernel's most pairs per expert at once
 ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
 
 _lock = threading.Lock()
@@ -219,8 +255,13 @@ def experts(lib, x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor,
     chosen, order = flat[keep].sort(stable=True)
     pairs = keep[order]                         # (token, slot) pairs grouped by expert
     names, counts = torch.unique_consecutive(chosen, return_counts=True)
-    start = torch.zeros(len(names) + 1, dtype=torch.int64)
-    torch.cumsum(counts, 0, out=start[1:])
+    # an expert with more than PAIRS pairs is served in pieces of PAIRS (the kernel's buffers)
+    pieces = (counts + PAIRS - 1) // PAIRS
+    first = torch.cumsum(counts, 0) - counts
+    piece_of = torch.arange(int(pieces.sum())) - (torch.cumsum(pieces, 0) - pieces).repeat_interleave(pieces)
+    start = torch.full((len(piece_of) + 1,), len(pairs), dtype=torch.int64)
+    start[:-1] = first.repeat_interleave(pieces) + PAIRS * piece_of
+    names = names.repeat_interleave(pieces)
     token = (pairs // ids.shape[1]).contiguous()
     weight = gates.reshape(-1)[pairs].float().contiguous()
     xp = x[token]                               # each pair's activations, grouped by expert
