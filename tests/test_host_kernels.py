@@ -69,7 +69,7 @@ def test_every_expert_path_equals_the_float64_reference(path, dtype):
 
 @pytest.mark.parametrize("path", kernels.EXPERT_PATHS)
 def test_an_expert_serving_more_tokens_than_the_kernel_holds_at_once(path):
-    """loops serves an expert in pieces of native.PAIRS (token, slot) pairs: 200 tokens with
+    """loops serves an expert in pieces of 64 (token, slot) pairs: 200 tokens with
     k=8 of 10 experts give each about 160; linear takes rows of x 64 at a time."""
     gate_up, down = weights(torch.bfloat16)
     x, ids, gates = routing(200, 8)

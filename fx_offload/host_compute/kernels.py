@@ -80,15 +80,14 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor,
     contributes nothing."""
     _check_experts(x, ids, gates, gate_up, down, act, path)
     T, H = x.shape
-    out = torch.zeros(T, H, dtype=torch.float32)
     if T == 0 or ids.shape[1] == 0:
-        return out
-    ids, gates = ids.contiguous(), gates.contiguous()
+        return torch.zeros(T, H, dtype=torch.float32)
     path = path or pick(T, gate_up.dtype, experts=True)
     lib = _native.library() if path == "loops" else None
     if lib is not None:
-        return _native.experts(lib, x.float().contiguous(), ids.long(), gates, gate_up, down,
-                               act)
+        return _native.experts(lib, x.float().contiguous(), ids.long().contiguous(),
+                               gates.float().contiguous(), gate_up, down, act)
+    out = torch.zeros(T, H, dtype=torch.float32)
     fn = ACTIVATIONS[act]
     valid = (ids >= 0) & (ids < gate_up.shape[0])
     for e in torch.unique(ids[valid]).tolist():

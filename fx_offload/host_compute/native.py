@@ -142,35 +142,60 @@ void fx_linear(int wt, const void* w, int64_t n, int64_t k, const float* x, int6
     }
 }
 
-/* Routed experts: expert experts[s] serves the pairs p in [start[s], start[s+1]): xp[p] is the
-   token's activations, gate[p] its routing weight, token[p] its row of y.  h (pairs, inter) is
-   scratch, y (tokens, hidden) zeroed.  Pairs of one expert are at most 64 (split above). */
-void fx_experts(int wt, const void* gate_up, const void* down, int64_t hidden, int64_t inter,
-                const float* xp, const int64_t* experts, int64_t n_experts, const int64_t* start,
-                const int64_t* token, const float* gate, int a, float* h, float* y,
-                int threads, int64_t block) {
-    int64_t size = wt == 2 ? 4 : 2, blocks = (inter + block - 1) / block;
+/* Routed experts.  ids (tokens, k) and gates (tokens, k) route x (tokens, hidden); an id outside
+   [0, n_experts) routes nowhere.  The (token, slot) pairs are sorted by expert (a counting
+   sort), each pair's activations gathered into xp, and each expert served in pieces of at
+   most 64 pairs.  Scratch: xp (pairs, hidden), h (pairs, inter), gp (pairs) floats and is
+   (3 * n_experts + 3 * pairs + 2) ints.  y (tokens, hidden) is written whole. */
+void fx_experts(int wt, const void* gate_up, const void* down, int64_t n_experts,
+                int64_t hidden, int64_t inter, const float* x, int64_t tokens, int64_t k,
+                const int64_t* ids, const float* gates, int a, float* xp, float* h, float* gp,
+                int64_t* is, float* y, int threads, int64_t block) {
+    int64_t pairs = tokens * k, size = wt == 2 ? 4 : 2;
+    int64_t *offs = is, *token = is + n_experts + 1, *piece_e = token + pairs;
+    int64_t *piece_s = piece_e + pairs + n_experts;
+    memset(y, 0, sizeof(float) * tokens * hidden);
+    memset(offs, 0, sizeof(int64_t) * (n_experts + 1));
+    for (int64_t p = 0; p < pairs; ++p)
+        if (ids[p] >= 0 && ids[p] < n_experts) offs[ids[p] + 1]++;
+    for (int64_t e = 0; e < n_experts; ++e) offs[e + 1] += offs[e];
+    int64_t used = offs[n_experts], pieces = 0;
+    for (int64_t e = 0; e < n_experts; ++e)
+        for (int64_t q = offs[e]; q < offs[e + 1]; q += 64) { piece_e[pieces] = e; piece_s[pieces++] = q; }
+    piece_s[pieces] = used;
+    for (int64_t p = 0; p < pairs; ++p) {
+        int64_t e = ids[p];
+        if (e < 0 || e >= n_experts) continue;
+        int64_t q = offs[e]++;                 /* offs[e] ends at the next expert's start */
+        token[q] = p / k;
+        gp[q] = gates[p];
+        memcpy(xp + q * hidden, x + (p / k) * hidden, sizeof(float) * hidden);
+    }
+    if (!used) return;
+    int64_t blocks = (inter + block - 1) / block;
     #pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
-    for (int64_t s = 0; s < n_experts; ++s)
+    for (int64_t s = 0; s < pieces; ++s)
         for (int64_t b = 0; b < blocks; ++b) {
-            const char* w = (const char*)gate_up + experts[s] * 2 * inter * hidden * size;
-            int64_t p0 = start[s], m = start[s + 1] - p0, r0 = b * block;
+            const char* w = (const char*)gate_up + piece_e[s] * 2 * inter * hidden * size;
+            int64_t p0 = piece_s[s], m = piece_s[s + 1] - p0, r0 = b * block;
             int64_t nr = lesser(block, inter - r0);
+            if (m > 64) m = 64;
             float g[16 * 64], u[16 * 64];
             dots(wt, w + r0 * hidden * size, nr, hidden, xp + p0 * hidden, hidden, m, g, m);
             dots(wt, w + (inter + r0) * hidden * size, nr, hidden, xp + p0 * hidden, hidden, m,
                  u, m);
             for (int64_t r = 0; r < nr; ++r)
                 for (int64_t t = 0; t < m; ++t)
-                    h[(p0 + t) * inter + r0 + r] = act(a, g[r * m + t]) * u[r * m + t] * gate[p0 + t];
+                    h[(p0 + t) * inter + r0 + r] = act(a, g[r * m + t]) * u[r * m + t] * gp[p0 + t];
         }
     blocks = (hidden + block - 1) / block;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < blocks; ++b)
-        for (int64_t s = 0; s < n_experts; ++s) {
-            const char* w = (const char*)down + experts[s] * hidden * inter * size;
-            int64_t p0 = start[s], m = start[s + 1] - p0, r0 = b * block;
+        for (int64_t s = 0; s < pieces; ++s) {
+            const char* w = (const char*)down + piece_e[s] * hidden * inter * size;
+            int64_t p0 = piece_s[s], m = piece_s[s + 1] - p0, r0 = b * block;
             int64_t nr = lesser(block, hidden - r0);
+            if (m > 64) m = 64;
             float v[16 * 64];
             dots(wt, w + r0 * inter * size, nr, inter, h + p0 * inter, inter, m, v, m);
             for (int64_t r = 0; r < nr; ++r)
@@ -180,7 +205,6 @@ void fx_experts(int wt, const void* gate_up, const void* down, int64_t hidden, i
 """
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-Wno-psabi", "-fopenmp", "-fPIC", "-shared"]
 WEIGHT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-PAIRS = 64                                      # the kernel's most pairs per expert at once
 ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
 
 _lock = threading.Lock()
@@ -226,8 +250,8 @@ def _build():
         return None
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.fx_linear.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, ptr, i32, i64]
-    lib.fx_experts.argtypes = [i32, ptr, ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, i32, ptr,
-                               ptr, i32, i64]
+    lib.fx_experts.argtypes = [i32, ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, i32, ptr,
+                               ptr, ptr, ptr, ptr, i32, i64]
     return lib
 
 
@@ -244,31 +268,18 @@ def linear(lib, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> 
 
 def experts(lib, x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor,
             gate_up: torch.Tensor, down: torch.Tensor, act: str) -> torch.Tensor:
-    """The routed experts by the kernel; ``x`` fp32 contiguous (T, H), ``ids`` (T, k)."""
-    T, H = x.shape
-    E, I = gate_up.shape[0], down.shape[2]
-    out = torch.zeros(T, H, dtype=torch.float32)
-    flat = ids.reshape(-1)
-    keep = ((flat >= 0) & (flat < E)).nonzero().squeeze(1)
-    if keep.numel() == 0:
-        return out
-    chosen, order = flat[keep].sort(stable=True)
-    pairs = keep[order]                         # (token, slot) pairs grouped by expert
-    names, counts = torch.unique_consecutive(chosen, return_counts=True)
-    # an expert with more than PAIRS pairs is served in pieces of PAIRS (the kernel's buffers)
-    pieces = (counts + PAIRS - 1) // PAIRS
-    first = torch.cumsum(counts, 0) - counts
-    piece_of = torch.arange(int(pieces.sum())) - (torch.cumsum(pieces, 0) - pieces).repeat_interleave(pieces)
-    start = torch.full((len(piece_of) + 1,), len(pairs), dtype=torch.int64)
-    start[:-1] = first.repeat_interleave(pieces) + PAIRS * piece_of
-    names = names.repeat_interleave(pieces)
-    token = (pairs // ids.shape[1]).contiguous()
-    weight = gates.reshape(-1)[pairs].float().contiguous()
-    xp = x[token]                               # each pair's activations, grouped by expert
-    h = torch.empty(len(pairs), I, dtype=torch.float32)
-    lib.fx_experts(WEIGHT_CODES[gate_up.dtype], gate_up.data_ptr(), down.data_ptr(), H, I,
-                   xp.data_ptr(), names.data_ptr(), len(names), start.data_ptr(),
-                   token.data_ptr(), weight.data_ptr(), ACT_CODES[act], h.data_ptr(),
+    """The routed experts by the kernel: ``x`` fp32 (T, H), ``ids`` int64 and ``gates`` fp32
+    (T, k), all contiguous; the routing is sorted inside the kernel (a few torch calls here
+    would cost more than the matmuls at one token)."""
+    (T, H), k = x.shape, ids.shape[1]
+    E, I, pairs = gate_up.shape[0], down.shape[2], T * ids.shape[1]
+    out = torch.empty(T, H, dtype=torch.float32)
+    floats = torch.empty(pairs * (H + I + 1), dtype=torch.float32)
+    ints = torch.empty(3 * E + 3 * pairs + 2, dtype=torch.int64)
+    base, f = floats.data_ptr(), 4
+    lib.fx_experts(WEIGHT_CODES[gate_up.dtype], gate_up.data_ptr(), down.data_ptr(), E, H, I,
+                   x.data_ptr(), T, k, ids.data_ptr(), gates.data_ptr(), ACT_CODES[act], base,
+                   base + f * pairs * H, base + f * pairs * (H + I), ints.data_ptr(),
                    out.data_ptr(), torch.get_num_threads(), _block(I))
     return out
 
