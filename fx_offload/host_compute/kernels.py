@@ -16,6 +16,10 @@ Paths (``path=``; ``None`` picks per shape, see :func:`pick`):
 ``native``
     torch's ``F.linear`` in the weights' own dtype (oneDNN for bf16, AMX where present);
     its outputs are rounded to that dtype between the two matmuls of an expert.
+``inductor`` (experts only)
+    the experts as gathers and reductions compiled by Inductor's C++ backend
+    (:mod:`.compiled`): fused, vectorized and parallel, but each (token, slot) pair reads
+    its expert, so an expert picked by two tokens is read twice.
 
 The choice: ``loops`` everywhere, except fp32 weights at one token, where MKL's fp32
 matrix-vector product (``native``) reads at the memory's rate already.  Why: torch's paths
@@ -37,13 +41,14 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import OffloadError
+from . import compiled as _compiled
 from . import native as _native
 
 WHERE = "fx_offload.host_compute"
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu,
                "gelu_tanh": lambda v: F.gelu(v, approximate="tanh"), "relu": F.relu}
-EXPERT_PATHS = ("upcast", "native", "loops")
+EXPERT_PATHS = ("upcast", "native", "loops", "inductor")
 LINEAR_PATHS = ("upcast", "native", "loops")
 
 
@@ -87,6 +92,8 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor,
     if lib is not None:
         return _native.experts(lib, x.float().contiguous(), ids.long().contiguous(),
                                gates.float().contiguous(), gate_up, down, act)
+    if path == "inductor":
+        return _compiled.experts(x.float(), ids.long(), gates, gate_up, down, act)
     out = torch.zeros(T, H, dtype=torch.float32)
     fn = ACTIVATIONS[act]
     valid = (ids >= 0) & (ids < gate_up.shape[0])
