@@ -26,6 +26,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = r"""
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -39,15 +40,20 @@ SOURCE = r"""
 typedef float vf __attribute__((vector_size(4 * VL)));
 typedef uint16_t vh __attribute__((vector_size(2 * VL)));
 typedef uint32_t vu __attribute__((vector_size(4 * VL)));
-typedef _Float16 vx __attribute__((vector_size(2 * VL)));
 #define INL static inline __attribute__((always_inline))
 
-/* VL weights from i on, as fp32: bf16 widened by a shift, fp16 converted */
+/* VL weights from i on, as fp32: bf16 widened by a shift, fp16 converted (F16C) */
 INL vf load_w(const int wt, const char* w, int64_t i) {
     vf f;
     if (wt == 0) { vh r; memcpy(&r, w + 2 * i, sizeof r); vu u = __builtin_convertvector(r, vu) << 16;
                    memcpy(&f, &u, sizeof f); }
-    else if (wt == 1) { vx r; memcpy(&r, w + 2 * i, sizeof r); f = __builtin_convertvector(r, vf); }
+#if VL == 16
+    else if (wt == 1) { __m512 c = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + 2 * i)));
+                        memcpy(&f, &c, sizeof f); }
+#else
+    else if (wt == 1) { __m256 c = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + 2 * i)));
+                        memcpy(&f, &c, sizeof f); }
+#endif
     else memcpy(&f, w + 4 * i, sizeof f);
     return f;
 }
@@ -55,7 +61,7 @@ INL vf load_w(const int wt, const char* w, int64_t i) {
 INL float one_w(const int wt, const char* w, int64_t i) {
     if (wt == 0) { uint32_t u = (uint32_t)((const uint16_t*)w)[i] << 16; float f; memcpy(&f, &u, 4);
                    return f; }
-    if (wt == 1) return (float)((const _Float16*)w)[i];
+    if (wt == 1) return _cvtsh_ss(((const uint16_t*)w)[i]);
     return ((const float*)w)[i];
 }
 
