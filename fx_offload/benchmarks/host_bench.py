@@ -15,6 +15,7 @@ takes the next layer (and random experts), so the rows measure memory, not cache
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -47,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch.set_num_threads for the run (default: torch's, the "
                              "physical cores)")
     parser.add_argument("--kt-kernel", action="store_true",
-                        help="add kt-kernel's MoE rows where it imports")
+                        help="add kt-kernel's bf16 MoE rows (where the kt-kernel package "
+                             "imports) on the same weights and routing")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -173,27 +175,44 @@ def _copy_rows(a: torch.Tensor, read: float, reps: int) -> None:
          cpu_seconds / max(sums, 1), a.numel() * 4 if sums else 0, read)
 
 
-def _experts(tokens: int, path, dtype, span: int, quick: bool, reps: int):
+@functools.lru_cache(maxsize=None)
+def _expert_layers(dtype, span: int, quick: bool):
+    """(shape, layers, gate_up of each layer, down of each layer): every row of a run reads
+    the same weights, spanning ``span`` bytes at least."""
     s = QUICK_EXPERTS if quick else EXPERTS
-    H, I, E, k = s["H"], s["I"], s["E"], s["k"]
-    layer_bytes = 3 * E * H * I * dtype.itemsize
-    layers = max(2, -(-span // layer_bytes))
-    gate_up = [_filled((E, 2 * I, H), dtype) for _ in range(layers)]
-    down = [_filled((E, H, I), dtype) for _ in range(layers)]
+    layers = max(2, -(-span // (3 * s["E"] * s["H"] * s["I"] * dtype.itemsize)))
+    gate_up = [_filled((s["E"], 2 * s["I"], s["H"]), dtype) for _ in range(layers)]
+    down = [_filled((s["E"], s["H"], s["I"]), dtype) for _ in range(layers)]
+    return s, layers, gate_up, down
+
+
+def _routings(tokens: int, s: dict, dtype, count: int) -> tuple[list, float]:
+    """``count`` calls' (x, ids, gates), each token's k experts distinct and random, and the
+    median count of distinct experts a call picks."""
     gen = torch.Generator().manual_seed(0)
     calls = []
-    for i in range(reps + 2):
-        ids = torch.rand(tokens, E, generator=gen).topk(k, dim=1).indices
-        gates = torch.rand(tokens, k, generator=gen).softmax(-1)
-        calls.append((torch.randn(tokens, H, generator=gen).to(dtype), ids, gates))
-    picked = statistics.median(len(torch.unique(c[1])) for c in calls)
+    for _ in range(count):
+        ids = torch.rand(tokens, s["E"], generator=gen).topk(s["k"], dim=1).indices
+        gates = torch.rand(tokens, s["k"], generator=gen).softmax(-1)
+        calls.append((torch.randn(tokens, s["H"], generator=gen).to(dtype), ids, gates))
+    return calls, statistics.median(len(torch.unique(c[1])) for c in calls)
+
+
+def _experts(tokens: int, path, dtype, span: int, quick: bool, reps: int):
+    s, layers, gate_up, down = _expert_layers(dtype, span, quick)
+    calls, picked = _routings(tokens, s, dtype, reps + 2)
 
     def call(i):
         x, ids, gates = calls[i]
         kernels.routed_experts(x, ids, gates, gate_up[i % layers], down[i % layers], path=path)
     seconds = _median_seconds(call, reps)
-    shape = f"T={tokens} H={H} I={I} E={E} k={k} ({picked:g} experts, {layers} layers)"
-    return shape, seconds, picked * 3 * H * I * dtype.itemsize
+    return _expert_shape(tokens, s, picked, layers), seconds, \
+        picked * 3 * s["H"] * s["I"] * dtype.itemsize
+
+
+def _expert_shape(tokens: int, s: dict, picked: float, layers: int) -> str:
+    return (f"T={tokens} H={s['H']} I={s['I']} E={s['E']} k={s['k']} ({picked:g} experts, "
+            f"{layers} layers)")
 
 
 def _dense(tokens: int, path, dtype, span: int, quick: bool, reps: int):
@@ -218,9 +237,61 @@ def _dense(tokens: int, path, dtype, span: int, quick: bool, reps: int):
 
 
 def _kt_rows(tokens, span, quick, reps, read) -> None:
+    """kt-kernel's bf16 MoE (AMX where present, else AVX2) on the same weights and routing,
+    through its C++ interface with one thread pool of torch's size: its own copy of each
+    layer's weights in its layout, so twice the memory."""
     try:
-        import kt_kernel  # noqa: F401
-    except ImportError as err:
-        print(f"| kt-kernel | does not import here: {err} | - | - | - |")
+        import kt_kernel
+        ext = kt_kernel.kt_kernel_ext
+    except Exception as err:        # noqa: BLE001  (an optional row: any failure is printed)
+        print(f"| kt-kernel | does not import here: {type(err).__name__}: {err} | - | - | - |")
         return
-    print("| kt-kernel | imports; its rows are not written yet | - | - | - |")
+    try:
+        s, layers, gate_up, down = _expert_layers(torch.bfloat16, span, quick)
+        pool, moes = _kt_layers(ext, s, gate_up, down, max(tokens))
+        for t in tokens:
+            calls, picked = _routings(t, s, torch.bfloat16, reps + 2)
+            out = torch.empty(t, s["H"], dtype=torch.bfloat16)
+            size = torch.tensor([t], dtype=torch.int32)
+
+            def call(i, calls=calls, out=out, size=size):
+                x, ids, gates = calls[i]
+                pool.submit(moes[i % layers].forward_task(size.data_ptr(), s["k"], ids.data_ptr(),
+                                                         gates.data_ptr(), x.data_ptr(),
+                                                         out.data_ptr(), False))
+                pool.sync()
+            seconds = _median_seconds(call, reps)
+            _row(f"experts kt-kernel ({kt_kernel.__cpu_variant__})",
+                 _expert_shape(t, s, picked, layers), seconds,
+                 picked * 3 * s["H"] * s["I"] * 2, read)
+    except Exception as err:        # noqa: BLE001
+        print(f"| kt-kernel | failed: {type(err).__name__}: {err} | - | - | - |")
+
+
+def _kt_layers(ext, s: dict, gate_up: list, down: list, max_tokens: int):
+    """kt-kernel's thread pool and one bf16 MoE of it per layer, loaded from our tensors."""
+    config = ext.WorkerPoolConfig()
+    config.subpool_count = 1
+    config.subpool_numa_map = [0]
+    config.subpool_thread_count = [torch.get_num_threads()]
+    pool = ext.CPUInfer(config)
+    kind = getattr(ext.moe, "AMXBF16_MOE", None) or ext.moe.AVX2BF16_MOE
+    E, H, I = s["E"], s["H"], s["I"]
+    mask = torch.zeros(E, dtype=torch.bool)
+    logical = torch.arange(E, dtype=torch.int64)
+    moes = []
+    for n, (gu, dn) in enumerate(zip(gate_up, down)):
+        moe_config = ext.moe.MOEConfig(E, s["k"], H, I, mask.data_ptr())
+        moe_config.layer_idx = n
+        moe_config.pool = pool.backend_
+        moe_config.max_len = max(max_tokens, 1)
+        moe_config.gate_projs = [[gu.data_ptr() + e * 2 * I * H * 2 for e in range(E)]]
+        moe_config.up_projs = [[gu.data_ptr() + (e * 2 + 1) * I * H * 2 for e in range(E)]]
+        moe_config.down_projs = [[dn.data_ptr() + e * H * I * 2 for e in range(E)]]
+        zeros = [[0] * E]
+        moe_config.gate_scales, moe_config.up_scales, moe_config.down_scales = zeros, zeros, zeros
+        moe = kind(moe_config)
+        pool.submit(moe.load_weights_task(logical.data_ptr()))
+        pool.sync()
+        moes.append(moe)
+    return pool, moes
