@@ -93,6 +93,22 @@ def test_bf16_activations_and_the_chosen_path(path):
     close(routed_experts(x, ids, gates, gate_up, down), want, 2e-2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sizes_that_are_no_multiple_of_a_vector_take_their_tails_too(dtype):
+    """loops reads 8 or 16 weights at a time; hidden 70 and inner 21 leave tails."""
+    gen = torch.Generator().manual_seed(3)
+    gate_up = (torch.randn(5, 42, 70, generator=gen) * 0.1).to(dtype)
+    down = (torch.randn(5, 70, 21, generator=gen) * 0.1).to(dtype)
+    x = torch.randn(3, 70, generator=gen)
+    ids, gates = torch.tensor([[0, 4], [2, 2], [4, 1]]), torch.rand(3, 2, generator=gen)
+    for path in EXPERT_PATHS:
+        close(routed_experts(x, ids, gates, gate_up, down, path=path),
+              reference(x, ids, gates, gate_up, down), tolerance(path, dtype))
+    for path in kernels.LINEAR_PATHS:
+        close(linear(x, gate_up[1], path=path), x.double() @ gate_up[1].double().t(),
+              tolerance(path, dtype))
+
+
 def test_the_inductor_path_equals_the_reference_and_drops_sentinel_ids():
     gate_up, down = weights(torch.bfloat16)
     x, ids, gates = routing(4, 2)
