@@ -29,6 +29,9 @@ EXPERTS = dict(H=2048, I=768, E=128, k=8)           # Qwen3-30B-A3B
 DENSE = dict(H=4096, I=14336, kv=1024)             # Llama-3-8B
 QUICK_EXPERTS = dict(H=256, I=128, E=16, k=4)
 QUICK_DENSE = dict(H=256, I=512, kv=64)
+# paths of the benchmark alone: oneDNN's matmul on weights packed ahead into its layout (a
+# second copy of the weights, which the kernels cannot keep for host weights they are given)
+BENCH_PATHS = ("onednn",)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,17 +71,27 @@ def run(args: argparse.Namespace) -> int:
     print(f"| what | shape | ms median | GB/s | x read |\n| --- | --- | ---: | ---: | ---: |")
     read = _read_rows(read_gib, quick, reps)
     for t in tokens:
-        for path in _paths(args.paths, kernels.EXPERT_PATHS):
+        for path in _paths(args.paths, kernels.EXPERT_PATHS + BENCH_PATHS):
             name = path or f"auto={kernels.pick(t, dtype, experts=True)}"
-            _row(f"experts {name}", *_experts(t, path, dtype, span, quick, reps), read)
+            _guarded(f"experts {name}", read, _experts, t, path, dtype, span, quick, reps)
     for t in tokens:
-        for path in _paths(args.paths, kernels.LINEAR_PATHS):
+        for path in _paths(args.paths, kernels.LINEAR_PATHS + BENCH_PATHS):
             name = path or f"auto={kernels.pick(t, dtype, experts=False)}"
-            for what, timed in _dense(t, path, dtype, span, quick, reps):
-                _row(f"{what} {name}", *timed, read)
+            for what, measure in _dense(t, path, dtype, span, quick, reps):
+                _guarded(f"{what} {name}", read, measure)
     if args.kt_kernel:
         _kt_rows(tokens, span, quick, reps, read)
     return 0
+
+
+def _guarded(what: str, read: float, measure, *args) -> None:
+    """A row of ``measure(*args)``, or a row saying why it failed (a path this CPU or torch
+    build lacks, such as oneDNN's bf16 matmul without AVX-512 BF16)."""
+    try:
+        _row(what, *measure(*args), read)
+    except Exception as err:        # noqa: BLE001  (one row fails, the table goes on)
+        print(f"| {what} | failed: {type(err).__name__}: {str(err)[:160]} | - | - | - |",
+              flush=True)
 
 
 def _paths(chosen: str, known: tuple[str, ...]) -> list:
@@ -202,12 +215,38 @@ def _experts(tokens: int, path, dtype, span: int, quick: bool, reps: int):
     s, layers, gate_up, down = _expert_layers(dtype, span, quick)
     calls, picked = _routings(tokens, s, dtype, reps + 2)
 
-    def call(i):
-        x, ids, gates = calls[i]
-        kernels.routed_experts(x, ids, gates, gate_up[i % layers], down[i % layers], path=path)
+    if path == "onednn":
+        packed = _packed_experts(dtype, span, quick, tokens)
+
+        def call(i):
+            x, ids, gates = calls[i]
+            pgu, pdn = packed[i % layers]
+            kernels.per_expert(x, ids, gates, s["E"], "silu",
+                               lambda e, v: _onednn(v.to(dtype), pgu[e]),
+                               lambda e, v: _onednn(v.to(dtype), pdn[e]))
+    else:
+        def call(i):
+            x, ids, gates = calls[i]
+            kernels.routed_experts(x, ids, gates, gate_up[i % layers], down[i % layers],
+                                   path=path)
     seconds = _median_seconds(call, reps)
     return _expert_shape(tokens, s, picked, layers), seconds, \
         picked * 3 * s["H"] * s["I"] * dtype.itemsize
+
+
+def _pack(w: torch.Tensor, tokens: int) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(w, tokens)
+
+
+def _onednn(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "").float()
+
+
+@functools.lru_cache(maxsize=None)
+def _packed_experts(dtype, span: int, quick: bool, tokens: int) -> list:
+    s, layers, gate_up, down = _expert_layers(dtype, span, quick)
+    return [([_pack(gu[e], tokens) for e in range(s["E"])],
+             [_pack(dn[e], tokens) for e in range(s["E"])]) for gu, dn in zip(gate_up, down)]
 
 
 def _expert_shape(tokens: int, s: dict, picked: float, layers: int) -> str:
@@ -215,25 +254,37 @@ def _expert_shape(tokens: int, s: dict, picked: float, layers: int) -> str:
             f"{layers} layers)")
 
 
-def _dense(tokens: int, path, dtype, span: int, quick: bool, reps: int):
-    """The MLP (gate, up, down) and the attention projections (q, k, v, o) of a layer."""
+def _dense(tokens: int, path, dtype, span: int, quick: bool, reps: int) -> list:
+    """(what, measure) of the MLP (gate, up, down) and the attention projections (q, k, v,
+    o) of a layer: ``measure()`` gives the row."""
     s = QUICK_DENSE if quick else DENSE
     H, I, kv = s["H"], s["I"], s["kv"]
-    out = []
-    for what, shapes in (("mlp", [(I, H), (I, H), (H, I)]),
-                         ("qkvo", [(H, H), (kv, H), (kv, H), (H, H)])):
-        layer_bytes = sum(a * b for a, b in shapes) * dtype.itemsize
-        layers = max(2, -(-span // layer_bytes))
-        weights = [[_filled(sh, dtype) for sh in shapes] for _ in range(layers)]
-        x = {n: torch.randn(tokens, n).to(dtype) for n in (H, I)}
+    x = {n: torch.randn(tokens, n).to(dtype) for n in (H, I)}
 
-        def call(i, weights=weights, layers=layers):
-            for w in weights[i % layers]:
-                kernels.linear(x[w.shape[1]], w, path=path)
+    def measure(shapes):
+        layers, weights = _dense_layers(shapes, dtype, span)
+        if path == "onednn":
+            packed = [[(w.shape[1], _pack(w, tokens)) for w in ws] for ws in weights]
+
+            def call(i):
+                for n, p in packed[i % layers]:
+                    _onednn(x[n], p)
+        else:
+            def call(i):
+                for w in weights[i % layers]:
+                    kernels.linear(x[w.shape[1]], w, path=path)
         seconds = _median_seconds(call, reps)
         shape = f"T={tokens} " + " ".join(f"{a}x{b}" for a, b in shapes) + f" ({layers} layers)"
-        out.append((f"dense {what}", (shape, seconds, layer_bytes)))
-    return out
+        return shape, seconds, sum(a * b for a, b in shapes) * dtype.itemsize
+    return [(f"dense {what}", functools.partial(measure, shapes)) for what, shapes in
+            (("mlp", ((I, H), (I, H), (H, I))), ("qkvo", ((H, H), (kv, H), (kv, H), (H, H))))]
+
+
+@functools.lru_cache(maxsize=None)
+def _dense_layers(shapes: tuple, dtype, span: int) -> tuple[int, list]:
+    layer_bytes = sum(a * b for a, b in shapes) * dtype.itemsize
+    layers = max(2, -(-span // layer_bytes))
+    return layers, [[_filled(sh, dtype) for sh in shapes] for _ in range(layers)]
 
 
 def _kt_rows(tokens, span, quick, reps, read) -> None:

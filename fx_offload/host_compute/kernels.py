@@ -94,20 +94,28 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor,
                                gates.float().contiguous(), gate_up, down, act)
     if path == "inductor":
         return _compiled.experts(x.float(), ids.long(), gates, gate_up, down, act)
-    out = torch.zeros(T, H, dtype=torch.float32)
+    if path == "upcast":
+        return per_expert(x, ids, gates, gate_up.shape[0], act,
+                          lambda e, v: F.linear(v.float(), gate_up[e].float()),
+                          lambda e, v: F.linear(v, down[e].float()))
+    dt = gate_up.dtype
+    return per_expert(x, ids, gates, gate_up.shape[0], act,
+                      lambda e, v: F.linear(v.to(dt), gate_up[e]).float(),
+                      lambda e, v: F.linear(v.to(dt), down[e]).float())
+
+
+def per_expert(x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor, experts: int, act: str,
+               first, second) -> torch.Tensor:
+    """The routed experts one distinct expert after another, its matmuls by ``first(e, x)``
+    (the (rows, 2I) ``[gate, up]`` outputs, fp32) and ``second(e, h)`` (rows, H) fp32: torch's
+    paths, and the benchmark's with weights packed ahead."""
+    out = torch.zeros(x.shape, dtype=torch.float32)
     fn = ACTIVATIONS[act]
-    valid = (ids >= 0) & (ids < gate_up.shape[0])
+    valid = (ids >= 0) & (ids < experts)
     for e in torch.unique(ids[valid]).tolist():
         rows, slot = (ids == e).nonzero(as_tuple=True)
-        xe = x[rows]
-        if path == "upcast":
-            gu = F.linear(xe.float(), gate_up[e].float())
-            g, u = gu.chunk(2, -1)
-            y = F.linear(fn(g) * u, down[e].float())
-        else:
-            dt = gate_up.dtype
-            g, u = F.linear(xe.to(dt), gate_up[e]).float().chunk(2, -1)
-            y = F.linear((fn(g) * u).to(dt), down[e]).float()
+        g, u = first(e, x[rows]).chunk(2, -1)
+        y = second(e, fn(g) * u)
         out.index_add_(0, rows, y * gates[rows, slot, None].float())
     return out
 
