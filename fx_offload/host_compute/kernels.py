@@ -10,6 +10,9 @@ Paths (``path=``; ``None`` picks per shape, see :func:`pick`):
     a C kernel built for this CPU on first use (:mod:`.native`): one parallel region per
     matmul over blocks of rows of every routed expert together; each weight is read once,
     widened to fp32 in registers and meets every token routed to its expert there.
+``loops-prefetch``
+    ``loops`` asking for the weights 1 KiB ahead of the row being read (software prefetch),
+    to compare with the hardware's prefetching alone.
 ``upcast``
     each distinct expert's weights converted to fp32, then torch's fp32 matmuls (MKL).
     Exact fp32 accumulation, but the conversion writes and reads the expert again.
@@ -48,8 +51,10 @@ WHERE = "fx_offload.host_compute"
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu,
                "gelu_tanh": lambda v: F.gelu(v, approximate="tanh"), "relu": F.relu}
-EXPERT_PATHS = ("upcast", "native", "loops", "inductor")
-LINEAR_PATHS = ("upcast", "native", "loops")
+EXPERT_PATHS = ("upcast", "native", "loops", "loops-prefetch", "inductor")
+LINEAR_PATHS = ("upcast", "native", "loops", "loops-prefetch")
+# the 'loops' kernels and the bytes ahead of the weights they ask the memory for
+LOOPS = {"loops": 0, "loops-prefetch": 1024}
 
 
 def host_threads() -> int:
@@ -88,13 +93,13 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor,
     if T == 0 or ids.shape[1] == 0:
         return torch.zeros(T, H, dtype=torch.float32)
     path = path or pick(T, gate_up.dtype, experts=True)
-    lib = _native.library() if path == "loops" else None
+    lib = _native.library(LOOPS[path]) if path in LOOPS else None
     if lib is not None:
         return _native.experts(lib, x.float().contiguous(), ids.long().contiguous(),
                                gates.float().contiguous(), gate_up, down, act)
     if path == "inductor":
         return _compiled.experts(x.float(), ids.long(), gates, gate_up, down, act)
-    if path == "upcast":
+    if path == "upcast" or path in LOOPS:          # loops where the kernel cannot be built
         return per_expert(x, ids, gates, gate_up.shape[0], act,
                           lambda e, v: F.linear(v.float(), gate_up[e].float()),
                           lambda e, v: F.linear(v, down[e].float()))
@@ -127,11 +132,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     _check_linear(x, w, bias, path)
     path = path or pick(x.numel() // max(x.shape[-1], 1), w.dtype, experts=False)
     b = None if bias is None else bias.float().contiguous()
-    lib = _native.library() if path == "loops" else None
+    lib = _native.library(LOOPS[path]) if path in LOOPS else None
     if lib is not None:
         x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
         return _native.linear(lib, x2, w, b).reshape(*x.shape[:-1], w.shape[0])
-    if path == "upcast" or w.dtype == torch.float32:
+    if path == "upcast" or path in LOOPS or w.dtype == torch.float32:
         return F.linear(x.float(), w.float(), b)
     y = F.linear(x.to(w.dtype), w).float()
     return y if b is None else y + b

@@ -69,26 +69,42 @@ INL float one_w(const int wt, const char* w, int64_t i) {
    (stride ldx).  The columns go in chunks of 24 KiB of X: a chunk of X stays in L1 while every
    row's chunk meets it (one token: whole rows, read straight through), each weight is converted
    once and meets every row of X in registers, and the partial sums wait in a small array
-   between chunks. */
+   between chunks.  Rows of X a multiple of 4 KiB apart (a hidden size of 4096) would share
+   L1 sets and evict one another, so a chunk of several rows is first copied to a buffer whose
+   rows are 64 bytes off that.  PREFETCH (bytes, 0: none) asks for the weights that far ahead
+   of the row being read. */
+#ifndef PREFETCH
+#define PREFETCH 0
+#endif
 INL void dots_m(const int wt, const int m, const char* w, int64_t nr, int64_t n, const float* X,
                 int64_t ldx, float* out) {
     vf part[16][8];
-    const int64_t KC = (6144 / m) / VL * VL;
+    const int64_t KC = (6144 / m) / VL * VL, ldb = KC + 16;
+    float buffer[m > 1 ? m * (6144 / m / VL * VL + 16) : 1] __attribute__((aligned(64)));
     int64_t size = wt == 2 ? 4 : 2, nv = n - n % VL;
     for (int64_t r = 0; r < nr; ++r)
         for (int t = 0; t < m; ++t) part[r][t] = (vf){0};
     for (int64_t c = 0; c < nv; c += KC) {
         int64_t end = c + KC < nv ? c + KC : nv;
+        const float* xc = X + c;                 /* X[t] at xc + t * lx, from column c on */
+        int64_t lx = ldx;
+        if (m > 1) {
+            for (int t = 0; t < m; ++t)
+                memcpy(buffer + t * ldb, X + t * ldx + c, sizeof(float) * (end - c));
+            xc = buffer;
+            lx = ldb;
+        }
         for (int64_t r = 0; r < nr; ++r) {
             const char* row = w + r * n * size;
             vf acc[8];
             #pragma GCC unroll 8
             for (int t = 0; t < m; ++t) acc[t] = part[r][t];
             for (int64_t i = c; i < end; i += VL) {
+                if (PREFETCH) __builtin_prefetch(row + i * size + PREFETCH);
                 vf wv = load_w(wt, row, i);
                 #pragma GCC unroll 8
                 for (int t = 0; t < m; ++t) {
-                    vf xv; memcpy(&xv, X + t * ldx + i, sizeof xv); acc[t] += wv * xv;
+                    vf xv; memcpy(&xv, xc + t * lx + (i - c), sizeof xv); acc[t] += wv * xv;
                 }
             }
             #pragma GCC unroll 8
@@ -217,22 +233,23 @@ _lock = threading.Lock()
 _state: dict = {}
 
 
-def library():
-    """The compiled kernel (a ``ctypes.CDLL``), or ``None`` where it cannot be built."""
-    if "lib" not in _state:
+def library(prefetch: int = 0):
+    """The compiled kernel (a ``ctypes.CDLL``), or ``None`` where it cannot be built;
+    ``prefetch`` bytes ahead of the weights being read (0: leave it to the hardware)."""
+    if prefetch not in _state:
         with _lock:
-            if "lib" not in _state:
-                _state["lib"] = _build()
-    return _state["lib"]
+            if prefetch not in _state:
+                _state[prefetch] = _build([*FLAGS, f"-DPREFETCH={prefetch}"])
+    return _state[prefetch]
 
 
-def _build():
+def _build(flags: list):
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         log.warning("fx_offload.host_compute: no C compiler found; the 'loops' path falls "
                     "back to torch's")
         return None
-    key = hashlib.sha256((SOURCE + " ".join(FLAGS) + compiler).encode()).hexdigest()[:16]
+    key = hashlib.sha256((SOURCE + " ".join(flags) + compiler).encode()).hexdigest()[:16]
     folder = os.path.join(tempfile.gettempdir(), f"fx_offload_host_{os.getuid()}")
     os.makedirs(folder, exist_ok=True)
     target = os.path.join(folder, f"kernels_{key}.so")
@@ -241,7 +258,7 @@ def _build():
         with open(src, "w") as f:
             f.write(SOURCE)
         partial = f"{target}.{os.getpid()}"
-        done = subprocess.run([compiler, *FLAGS, src, "-o", partial, "-lm"],
+        done = subprocess.run([compiler, *flags, src, "-o", partial, "-lm"],
                               capture_output=True, text=True, check=False)
         if done.returncode:
             log.warning("fx_offload.host_compute: building the 'loops' kernel failed; falling "
