@@ -148,7 +148,7 @@ def test_every_linear_path_equals_the_float64_reference(path, dtype):
     gen = torch.Generator().manual_seed(2)
     w = (torch.randn(48, H, generator=gen) * 0.1).to(dtype)
     bias = torch.randn(48, generator=gen)
-    for shape in ((0, H), (1, H), (8, H), (2, 3, H)):
+    for shape in ((0, H), (1, H), (3, H), (8, H), (2, 3, H)):
         x = torch.randn(shape, generator=gen)
         for b in (None, bias):
             want = x.double() @ w.double().t() + (0 if b is None else b.double())
