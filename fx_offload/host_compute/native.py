@@ -167,11 +167,21 @@ static inline float act(int a, float g) {
 
 static inline int64_t lesser(int64_t a, int64_t b) { return a < b ? a : b; }
 
+/* Rows per task, at most 16: the fewest tasks per thread that keep a task within 16 rows,
+   and as many tasks for each thread (2048 rows on 16 threads: 8 tasks of 16 rows each), so
+   no thread waits on another's extra task at the region's end. */
+static inline int64_t block_for(int64_t rows, int threads) {
+    int64_t per = (rows + 16 * threads - 1) / (16 * threads);
+    int64_t block = (rows + threads * per - 1) / (threads * per);
+    return block < 1 ? 1 : block;
+}
+
 /* y (m, n) = x (m, k) . w (n, k)^T + bias, blocks of rows of w over the threads; block <= 16,
    v holds a block's results for every row of x */
 void fx_linear(int wt, const void* w, int64_t n, int64_t k, const float* x, int64_t m,
-               const float* bias, float* y, int threads, int64_t block) {
-    int64_t size = wt == 2 ? 4 : 2, blocks = (n + block - 1) / block;
+               const float* bias, float* y, int threads) {
+    int64_t size = wt == 2 ? 4 : 2, block = block_for(n, threads);
+    int64_t blocks = (n + block - 1) / block;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < blocks; ++b) {
         int64_t r0 = b * block, nr = lesser(block, n - r0);
@@ -194,7 +204,7 @@ void fx_linear(int wt, const void* w, int64_t n, int64_t k, const float* x, int6
 void fx_experts(int wt, const void* gate_up, const void* down, int64_t n_experts,
                 int64_t hidden, int64_t inter, const float* x, int64_t tokens, int64_t k,
                 const int64_t* ids, const float* gates, int a, float* xp, float* h, float* gp,
-                int64_t* is, float* y, int threads, int64_t block) {
+                int64_t* is, float* y, int threads) {
     int64_t pairs = tokens * k, size = wt == 2 ? 4 : 2;
     int64_t *offs = is, *token = is + n_experts + 1, *piece_e = token + pairs;
     int64_t *piece_s = piece_e + pairs + n_experts;
@@ -216,7 +226,7 @@ void fx_experts(int wt, const void* gate_up, const void* down, int64_t n_experts
         memcpy(xp + q * hidden, x + (p / k) * hidden, sizeof(float) * hidden);
     }
     if (!used) return;
-    int64_t blocks = (inter + block - 1) / block;
+    int64_t block = block_for(inter, threads), blocks = (inter + block - 1) / block;
     #pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
     for (int64_t s = 0; s < pieces; ++s)
         for (int64_t b = 0; b < blocks; ++b) {
@@ -232,6 +242,7 @@ void fx_experts(int wt, const void* gate_up, const void* down, int64_t n_experts
                 for (int64_t t = 0; t < m; ++t)
                     h[(p0 + t) * inter + r0 + r] = act(a, g[r * m + t]) * u[r * m + t] * gp[p0 + t];
         }
+    block = block_for(hidden, threads);
     blocks = (hidden + block - 1) / block;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < blocks; ++b)
@@ -294,9 +305,9 @@ def _build(flags: list):
                     "back to torch's paths", err)
         return None
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.fx_linear.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, ptr, i32, i64]
+    lib.fx_linear.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, ptr, i32]
     lib.fx_experts.argtypes = [i32, ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, i32, ptr,
-                               ptr, ptr, ptr, ptr, i32, i64]
+                               ptr, ptr, ptr, ptr, i32]
     return lib
 
 
@@ -307,7 +318,7 @@ def linear(lib, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> 
     if m:
         lib.fx_linear(WEIGHT_CODES[w.dtype], w.data_ptr(), n, k, x.data_ptr(), m,
                       None if bias is None else bias.data_ptr(), y.data_ptr(),
-                      torch.get_num_threads(), _block(n))
+                      torch.get_num_threads())
     return y
 
 
@@ -325,10 +336,5 @@ def experts(lib, x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor,
     lib.fx_experts(WEIGHT_CODES[gate_up.dtype], gate_up.data_ptr(), down.data_ptr(), E, H, I,
                    x.data_ptr(), T, k, ids.data_ptr(), gates.data_ptr(), ACT_CODES[act], base,
                    base + f * pairs * H, base + f * pairs * (H + I), ints.data_ptr(),
-                   out.data_ptr(), torch.get_num_threads(), _block(I))
+                   out.data_ptr(), torch.get_num_threads())
     return out
-
-
-def _block(rows: int) -> int:
-    """Rows per task: enough tasks to share among the threads, each a few rows long."""
-    return max(1, min(16, rows // (4 * torch.get_num_threads()) or 1))
