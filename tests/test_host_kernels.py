@@ -157,6 +157,20 @@ def test_every_linear_path_equals_the_float64_reference(path, dtype):
     close(linear(xt, w, path=path), xt.double() @ w.double().t(), tolerance(path, dtype))
 
 
+def test_a_call_from_another_thread_gives_the_same_result():
+    """The runtime may call the kernels from a thread of its own, to overlap the GPU."""
+    import threading
+    gate_up, down = weights(torch.bfloat16)
+    x, ids, gates = routing(8, 8)
+    want = routed_experts(x, ids, gates, gate_up, down, path="loops")
+    got = {}
+    worker = threading.Thread(target=lambda: got.setdefault(
+        "y", routed_experts(x, ids, gates, gate_up, down, path="loops")))
+    worker.start()
+    worker.join()
+    assert torch.equal(got["y"], want)
+
+
 def test_host_threads_is_torchs_pool():
     before = torch.get_num_threads()
     try:
