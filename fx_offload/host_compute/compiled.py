@@ -1,7 +1,9 @@
 """The ``inductor`` path: the routed experts written as gathers and reductions that Inductor's
 C++ backend fuses into loops of its own (the gather of each pair's expert becomes an indirect
 load, the conversion to fp32 happens in registers, the reduction over the hidden size is
-vectorized and the outer loops run in an OpenMP region).
+vectorized and the outer loops run in an OpenMP region: its output code has one
+``#pragma omp parallel`` holding every loop, bf16 loaded as ``at::vec::Vectorized`` and
+widened to float).
 
 Each (token, slot) pair reads its expert, so at several tokens an expert picked twice is read
 twice; an id outside ``[0, E)`` reads expert 0 with a zero weight.  One compiled graph per
