@@ -1,5 +1,5 @@
 """Command line: ``python -m fx_offload
-demo|inspect|bench|bigger|flux|generate|moe|trace|codec|hostmem|ratio|kv|train``."""
+demo|inspect|bench|bigger|flux|generate|moe|trace|codec|hostmem|ratio|kv|train|host``."""
 from __future__ import annotations
 
 import argparse
@@ -9,8 +9,9 @@ import textwrap
 
 import torch
 
-from ..benchmarks import (bench, bigger, codec_bench, flux_bench, generate_bench, hostmem_bench,
-                          kv_bench, moe_bench, ratio_bench, trace_bench, train_bench)
+from ..benchmarks import (bench, bigger, codec_bench, flux_bench, generate_bench, host_bench,
+                          hostmem_bench, kv_bench, moe_bench, ratio_bench, trace_bench,
+                          train_bench)
 from ..errors import OffloadError
 from . import demo, inspect_cli
 
@@ -95,6 +96,13 @@ TOOLS = (
      "CPUOffloadPolicy and accelerate's cpu_offload, with peak memory and the copy bound. "
      "Needs a GPU, transformers and peft; --device cpu --quick is a smoke run.",
      "python -m fx_offload train --layers 16 --seq 2048"),
+    ("host", host_bench, "computing on the host's cores with weights in host memory: the "
+                         "read rate, the link, and the host kernels at decode shapes "
+                         "(--quick as a smoke run)",
+     "Time the host's read rate, the pinned copy rate (a GPU) and both at once, and the host "
+     "kernels (routed experts of Qwen3-30B-A3B shapes, the dense layers of Llama-3-8B) at "
+     "decode shapes, each against the read rate. Runs on the CPU; --quick is a smoke run.",
+     "python -m fx_offload host --paths all"),
 )
 
 
