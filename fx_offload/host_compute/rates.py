@@ -7,7 +7,10 @@ JSON file, a key of its own):
 * ``flop_rate``: FLOP/s of a host matrix multiply (a prompt: the arithmetic is the cost);
 * ``latency``: seconds one layer's host computation costs whatever its size: a round trip of
   tiny tensors between the device and the host with the wait between, and a kernel call on
-  tiny weights.
+  tiny weights;
+* ``link_rate``: bytes/s from page-locked host memory to the device (the device rates'
+  ``h2d_bandwidth`` where they are cached, else measured alone: the whole set's probes take
+  gigabytes of device memory, which a call of a model that fills the device does not have).
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from . import kernels
 
 log = logging.getLogger("fx_offload")
 
-NAMES = ("read_rate", "flop_rate", "latency")
+NAMES = ("read_rate", "flop_rate", "latency", "link_rate")
 # the probe: experts as large as a mid-sized MoE's (fp32 here: 12 MiB each), 4 of them
 PROBE_EXPERTS, PROBE_INNER, PROBE_HIDDEN = 4, 768, 1024
 
@@ -32,12 +35,13 @@ class HostRates:
     read_rate: float        # bytes/s
     flop_rate: float        # FLOP/s
     latency: float          # seconds per layer and call
+    link_rate: float = 0.0  # bytes/s, host to device
 
 
 def host_rates(device: torch.device) -> HostRates:
     """The host's rates next to ``device``: cached, or measured now (a second or two)."""
     key = f"host experts | {device_rates._device_key(torch.device('cpu'), torch.float32)}" \
-        f" | beside {device.type}"
+        f" | beside {device_rates._device_key(device, torch.float32)}"
     cached = device_rates._read_cache().get(key)
     if isinstance(cached, dict) and all(isinstance(cached.get(n), (int, float)) for n in NAMES):
         return HostRates(*(float(cached[n]) for n in NAMES))
@@ -73,4 +77,8 @@ def measure(device: torch.device) -> dict[str, float]:
         out = kernels.routed_experts(back, *tiny[1:])
         return out.to(device, non_blocking=True)
     latency = device_rates._median_seconds(round_trip, cpu)
-    return {"read_rate": read, "flop_rate": flops, "latency": latency}
+    cached = device_rates._read_cache().get(device_rates._device_key(device, torch.float32))
+    link = cached.get("h2d_bandwidth") if isinstance(cached, dict) else None
+    if not isinstance(link, (int, float)):
+        link = device_rates._h2d_bandwidth(device)
+    return {"read_rate": read, "flop_rate": flops, "latency": latency, "link_rate": link}

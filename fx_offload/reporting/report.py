@@ -255,8 +255,8 @@ def _weights_report(model: nn.Module) -> Report:
             ahead=None if getattr(state, "ahead", None) is None else
             (len(state.ahead.ring), state.ahead.nbytes),
             experts_ran=_experts_ran(state),
-            host_read_bytes_last_call=0 if state.host_experts is None else
-            state.host_experts.read_bytes)
+            host_read_bytes_last_call=0 if getattr(state, "host_experts", None) is None
+            else state.host_experts.read_bytes)
     kept = registry.nothing_offloaded(model)
     if kept is not None:
         return Report(model=kept.model_name, stack=kept.stack.path,

@@ -26,8 +26,8 @@ experts of ``b`` bytes each)::
 
 Decode (few tokens) reads few experts once each, which the host's memory serves faster
 than the link; a prompt's many tokens make the host's arithmetic the cost, so it streams.
-The rates come from :mod:`fx_offload.host_compute.rates` (the host's, measured once and
-cached) and :mod:`fx_offload.selection.device_rates` (the link's).
+The rates come from :mod:`fx_offload.host_compute.rates` (measured once per machine and
+cached beside the device's rates).
 """
 from __future__ import annotations
 
@@ -40,9 +40,17 @@ from torch import nn
 from ..copy_rules import WHOLE_ABOVE, expected_share
 from ..errors import OffloadError
 from ..host_compute import kernels
+from ..host_compute.rates import host_rates
 from .contents import capturing
 
 log = logging.getLogger("fx_offload")
+
+
+def for_state(state) -> "HostExperts | None":
+    """The runtime of ``state``'s ``host_experts`` ops (None under host_compute="never"),
+    made as its memory is (``placement.activate``)."""
+    mode = state.choice.options.host_compute
+    return None if mode == "never" else HostExperts(state, mode)
 
 
 def prefers_host(tokens: int, k: int, experts: int, expert_bytes: int, element_size: int,
@@ -98,7 +106,7 @@ class HostExperts:
         self.mode = mode            # "always" or "auto" (the placement's host_compute)
         self._layers: dict[int, _Layer] = {}
         self._staging: dict[tuple, torch.Tensor] = {}
-        self._rates = None          # (link rate, HostRates), measured at the first need
+        self._rates = None          # HostRates, measured (or read) at the first need
         self._k = None              # top-k of the latest call's routers
         self.on_host_now = mode == "always"     # this call's prediction, for the prefetches
         self.ran: dict[int, str] = {}           # layer -> "host" or "device", latest call
@@ -186,14 +194,10 @@ class HostExperts:
         if self.mode == "always":
             return True
         if self._rates is None:
-            from ..host_compute.rates import host_rates
-            from ..selection.device_rates import rates_for
-            device = self._state.device
-            link = rates_for(device, entry.dtype, {}).h2d_bandwidth
-            self._rates = (link, host_rates(device))
-        link, host = self._rates
+            self._rates = host_rates(self._state.device)
+        host = self._rates
         return prefers_host(tokens, k, entry.experts, entry.expert_bytes, entry.element_size,
-                            link, host)
+                            host.link_rate, host)
 
     def last_call(self) -> dict[int, str]:
         """Layer -> where its experts ran in the latest call ("host" or "device")."""

@@ -51,7 +51,6 @@ from .circular import CircularStart
 from .contents import Pending, SlotContents, landed
 from .contents import capturing as _capturing
 from .hook_copies import HookCopies
-from .host_experts import HostExperts
 from .ownership import Ownership, ShapeChanged
 from .routed import RoutedExperts, RoutedWait
 from .slots import SlotBuffers
@@ -64,7 +63,6 @@ class OffloadState(Ownership, RoutedWait, HookCopies, AheadStarts):
     :class:`~fx_offload.selection.Choice`; it reads no option."""
 
     compiled_with = None    # the options of the latest compile (compiler), for report()
-    host_experts = None     # host_compute: the host_experts ops' runtime (.host_experts)
 
     def __init__(self, model: nn.Module, choice):
         self.handle = registry.new_handle()
@@ -122,8 +120,6 @@ class OffloadState(Ownership, RoutedWait, HookCopies, AheadStarts):
         cache = expert_cache.make(self.choice)     # before anything touches a parameter
         buffers = SlotBuffers(self.choice, take if hand_over else None, fill)
         self.routed = RoutedExperts(self.choice, buffers, cache)
-        if self.choice.options.host_compute != "never":
-            self.host_experts = self.routed.host = HostExperts(self, self.choice.options.host_compute)
         if self.device.type == "cuda":
             self.copy_stream = torch.cuda.Stream(self.device)
             # made once: no event is created on the forward path
