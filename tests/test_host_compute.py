@@ -16,7 +16,7 @@ from fx_offload.host_compute import kernels
 from fx_offload.host_compute.rates import HostRates
 from fx_offload.runtime.host_experts import prefers_host
 from fx_offload.tools import models
-from helpers import assert_same_greedy_tokens, small_moe
+from helpers import PLANNER_RATES, assert_same_greedy_tokens, small_moe
 
 transformers = pytest.importorskip("transformers", reason="install the test extra")
 
@@ -227,3 +227,34 @@ def test_always_inside_a_capture_is_refused():
         with pytest.raises(Exception, match="a CUDA graph capture cannot record"):
             with torch.cuda.graph(torch.cuda.CUDAGraph()):
                 compiled(ids, use_cache=False)
+
+
+def test_always_takes_no_expert_cache_from_the_budget():
+    """``expert_cache="auto"`` takes what memory_budget's plan leaves, for the calls that
+    stream experts; under "always" none does, so it takes nothing."""
+    model, (x,) = models.build("moe", num_layers=4, routed=True, seq=1, batch=1)
+    reference = copy.deepcopy(model)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    compiled = torch.compile(model, backend="prefetch_offload", options={
+        "inner_backend": "aot_eager", "memory_budget": total // 2, **PLANNER_RATES, **ALWAYS})
+    with torch.no_grad():
+        assert torch.equal(compiled(x), reference(x))
+    rep = fx_offload.report(model)
+    assert rep.expert_cache is None
+    assert rep.layers and set(rep.experts_ran.values()) == {"host"}, rep.experts_ran
+
+
+def test_experts_that_are_not_routed_stream_and_say_why():
+    """The built-in MoE computing every expert (gates zero for the others) is not routed:
+    under "always" its experts stream whole, and report says so rather than nothing."""
+    model, (x,) = models.build("moe", num_layers=4)
+    for layer in model.layers:
+        layer.mlp.experts.num_experts = layer.mlp.experts.w13_weight.shape[0]
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "aot_eager", **ALWAYS})
+    with torch.no_grad():
+        assert torch.equal(compiled(x), reference(x))
+    ran = fx_offload.report(model).experts_ran
+    assert set(ran) == {1, 3} and all(
+        why.startswith("streamed: its experts are not routed (") for why in ran.values()), ran

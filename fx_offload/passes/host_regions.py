@@ -43,6 +43,9 @@ def host_regions(gm: fx.GraphModule, gi: GraphInputs, plan: GraphPlan, choice) -
     replaced = 0
     for lp in plan.layers:
         if not lp.routed:
+            why = [w for w in choice.routing.get(lp.layer, {}).values() if w != "routed"]
+            if why:         # an MoE layer whose experts move whole: said, not silent
+                choice.hosting[lp.layer] = f"streamed: its experts are not routed ({why[0]})"
             continue
         found = _region(lp, gi, choice)
         if isinstance(found, str):

@@ -46,6 +46,15 @@ from .contents import capturing
 log = logging.getLogger("fx_offload")
 
 
+def _laid_out_as(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` with ``torch.empty_like(x)``'s dtype and strides, what the op's fake kernel
+    promised the compiler."""
+    if out.dtype == x.dtype and (out.stride() == x.stride() or
+                                 (out.is_contiguous() and x.is_contiguous())):
+        return out
+    return torch.empty_like(x).copy_(out)
+
+
 def for_state(state) -> "HostExperts | None":
     """The runtime of ``state``'s ``host_experts`` ops (None under host_compute="never"),
     made as its memory is (``placement.activate``)."""
@@ -135,7 +144,7 @@ class HostExperts:
         tokens, k = x.shape[0], ids.shape[-1] if ids.dim() else 1
         self._k = k
         if state.restored:
-            return entry.module(x, ids, gates)
+            return _laid_out_as(x, entry.module(x, ids, gates))
         host = self.mode == "always" or (not capturing() and self._prefers(entry, tokens, k))
         if host and capturing():
             raise OffloadError(
@@ -146,7 +155,7 @@ class HostExperts:
             for chunk in chunks:
                 state.wait_routed(layer, chunk, ids)
             self.ran[layer] = "device"
-            return entry.module(x, ids, gates)
+            return _laid_out_as(x, entry.module(x, ids, gates))
         self.ran[layer] = "host"
         return self._on_host(entry, x, ids, gates)
 
@@ -162,8 +171,9 @@ class HostExperts:
                                          entry.host["down_proj"], act="silu")
         else:
             out = torch.func.functional_call(entry.module, entry.host, (xh, idh, gh))
-        back = self._stage(out.to(x.dtype), 3)
-        return back.to(x.device, non_blocking=True) if x.device.type == "cuda" else back.clone()
+        back = self._stage(out.to(x.dtype), 3)     # rounded here: fewer bytes cross
+        # laid out as the fake kernel says (empty_like(x)): a compiler relies on its strides
+        return torch.empty_like(x).copy_(back, non_blocking=x.device.type == "cuda")
 
     def _stage(self, t: torch.Tensor, which: int) -> torch.Tensor:
         """``t`` copied into staging buffer ``which`` (grown as needed; page-locked on
