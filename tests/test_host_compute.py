@@ -52,6 +52,8 @@ def test_always_gives_the_models_logits_and_copies_no_expert(name, inner):
     rep = fx_offload.report(model)
     assert rep.layers == [1, 3]
     assert rep.experts_ran == {1: "host", 3: "host"}, rep.experts_ran
+    # transformers' fused layout runs the host kernel, not the module's own forward
+    assert registry.state_for_model(model).host_experts._layers[1].fused
     # the last call: 2 tokens, top-2, so at most 4 distinct experts read per layer
     per_expert = _experts_bytes(model, 1) // model.model.layers[1].mlp.experts.num_experts
     assert 2 * per_expert <= rep.host_read_bytes_last_call <= 2 * 4 * per_expert
