@@ -25,7 +25,7 @@ from .errors import GradModeError, OffloadError
 from .graph_inputs import GraphInputs, read_graph_inputs
 from .inner import compile_inner
 from .kv import run_kv_pass
-from .options import PLACEMENT_KEYS, OffloadOptions, parse_options
+from .options import PLACEMENT_KEYS, OffloadOptions, check_host_compute_mode, parse_options
 from .passes.prefetch import run_prefetch_pass
 from .placement import activate, kept_whole
 from .runtime.state import OffloadState
@@ -104,13 +104,16 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
     if placed_with and not set(placed_with) & set(given):
         # place(model, inner_backend=...): used by a compile that sets neither
         options = dataclasses.replace(options, **placed_with)
+    placed = state.choice.options
+    check_host_compute_mode(placed.host_compute, options.mode)     # placed with "always"
     if options.mode == "reduce-overhead":   # its calls may be replays from now on
         state.under_cuda_graphs = True      # (runtime.hook_copies)
     state.compiled_with = options           # the inner compiler report() names
     # 3. the pass (a graph of one layer's own frame is reused for every layer: no ops)
     plan = None
     if not layer_frame:
-        plan = run_prefetch_pass(gm, gi, state.choice, state.handle)
+        plan = run_prefetch_pass(gm, gi, state.choice, state.handle,
+                                 placed.host_compute_in(state.device.type, options.mode))
     # 4. inner compile (it may ask Dynamo to trace the frame again: warn once it is done)
     compiled = compile_inner(gm, example_inputs, options)
     if layer_frame:

@@ -20,6 +20,13 @@ its start.  Parameters are never declared mutated: that would make them mutated 
                                            overwrites (or the layer's outputs); target: the
                                            layer that refills the slot (the schedule's refill)
     join_prefetch(acts, reads, h)          acts/reads: the graph's outputs
+    y = host_experts(x, ids, gates, h, layer, chunks)
+                                           a routed MoE layer's experts (their expert
+                                           tensors: ``chunks``), computed where the runtime
+                                           chooses per call: on the host from the weights'
+                                           host block, or on the device after a routed wait
+                                           (:mod:`fx_offload.passes.host_regions`); the only
+                                           op that returns a value and declares no mutation
 
 Other modules read these ops' arguments only through :meth:`OpCall.of`, which understands
 both a direct call (positional arguments, a Dynamo graph) and the ``auto_functionalized``
@@ -51,17 +58,18 @@ _SCHEMAS = {
     "start_prefetch": "(Tensor(a0!)[] activations, Tensor[] reads, SymInt handle, "
                       "SymInt layer, SymInt target, SymInt chunk=-1) -> ()",
     "join_prefetch": "(Tensor(a0!)[] activations, Tensor[] reads, SymInt handle) -> ()",
+    "host_experts": "(Tensor x, Tensor ids, Tensor gates, SymInt handle, SymInt layer, "
+                    "SymInt[] chunks) -> Tensor",
 }
 
 
-def _define(kernel):
+def _define(kernel, fake=lambda *args, **kwargs: None):
     """Define ``kernel``'s op (its name, its schema above): the kernel runs on every
-    backend; under fake tensors the op does nothing."""
+    backend; under fake tensors ``fake`` runs (by default the op does nothing)."""
     name = kernel.__name__
     _LIB.define(name + _SCHEMAS[name])
     _LIB.impl(name, kernel, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"fx_offload::{name}", lambda *args, **kwargs: None,
-                                lib=_LIB)
+    torch.library.register_fake(f"fx_offload::{name}", fake, lib=_LIB)
     return kernel
 
 
@@ -98,14 +106,23 @@ def join_prefetch(activations, reads, handle):
     registry.state_for_op(handle).join()
 
 
+def host_experts(x, ids, gates, handle, layer, chunks):
+    """``layer``'s routed experts on ``x`` (its tokens' rows), ``ids`` and ``gates`` (its
+    router's picks and their weights): a new tensor shaped and typed like ``x``."""
+    return registry.state_for_op(handle).host_experts.run(layer, chunks, x, ids, gates)
+
+
+_define(host_experts, fake=lambda x, ids, gates, handle, layer, chunks: torch.empty_like(x))
 WAIT = torch.ops.fx_offload.wait_prefetch.default
 WAIT_ROUTED = torch.ops.fx_offload.wait_routed.default
 START = torch.ops.fx_offload.start_prefetch.default
 JOIN = torch.ops.fx_offload.join_prefetch.default
+HOST_EXPERTS = torch.ops.fx_offload.host_experts.default
 dtensor.register_op_handlers((WAIT, WAIT_ROUTED, START, JOIN))    # tensor-parallel activations
 NAMES = {WAIT: "wait_prefetch", WAIT_ROUTED: "wait_routed", START: "start_prefetch",
-         JOIN: "join_prefetch"}
-_KIND = {WAIT: "wait", WAIT_ROUTED: "wait", START: "start", JOIN: "join"}
+         JOIN: "join_prefetch", HOST_EXPERTS: "host_experts"}
+_KIND = {WAIT: "wait", WAIT_ROUTED: "wait", START: "start", JOIN: "join",
+         HOST_EXPERTS: "host"}
 _OP_TYPES = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
 _OF_TARGET = {**{op: op for op in _KIND}, **{op.overloadpacket: op for op in _KIND}}
 
@@ -115,14 +132,15 @@ class OpCall:
     """One call of our ops in a graph, its arguments by name."""
 
     op: torch._ops.OpOverload
-    kind: str                           # "wait", "start" or "join"
+    kind: str                           # "wait", "start", "join" or "host"
     handle: int
     layer: int | None = None            # wait, start
     refill: int | None = None           # start: the layer copied into the slot
     chunk: int = -1                     # wait: the layer's chunk; start: the refill's
     acts: object = ()                   # nodes declared mutated (direct calls only)
     reads: object = ()                  # nodes only read
-    ids: object = None                  # wait_routed: the router's top-k ids
+    ids: object = None                  # wait_routed, host_experts: the router's top-k ids
+    chunks: tuple = ()                  # host_experts: the layer's chunks of expert tensors
 
     @property
     def name(self) -> str:
@@ -144,7 +162,7 @@ class OpCall:
             return None
         return OpCall(op, _KIND[op], args.get("handle"), args.get("layer"),
                       args.get("target"), args.get("chunk", -1), args.get("activations", ()),
-                      args.get("reads", ()), args.get("ids"))
+                      args.get("reads", ()), args.get("ids"), tuple(args.get("chunks", ())))
 
     @staticmethod
     def is_ours(node: fx.Node) -> bool:

@@ -24,6 +24,7 @@ CIRCULAR_PREFETCH = ("auto", "end", "entry")
 COMPRESS = ("none", "lossless")
 EXPERTS = ("routed", "whole")
 KV_CACHE = ("auto", "device", "host")
+HOST_COMPUTE = ("auto", "never", "always")
 KV_TILE = 16    # tokens: kv_block_size is a multiple of it (the attention kernels' key tiles
 #                 are multiples of 16 tokens, so a block never splits one)
 
@@ -49,6 +50,9 @@ class OffloadOptions:
     # device bytes for each routed MoE layer's most-picked experts (runtime.expert_cache);
     # "auto": what memory_budget's plan leaves of it, none without memory_budget
     expert_cache: int | str = "auto"
+    # routed MoE layers' experts computed on the host, their weights read in place
+    # (runtime.host_experts): "auto" where predicted faster per call, "always", "never"
+    host_compute: str = "auto"
     # the planner (used instead of group_size/num_in_group/prefetch_step)
     memory_budget: int | None = None
     plan_tokens: tuple[int, ...] | None = None
@@ -91,6 +95,15 @@ class OffloadOptions:
         (``runtime.contents.Pending.by_hook``), so they overlap the guards and the launch."""
         return self.circular_start != "end"
 
+    def host_compute_in(self, device_type: str, mode: str) -> str:
+        """What ``host_compute`` means for a graph compiled for ``device_type`` in ``mode``:
+        "auto" is "never" on a CPU (there is no link to spare), under CUDA graphs (a host
+        computation cannot be captured) and with compress (not combined yet)."""
+        if self.host_compute == "auto" and (device_type == "cpu" or mode == "reduce-overhead"
+                                            or self.compress != "none"):
+            return "never"
+        return self.host_compute
+
     def offloads_layer(self, index: int) -> bool:
         """True for the last ``num_in_group`` layers of each group of ``group_size``."""
         return index % self.group_size >= self.group_size - self.num_in_group
@@ -101,7 +114,7 @@ class OffloadOptions:
         return (self.group_size, self.num_in_group, self.prefetch_step,
                 self.offload_params, self.layers, self.copy_chunks,
                 self.circular_prefetch, self.compress, self.uncompressed_weights,
-                self.experts, self.expert_cache) + tuple(
+                self.experts, self.expert_cache, self.host_compute) + tuple(
                     getattr(self, name) for name in PLANNER_KEYS)
 
     def describe(self, placement_only: bool = False) -> str:
@@ -129,6 +142,8 @@ class OffloadOptions:
             parts.append(f"experts={self.experts!r}")
         if self.expert_cache_asked:
             parts.append(f"expert_cache={format_bytes(self.expert_cache, as_option=True)}")
+        if self.host_compute != OffloadOptions.host_compute:
+            parts.append(f"host_compute={self.host_compute!r}")
         if self.kv_cache != OffloadOptions.kv_cache:
             parts.append(f"kv_cache={self.kv_cache!r}, kv_block_size={self.kv_block_size}, "
                          f"kv_slots={self.kv_slots}")
@@ -148,7 +163,7 @@ PLANNER_KEYS = ("memory_budget", "plan_tokens", "flop_rate", "memory_bandwidth",
 HAND_PICKED_KEYS = ("group_size", "num_in_group", "prefetch_step")
 PLACEMENT_KEYS = HAND_PICKED_KEYS + ("offload_params", "layers", "copy_chunks",
                                      "circular_prefetch", "compress", "uncompressed_weights",
-                                     "experts", "expert_cache") + PLANNER_KEYS
+                                     "experts", "expert_cache", "host_compute") + PLANNER_KEYS
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -336,6 +351,7 @@ def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None 
         raise OffloadError(
             f"option 'mode' ({mode_name!r}) is an Inductor mode, but "
             f"inner_backend is {inner_backend!r}: drop the mode or use inner_backend='inductor'")
+    host_compute = _check_host_compute(options, experts, expert_cache, compress, mode_name)
     layers = options.get("layers")
     if isinstance(layers, (list, tuple)) and layers and all(isinstance(p, str) for p in layers):
         layers = layers[0] if len(layers) == 1 else tuple(layers)
@@ -358,6 +374,7 @@ def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None 
         uncompressed_weights=uncompressed,
         experts=experts,
         expert_cache=expert_cache,
+        host_compute=host_compute,
         **planner,
         **_check_kv_options(options),
     )
@@ -382,6 +399,47 @@ def _check_expert_cache(options: Mapping[str, Any], experts: str) -> int | str:
             "picked experts of each routed MoE layer on the device, and applies with "
             f"experts='routed' only, got experts={experts!r}: drop one of them")
     return size
+
+
+def _check_host_compute(options: Mapping[str, Any], experts: str, expert_cache, compress: str,
+                        mode: str) -> str:
+    """``host_compute``: "auto", "never" or "always"; "always" refused where it cannot hold
+    for every call (CUDA graphs cannot capture a host computation) or where what it would
+    leave unused was asked for (the expert cache, the compressed copies)."""
+    value = options.get("host_compute", "auto")
+    _check_meaning("host_compute", value, HOST_COMPUTE,
+                   "'always': routed MoE layers' experts are computed on the host's cores from "
+                   "their weights in host memory, only activations cross the link; 'auto': "
+                   "where that is predicted faster, call by call; 'never': their weights "
+                   "stream to the device")
+    if value != "always":
+        return value
+    if experts != "routed":
+        raise OffloadError(
+            "option host_compute='always' computes routed MoE layers' experts on the host, "
+            f"and applies with experts='routed' only, got experts={experts!r}: drop one of "
+            "them")
+    check_host_compute_mode(value, mode)
+    if expert_cache not in ("auto", 0):
+        raise OffloadError(
+            f"option expert_cache ({format_bytes(expert_cache, as_option=True)}) keeps "
+            "experts on the device for the calls that stream them, but host_compute="
+            "'always' streams none: drop expert_cache, or use host_compute='auto'")
+    if compress != "none":
+        raise OffloadError(
+            f"option compress={compress!r} compresses what crosses the link, which "
+            "host_compute='always' does not combine with yet: drop one of them")
+    return value
+
+
+def check_host_compute_mode(host_compute: str, mode: str) -> None:
+    """Refuse host_compute='always' under CUDA graphs (also where the model was placed with
+    it and a later compile asks for mode='reduce-overhead')."""
+    if host_compute == "always" and mode == "reduce-overhead":
+        raise OffloadError(
+            "option host_compute='always' runs the experts on the host, which a CUDA graph "
+            "(mode='reduce-overhead') cannot capture: use host_compute='auto' (it streams "
+            "the experts under CUDA graphs) or another mode")
 
 
 def _is_zero(value: Any) -> bool:

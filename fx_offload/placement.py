@@ -30,6 +30,7 @@ from .checkpoint import Checkpoint, check_model
 from .errors import OffloadError
 from .options import PLACEMENT_KEYS, OffloadOptions, parse_options
 from .runtime import hooks
+from .runtime.host_experts import for_state
 from .runtime.state import OffloadState, ShapeChanged
 from .selection import NothingOffloaded, budget, choose
 from .selection.stack import find_layer_stack
@@ -231,6 +232,8 @@ def activate(state: OffloadState, model: nn.Module, hand_over: bool, fill=None,
     """Allocate and fill ``state``'s memory and hook it to ``model`` (``keep_call_hooks``:
     the call hooks ``model`` has stay, see :func:`hooks.call_hooks`)."""
     state.materialize(hand_over, fill, None if progress is None else progress.layer)
+    # host_compute: the host_experts ops' runtime, the state's one attribute for them
+    state.host_experts = state.routed.host = for_state(state)
     kept = hooks.call_hooks(model) if keep_call_hooks else []
     hooks.strip_hooks(model, keep=kept)
     if not kept:

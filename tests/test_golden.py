@@ -63,6 +63,15 @@ SCENARIOS = {
                                                   "seq": 1},
                                           dict(group_size=1, num_in_group=1,
                                                prefetch_step=2), False, False),
+    # host_compute="always": each routed layer's experts module is one host_experts op, with
+    # no wait for its expert tensors; the other chunks wait and refill as before
+    "moe_host_experts": ("moe", {"num_layers": 4, "routed": True, "batch": 1, "seq": 1},
+                         dict(group_size=2, num_in_group=1, host_compute="always"), False,
+                         True),
+    # only the experts offloaded: a layer left with no wait at all, its refill after the op
+    "moe_host_experts_only": ("moe", {"num_layers": 4, "routed": True, "batch": 1, "seq": 1},
+                              dict(group_size=2, num_in_group=1, host_compute="always",
+                                   offload_params=["experts"]), False, False),
     # dense and MoE layers (different parameters) offloaded into one slot, sized to the MoE
     "moe_dense_and_moe_layers_share_a_slot": ("moe", {"num_layers": 6, "dense_every": 3},
                                               dict(group_size=1, num_in_group=1,

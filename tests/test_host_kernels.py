@@ -182,7 +182,7 @@ def test_host_threads_is_torchs_pool():
 
 
 def test_bad_shapes_dtypes_and_devices_get_an_offload_error_saying_what_to_change():
-    """docs/errors.md row 80."""
+    """docs/errors.md row 86."""
     gate_up, down = weights(torch.bfloat16)
     x, ids, gates = routing(2, 2)
     bad = [

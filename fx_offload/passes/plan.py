@@ -38,6 +38,7 @@ from .. import dtensor
 from ..errors import PlanError
 from ..graph_inputs import GraphInputs, describe_node, layers_of_nodes, storage_of, value_of
 from ..layout import chunk_of_suffix
+from ..ops import OpCall
 from ..selection.choice import Choice
 from .routing import route
 
@@ -162,7 +163,7 @@ def _entry_starts(plans: list[LayerPlan], gi: GraphInputs, choice: Choice) -> En
     source = min((n for n, size in sizes.items() if size is not None), key=sizes.get,
                  default=None)
     targets = {refill for _, refill in refills}
-    tied = [lp.waits[0] for lp in plans if lp.layer in targets]
+    tied = [lp.waits[0] for lp in plans if lp.layer in targets and lp.waits]
     return EntryStarts(refills, source, tied)
 
 
@@ -234,7 +235,11 @@ def _plan_layer(layer, weights: dict[fx.Node, int], layer_nodes, order, choice, 
                 input_storages, weight_storages) -> LayerPlan | None:
     name = choice.stack.layer_path(layer)
     users = sorted({u for w in weights for u in w.users}, key=order.__getitem__)
-    if not users:
+    # a layer whose routed experts are a host_experts op (host_regions) is planned even
+    # where nothing else of it is offloaded: its slot's refills start after it
+    hosted = sorted((n for n in layer_nodes if (c := OpCall.of(n)) is not None
+                     and c.kind == "host"), key=order.__getitem__)
+    if not users and not hosted:
         return None
     members = set(layer_nodes)
     for user in users:
@@ -256,7 +261,7 @@ def _plan_layer(layer, weights: dict[fx.Node, int], layer_nodes, order, choice, 
     found = {chunk: _chunk_wait(chunk, ws, ordered, order, param_nodes, input_storages,
                                 weight_storages, name)
              for chunk, ws in by_chunk.items()}
-    waits = _share_waits(found, name)
+    waits = _share_waits(found, name) if found or not hosted else []
     outputs = [n for n in ordered
                if any(u not in members for u in n.users) and isinstance(value_of(n), torch.Tensor)]
     for out in outputs:
@@ -280,7 +285,7 @@ def _plan_layer(layer, weights: dict[fx.Node, int], layer_nodes, order, choice, 
             overwritten = [r for c in mine if c.overlaps(target) for r in readers.get(c.index, ())]
             starts.append(_chunk_start(target.index, overwritten, order, frozen, last_node,
                                        start_acts, start_reads))
-    first_use = min((w.first_use for w in waits), key=order.__getitem__)
+    first_use = min([w.first_use for w in waits] + hosted[:1], key=order.__getitem__)
     return LayerPlan(layer, choice.schedule.slot_of[layer], refill, weights, first_use,
                      last_node, waits, starts, ordered)
 

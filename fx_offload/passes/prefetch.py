@@ -2,6 +2,7 @@
 the benchmark's pass-cost timing all call :func:`run_prefetch_pass`.
 
     trace before -> layout (arranged at the model's first graph) -> plan (plan.py)
+                 [-> routed experts into host_experts ops (host_regions.py) -> plan again]
                  -> rewrite (rewrite.py) -> verify (verify.py)
                  -> trace after -> counters
 
@@ -20,6 +21,7 @@ from torch._logging import trace_structured
 from ..graph_inputs import GraphInputs
 from ..layout import arrange
 from ..selection.choice import Choice
+from .host_regions import host_regions
 from .plan import GraphPlan, plan_graph
 from .rewrite import apply_plan
 from .verify import slot_model_for, verify_graph
@@ -28,13 +30,16 @@ log = logging.getLogger("fx_offload")
 
 
 def run_prefetch_pass(gm: fx.GraphModule, gi: GraphInputs, choice: Choice,
-                      handle: int) -> GraphPlan:
+                      handle: int, host_compute: str = "never") -> GraphPlan:
     """Insert the ops for ``choice``'s offloaded layers into ``gm`` (named by the offload
-    state's ``handle``) and verify the result; returns the plan that was applied."""
+    state's ``handle``) and verify the result; returns the plan that was applied.
+    ``host_compute`` other than "never": routed experts become ``host_experts`` ops."""
     _trace_graph("fx_offload_before", gm)
     started = time.perf_counter()
     chunks = arrange(choice, (gm, gi))       # the model's first graph fixes the layout
     plan = plan_graph(gm, gi, choice, handle)
+    if host_compute != "never" and host_regions(gm, gi, plan, choice):
+        plan = plan_graph(gm, gi, choice, handle)
     apply_plan(gm, plan)
     verify_graph(gm, plan.weight_chunks(),
                  slot_model_for(choice.schedule, chunks, [lp.layer for lp in plan.layers]))

@@ -18,6 +18,11 @@ that produced it, and simulates the slots byte range by byte range in program or
   ``ids`` (:mod:`.routing`), or it would read rows no copy filled;
 * ``start(L -> T, d)`` fills ``T``'s chunk ``d`` in ``slot(L)``; ``T`` must belong to that
   slot; every chunk whose bytes it overlaps is gone (no longer readable, nor waitable).
+* ``host_experts(x, ids, gates, L, chunks)`` reads no slot when it computes on the host,
+  but when it streams it waits for ``L``'s ``chunks`` itself: it is legal only where the
+  last fill of their bytes was for them (no refill of another layer started over them
+  before it), and the graph reads those chunks' weights nowhere (the op is their only
+  reader: there is no wait for a read to follow);
 * a graph that ends the model's forward must leave every slot holding every chunk of what
   the schedule says a call ends with (``Schedule.call_exit``): the next call's entry
   assumes it, or (at the entry) refills over it.
@@ -90,6 +95,8 @@ def verify_graph(gm: fx.GraphModule, weight_chunk: dict[fx.Node, tuple[int, int]
                 held[slot][(layer, c.index)] = True
             if call.ids is not None:
                 _check_routed(node, call, weight_chunk, nodes, position, routers)
+        elif kind == "host":
+            _check_host(node, call, weight_chunk, held[model.slot_of[call.layer]])
         elif kind == "start":
             layer, refill = call.layer, call.refill
             slot = model.slot_of[layer]
@@ -126,6 +133,23 @@ def verify_graph(gm: fx.GraphModule, weight_chunk: dict[fx.Node, tuple[int, int]
                 f"{[model.exit_owner[s] for s in bad]}, which is what the next call begins "
                 "with: a circular prefetch is missing, or one runs where the schedule does "
                 "not put it")
+
+
+def _check_host(node: fx.Node, call: OpCall, weight_chunk, held) -> None:
+    """A ``host_experts`` op finds its chunks' bytes filled for them, and is their only
+    reader."""
+    for chunk in call.chunks:
+        if (call.layer, chunk) not in held:
+            raise ScheduleError(
+                f"{node.format_node()}: computes layer {call.layer}'s experts (chunk {chunk}), "
+                "but a refill of another layer has begun over that chunk's slot bytes before "
+                "it: streamed, it would wait for a copy that is gone")
+        for w, at in weight_chunk.items():
+            if at == (call.layer, chunk) and w.users:
+                raise ScheduleError(
+                    f"{next(iter(w.users)).format_node()}: reads {w.name} (layer "
+                    f"{call.layer} chunk {chunk}), whose experts {node.format_node()} "
+                    "computes: nothing waits for that chunk")
 
 
 def _check_routed(node: fx.Node, call: OpCall, weight_chunk, nodes: list[fx.Node],

@@ -74,7 +74,8 @@ class Explanation:
                     st.after.name if st.behind is None else
                     f"{st.after.name} (placed before {st.behind.first_use.name})"
                     for st in lp.starts))
-                where[lp.layer] = (f"g{record.index}: before {befores}",
+                where[lp.layer] = (f"g{record.index}: " + (f"before {befores}" if befores
+                                                            else "none (host_experts)"),
                                    f"after {afters}" if lp.starts else "-")
         rows = [("layer", "slot", "params", "bytes", "wait", "start", "prefetches")]
         sizes = choice.layer_bytes
@@ -110,8 +111,12 @@ class Explanation:
                   f"{'' if what.startswith('chunks') else ':'} {what}"
                   for what, layers in alike.items()]
         planner = [] if choice.planner is None else ["", str(choice.planner)]
+        hosting = [] if not choice.hosting else [
+            "experts (host_compute): " + "; ".join(
+                f"layer {layer}: " + ("a host_experts op" if why == "host" else why)
+                for layer, why in sorted(choice.hosting.items()))]
         return "\n".join(head + [""] + render_table(self.plan_rows()) + [""] + params
-                         + planner) + "\n"
+                         + hosting + planner) + "\n"
 
     def __str__(self) -> str:
         return self.text()
@@ -188,7 +193,8 @@ def explain(model: nn.Module, *example_inputs, aten: bool = False, dynamic: bool
             records.append(GraphRecord(index, gm, after, None, {}, note=note,
                                        input_names=names))
             return gm.forward
-        plan = run_prefetch_pass(after, gi, choice, handle)
+        plan = run_prefetch_pass(after, gi, choice, handle, choice.options.host_compute_in(
+            choice.device.type, opts.mode))
         tags = {w: (lp.layer, lp.slot, chunk) for lp in plan.layers
                 for w, chunk in lp.weights.items()}
         record = GraphRecord(index, gm, after, plan, tags, input_names=names,

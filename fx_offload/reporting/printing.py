@@ -143,7 +143,7 @@ def format_graph(gm: fx.GraphModule, weight_layer: dict[fx.Node, tuple] | None =
         elif node.op == "get_attr":
             lines.append(f"{node.name} = get_attr {node.target}")
         elif OpCall.is_ours(node):
-            lines.append(_format_ours(OpCall.of(node), arg_str))
+            lines.append(_format_ours(OpCall.of(node), arg_str, node))
         elif (call := OpCall.of(node)) is not None:      # auto_functionalized(our op, ...)
             kwargs = ", ".join(f"{k}={'h' if k == 'handle' else arg_str(v)}"
                                for k, v in node.kwargs.items())
@@ -157,7 +157,12 @@ def format_graph(gm: fx.GraphModule, weight_layer: dict[fx.Node, tuple] | None =
     return "\n".join(lines) + "\n"
 
 
-def _format_ours(call: OpCall, arg_str) -> str:
+def _format_ours(call: OpCall, arg_str, node) -> str:
+    if call.kind == "host":
+        x, ids, gates = node.args[:3]
+        return (f">>> {arg_str(node)} = {call.name}(layer {call.layer} chunks "
+                f"{list(call.chunks)}, {arg_str(x)}, experts {arg_str(ids)}, gates "
+                f"{arg_str(gates)})")
     if call.kind == "wait":
         picked = "" if call.ids is None else f", experts {arg_str([call.ids])}"
         return (f">>> {call.name}(layer {call.layer}{_chunk(call)}{picked}) ties "

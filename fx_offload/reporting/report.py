@@ -55,6 +55,12 @@ class Report:
     # routed MoE layers' other weights fetched ahead (runtime.ahead): (buffers, their
     # device bytes, counted in buffer_bytes); None where there is no such ring
     ahead: tuple[int, int] | None = None
+    # host_compute: routed MoE layer -> where its experts ran in the latest call ("host",
+    # "device"), or why they are not a host_experts op ("streamed: <why>")
+    experts_ran: dict[int, str] = dataclasses.field(default_factory=dict)
+    # bytes of host memory the latest call's host-computed experts read in place (beside
+    # copied_bytes_last_call, what crossed the link)
+    host_read_bytes_last_call: int = 0
 
     @property
     def saved_bytes(self) -> int:
@@ -126,6 +132,8 @@ class Report:
                          "experts there")
         if self.copied_bytes_last_call:
             lines.append(f"  the last call copied {format_bytes(self.copied_bytes_last_call)}")
+        if self.experts_ran:
+            lines.append(_host_line(self.experts_ran, self.host_read_bytes_last_call))
         if self.planner is not None:
             lines.append(str(self.planner))
         if self.kv.get("plan"):
@@ -139,6 +147,28 @@ class Report:
                 f"{format_bytes(kv['copied_per_step'])} in (blocks of {kv['block']} tokens) "
                 f"and writes {format_bytes(kv['written_per_step'])} back")
         return "\n".join(lines)
+
+
+def _host_line(ran: dict[int, str], read: int) -> str:
+    where = {place: [layer for layer, r in ran.items() if r == place] for place in
+             ("host", "device")}
+    line = ("  host compute: the last call computed the experts of layers "
+            f"{where['host']} on the host (reading {format_bytes(read)} of host memory in "
+            f"place) and of layers {where['device']} on the device")
+    streamed = {layer: r for layer, r in ran.items() if r not in where}
+    if streamed:
+        line += "; " + "; ".join(f"layer {layer} {r}" for layer, r in streamed.items())
+    return line
+
+
+def _experts_ran(state) -> dict[int, str]:
+    """Layer -> where its experts ran in the latest call, or why they stream always."""
+    host = getattr(state, "host_experts", None)
+    if host is None:
+        return {}
+    ran = host.last_call()
+    return {layer: ran.get(layer, "-" if why == "host" else why)
+            for layer, why in sorted(state.choice.hosting.items())}
 
 
 def _copied(state) -> int:
@@ -223,7 +253,10 @@ def _weights_report(model: nn.Module) -> Report:
             experts=experts_moved(choice, getattr(state, "routed", None)),
             expert_cache=_expert_cache(state),
             ahead=None if getattr(state, "ahead", None) is None else
-            (len(state.ahead.ring), state.ahead.nbytes))
+            (len(state.ahead.ring), state.ahead.nbytes),
+            experts_ran=_experts_ran(state),
+            host_read_bytes_last_call=0 if getattr(state, "host_experts", None) is None
+            else state.host_experts.read_bytes)
     kept = registry.nothing_offloaded(model)
     if kept is not None:
         return Report(model=kept.model_name, stack=kept.stack.path,

@@ -64,6 +64,7 @@ class RoutedExperts:
             log.warning("fx_offload: %s: %s, so the device cannot read expert rows from the "
                         "host: its expert tensors move whole", choice.model_name, why)
         self.cache = cache if self.usable else None     # (expert_cache.make)
+        self.host = None        # host_compute: the state's HostExperts (.host_experts)
 
     def routes(self, layer: int, chunk) -> bool:
         """``layer``'s ``chunk`` is routed (some graph waits for it with ``wait_routed``)."""
@@ -77,8 +78,10 @@ class RoutedExperts:
 
     def skips(self, layer: int, chunk, contents) -> bool:
         """The prefetch of ``layer``'s ``chunk`` copies nothing (True; ``contents`` records
-        its bytes as holding no whole chunk): :meth:`gathers`."""
-        skip = self.gathers(layer, chunk)
+        its bytes as holding no whole chunk): :meth:`gathers`, or its experts are predicted
+        to run on the host in this call (``host_experts``)."""
+        skip = self.gathers(layer, chunk) or \
+            (self.host is not None and self.host.skips(layer, chunk))
         if skip:
             contents.forget(layer, chunk)
         return skip
@@ -121,6 +124,8 @@ class RoutedExperts:
         """A call of ``tokens`` tokens begins (outside a CUDA graph): count its gathered
         bytes from zero, and predict from its size whether its routed chunks are to be
         prefetched whole (a prompt after decode steps: the entry refills then copy them)."""
+        if self.host is not None:
+            self.host.begin_call(tokens)
         if self.gathered is None:
             return
         self.gathered.zero_()

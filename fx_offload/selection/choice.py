@@ -47,6 +47,9 @@ class Choice:
     expert_cache: int = 0
     # filled by the pass: layer -> {chunk: "routed"} or {chunk: why it moves whole}
     routing: dict = dataclasses.field(default_factory=dict)
+    # filled by the pass under host_compute: layer -> "host" (its routed experts are one
+    # host_experts op in some graph) or why they stream (passes.host_regions)
+    hosting: dict = dataclasses.field(default_factory=dict)
 
     @property
     def layers(self) -> list[int]:

@@ -72,8 +72,9 @@ def _expert_cache(options: OffloadOptions, planner) -> int:
     """Device bytes for the routed layers' most-picked experts: as asked, or under
     ``"auto"`` what the plan leaves of ``memory_budget`` (the device memory the user gave
     for weights; the cached experts are weights).  Without a budget, none: memory the user
-    did not give may be the KV cache's or the activations'."""
-    if options.experts != "routed":
+    did not give may be the KV cache's or the activations'.  Under host_compute="always"
+    none: no call streams the experts."""
+    if options.experts != "routed" or options.host_compute == "always":
         return 0
     if options.expert_cache != "auto":
         return options.expert_cache

@@ -1,0 +1,262 @@
+"""Routed MoE experts computed on the host (``host_compute``): Hugging Face MoE models built
+from small configs give the logits and tokens of the model without offloading, the experts'
+chunk is not copied, report says where the experts ran and what the host read; "never"
+(and "auto" on a CPU) leaves the graphs as they were; a region that is not clean streams
+with its reason; bad combinations are refused.  CPU here: the "device" is the CPU, and the
+op takes the same path (its staging copies are copies within host memory)."""
+import copy
+
+import pytest
+import torch
+
+import fx_offload
+from fx_offload import explain, ops, registry
+from fx_offload.errors import OffloadError, ScheduleError
+from fx_offload.host_compute import kernels
+from fx_offload.host_compute.rates import HostRates
+from fx_offload.runtime.host_experts import prefers_host
+from fx_offload.tools import models
+from helpers import PLANNER_RATES, assert_same_greedy_tokens, small_moe
+
+transformers = pytest.importorskip("transformers", reason="install the test extra")
+
+ALWAYS = {"host_compute": "always"}
+FP32 = dict(atol=1e-5, rtol=1e-5)       # the host kernel sums in another order
+
+
+def _experts_bytes(model, layer):
+    return sum(p.numel() * p.element_size()
+               for p in model.model.layers[layer].mlp.experts.parameters())
+
+
+def _calls(compiled, reference, shapes, seed=0, **tolerance):
+    with torch.no_grad():
+        for i, shape in enumerate(shapes):
+            ids = torch.randint(0, 256, shape,
+                                generator=torch.Generator().manual_seed(seed + i))
+            got = compiled(ids, use_cache=False).logits
+            want = reference(ids, use_cache=False).logits
+            torch.testing.assert_close(got, want, **tolerance)
+
+
+@pytest.mark.parametrize("name,inner", [("qwen3_moe", "aot_eager"), ("mixtral", "aot_eager"),
+                                        ("qwen3_moe", "inductor")])
+def test_always_gives_the_models_logits_and_copies_no_expert(name, inner):
+    model = small_moe(name).eval()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": inner, **ALWAYS})
+    # a prompt, then a decode step (Inductor: the step alone, one compile)
+    _calls(compiled, reference, [(2, 1)] if inner == "inductor" else [(2, 12), (2, 1)],
+           **FP32)
+    rep = fx_offload.report(model)
+    assert rep.layers == [1, 3]
+    assert rep.experts_ran == {1: "host", 3: "host"}, rep.experts_ran
+    # transformers' fused layout runs the host kernel, not the module's own forward
+    assert registry.state_for_model(model).host_experts._layers[1].fused
+    # the last call: 2 tokens, top-2, so at most 4 distinct experts read per layer
+    per_expert = _experts_bytes(model, 1) // model.model.layers[1].mlp.experts.num_experts
+    assert 2 * per_expert <= rep.host_read_bytes_last_call <= 2 * 4 * per_expert
+    # one slot: what the call copied is the layers' other weights, none of their experts
+    others = sum(rep.layer_bytes.values()) - sum(_experts_bytes(model, i) for i in (1, 3))
+    assert 0 < rep.copied_bytes_last_call <= others, (rep.copied_bytes_last_call, others)
+    assert "computed the experts of layers [1, 3] on the host" in str(rep)
+
+
+def test_generate_gives_the_same_tokens():
+    model = small_moe("qwen3_moe").eval()
+    reference = copy.deepcopy(model)
+    fx_offload.compile_forward(model, dynamic=True, inner_backend="aot_eager", **ALWAYS)
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(0))
+    assert_same_greedy_tokens(model, reference, ids, new_tokens=4)
+    assert fx_offload.report(model).experts_ran == {1: "host", 3: "host"}
+
+
+def test_bf16_logits_within_bf16_rounding():
+    """The host sums in fp32 and rounds once; the model rounds each step in bf16."""
+    model = small_moe("qwen3_moe").eval().to(torch.bfloat16)
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "aot_eager", **ALWAYS})
+    with torch.no_grad():
+        ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(0))
+        got = compiled(ids, use_cache=False).logits.float()
+        want = reference(ids, use_cache=False).logits.float()
+    torch.testing.assert_close(got, want, atol=0.05, rtol=0.05)
+    assert fx_offload.report(model).experts_ran == {1: "host", 3: "host"}
+
+
+def test_a_streamed_call_runs_the_same_op_on_the_slot(monkeypatch):
+    """Under "auto" the op streams where host computation is not predicted faster: the
+    routed wait gathers the picked experts and the module runs on the slot."""
+    model = small_moe("qwen3_moe").eval()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "aot_eager", **ALWAYS})
+    _calls(compiled, reference, [(2, 1)], **FP32)
+    host = registry.state_for_model(model).host_experts
+    monkeypatch.setattr(host, "mode", "auto")
+    monkeypatch.setattr(host, "_prefers", lambda *args: False)
+    monkeypatch.setattr(host, "on_host_now", False)
+    _calls(compiled, reference, [(2, 1)], seed=1, **FP32)
+    rep = fx_offload.report(model)
+    assert rep.experts_ran == {1: "device", 3: "device"}
+    assert rep.host_read_bytes_last_call == 0
+    assert registry.state_for_model(model).routed.gathered.item() > 0
+
+
+@pytest.mark.parametrize("value", ["never", "auto"])
+def test_never_and_auto_on_a_cpu_leave_the_graphs_unchanged(value):
+    model, inputs = models.build("moe", num_layers=4, routed=True, batch=1, seq=1)
+    plain = explain(model, *inputs, group_size=2, num_in_group=1)
+    torch._dynamo.reset()
+    other = explain(model, *inputs, group_size=2, num_in_group=1, host_compute=value)
+    assert [r.text() for r in other.graphs] == [r.text() for r in plain.graphs]
+    assert other.choice.hosting == {}
+
+
+def test_a_region_that_is_not_clean_streams_and_says_why():
+    """An experts module that takes a fourth activation (the router's scores) is not the
+    op's (x, ids, gates): it streams, and report and explain say why."""
+    class Wider(models.RoutedExperts):
+        def forward(self, x, idx, weights, probs):
+            return super().forward(x, idx, weights) + probs.sum() * 0
+
+    class MoE(models.MoE):
+        def forward(self, x):
+            shape = x.shape
+            x = x.reshape(-1, shape[-1])
+            probs = torch.softmax(self.gate(x), dim=-1)
+            top, idx = probs.topk(self.top_k, dim=-1)
+            return self.experts(x, idx, top / top.sum(-1, keepdim=True), probs).reshape(shape)
+
+    model, (x,) = models.build("moe", num_layers=4, routed=True, batch=1, seq=1)
+    for layer in model.layers:
+        old = layer.mlp
+        layer.mlp = MoE.__new__(MoE)
+        layer.mlp.__dict__.update(old.__dict__)
+        layer.mlp.experts.__class__ = Wider
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "aot_eager", **ALWAYS})
+    with torch.no_grad():
+        assert torch.equal(compiled(x), reference(x))
+    rep = fx_offload.report(model)
+    assert set(rep.experts_ran) == {1, 3}
+    assert all(why.startswith("streamed: ") and "are not one activation" in why
+               for why in rep.experts_ran.values()), rep.experts_ran
+    assert "layer 1 streamed: " in str(rep)
+    assert "streamed: " in explain(reference, x, **ALWAYS).plan_text()
+
+
+def test_the_verifier_refuses_a_refill_over_the_experts_before_their_op():
+    model, inputs = models.build("moe", num_layers=4, routed=True, batch=1, seq=1)
+    e = explain(model, *inputs, group_size=2, num_in_group=1, offload_params=["experts"],
+                **ALWAYS)
+    (record,) = e.graphs
+    gm = record.after
+    (op,) = [n for n in gm.graph.nodes if (c := ops.OpCall.of(n)) and c.kind == "host"
+             and c.layer == 1]
+    start = next(n for n in gm.graph.nodes if (c := ops.OpCall.of(n)) and c.kind == "start"
+                 and c.layer == 1 and c.chunk == 0)
+    start.args = ([op.args[0]],) + start.args[1:]     # tied to the op's input instead
+    op.prepend(start)
+    from fx_offload.passes.verify import slot_model_for, verify_graph
+    with pytest.raises(ScheduleError, match="computes layer 1's experts .* refill of another"):
+        verify_graph(gm, {w: (t[0], t[2]) for w, t in record.weight_tags.items()},
+                     slot_model_for(e.choice.schedule, e.choice.layout, [1, 3]))
+
+
+def test_auto_prefers_the_host_for_decode_and_the_link_for_a_prompt():
+    """Qwen3-30B-A3B's shapes (128 experts, top 8, 9.4 MB each in bf16), a 50 GB/s link,
+    a host reading 100 GB/s and computing 1 TFLOP/s, 50 us a layer."""
+    host = HostRates(read_rate=100e9, flop_rate=1e12, latency=50e-6)
+    shape = dict(k=8, experts=128, expert_bytes=9_437_184, element_size=2, link_rate=50e9)
+    assert prefers_host(1, host=host, **shape)
+    assert prefers_host(4, host=host, **shape)
+    assert not prefers_host(512, host=host, **shape)
+    slow = HostRates(read_rate=20e9, flop_rate=1e12, latency=50e-6)
+    assert not prefers_host(1, host=slow, **shape)
+
+
+def test_the_reference_kernel_skips_sentinels_and_sums_in_fp32():
+    torch.manual_seed(0)
+    gate_up, down = torch.randn(4, 6, 5), torch.randn(4, 5, 3)
+    x, gates = torch.randn(3, 5), torch.rand(3, 2)
+    ids = torch.tensor([[0, 3], [2, 4], [-1, 1]])       # 4 and -1: no expert of these
+    out = kernels.routed_experts(x, ids, gates, gate_up, down)
+    want = torch.zeros(3, 5)
+    for t in range(3):
+        for j in range(2):
+            e = int(ids[t, j])
+            if 0 <= e < 4:
+                g, u = (gate_up[e] @ x[t]).chunk(2)
+                want[t] += gates[t, j] * (down[e] @ (torch.nn.functional.silu(g) * u))
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, want)
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(host_compute="sometimes"), "option 'host_compute' must be one of"),
+    (dict(host_compute=True), "option 'host_compute' must be one of"),
+    (dict(host_compute="always", mode="reduce-overhead"), "CUDA graph"),
+    (dict(host_compute="always", expert_cache="1MiB"), "drop expert_cache"),
+    (dict(host_compute="always", compress="lossless"), "compress='lossless'"),
+    (dict(host_compute="always", experts="whole"), "experts='routed' only"),
+])
+def test_bad_options_are_refused(options, match):
+    with pytest.raises(OffloadError, match=match):
+        fx_offload.parse_options(options)
+
+
+def test_a_model_placed_with_always_is_refused_under_cuda_graphs():
+    model, (x,) = models.build("moe", num_layers=4, routed=True, batch=1, seq=1)
+    fx_offload.place(model, "cpu", group_size=2, num_in_group=1, **ALWAYS)
+    compiled = torch.compile(model, backend="prefetch_offload", mode="reduce-overhead")
+    with pytest.raises(Exception, match="host_compute='always' runs the experts on the host"):
+        with torch.no_grad():
+            compiled(x)
+
+
+@pytest.mark.cuda
+def test_always_inside_a_capture_is_refused():
+    model = small_moe("qwen3_moe").eval().cuda()
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "aot_eager", **ALWAYS})
+    ids = torch.randint(0, 256, (1, 1), device="cuda")
+    with torch.no_grad():
+        compiled(ids, use_cache=False)
+        with pytest.raises(Exception, match="a CUDA graph capture cannot record"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                compiled(ids, use_cache=False)
+
+
+def test_always_takes_no_expert_cache_from_the_budget():
+    """``expert_cache="auto"`` takes what memory_budget's plan leaves, for the calls that
+    stream experts; under "always" none does, so it takes nothing."""
+    model, (x,) = models.build("moe", num_layers=4, routed=True, seq=1, batch=1)
+    reference = copy.deepcopy(model)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    compiled = torch.compile(model, backend="prefetch_offload", options={
+        "inner_backend": "aot_eager", "memory_budget": total // 2, **PLANNER_RATES, **ALWAYS})
+    with torch.no_grad():
+        assert torch.equal(compiled(x), reference(x))
+    rep = fx_offload.report(model)
+    assert rep.expert_cache is None
+    assert rep.layers and set(rep.experts_ran.values()) == {"host"}, rep.experts_ran
+
+
+def test_experts_that_are_not_routed_stream_and_say_why():
+    """The built-in MoE computing every expert (gates zero for the others) is not routed:
+    under "always" its experts stream whole, and report says so rather than nothing."""
+    model, (x,) = models.build("moe", num_layers=4)
+    for layer in model.layers:
+        layer.mlp.experts.num_experts = layer.mlp.experts.w13_weight.shape[0]
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "aot_eager", **ALWAYS})
+    with torch.no_grad():
+        assert torch.equal(compiled(x), reference(x))
+    ran = fx_offload.report(model).experts_ran
+    assert set(ran) == {1, 3} and all(
+        why.startswith("streamed: its experts are not routed (") for why in ran.values()), ran
