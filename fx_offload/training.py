@@ -104,21 +104,16 @@ def check_grad_mode(gi, state, example_inputs, options, layer_frame: bool):
     no backward needs the offloaded weights.  Refused: an offloaded weight that requires
     grad (a slot cannot hold its gradient's update), a graph of one layer's own frame, and
     ``inner_backend="eager"`` (no backward graph to place ops in)."""
+    offloaded = {p.name for ps in state.params.values() for p in ps}
+    _refuse_checkpointing(gi, offloaded)
     if not torch.is_grad_enabled():
         return None
-    offloaded = {p.name for ps in state.params.values() for p in ps}
     reads = [name for name, _ in gi.params.values() if name in offloaded]
     if not reads:
         return None
     trained = [name for name, p in gi.params.values() if name in offloaded and p.requires_grad]
     if trained:
-        raise GradModeError(
-            "trains only parameters that are not offloaded: this graph was compiled with "
-            f"grad enabled and reads offloaded parameters that require grad "
-            f"({trained[:3]}...). Freeze them (requires_grad_(False)) before the first "
-            "compile, so that only the frozen weights are offloaded and the trainable ones "
-            "stay on the device; after a compile, call fx_offload.restore(model) first. "
-            "For inference, call the model under torch.no_grad() or torch.inference_mode()")
+        raise trained_offloaded_error("this graph was compiled", trained)
     if layer_frame:
         raise GradModeError(
             "trains only a model whose layers run in its own graph: Dynamo compiled a layer's "
@@ -131,6 +126,37 @@ def check_grad_mode(gi, state, example_inputs, options, layer_frame: bool):
             "no backward graph to stream the frozen weights into. Compile with another "
             "inner_backend, or call the model under torch.no_grad()")
     return BackwardOps(state, gi)
+
+
+def _refuse_checkpointing(gi, offloaded: set[str]) -> None:
+    """Activation checkpointing traces each checkpointed region as one opaque node whose
+    recomputation in backward reads the layer's weights where no wait can be placed."""
+    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    for node in next(iter(gi.params)).graph.nodes:
+        if node.op != "call_function" or node.target is not hop:
+            continue
+        read = [gi.params[a][0] for a in node.all_input_nodes
+                if a in gi.params and gi.params[a][0] in offloaded]
+        if read:
+            raise OffloadError(
+                f"activation checkpointing of offloaded layers is not supported: a "
+                f"checkpointed region reads offloaded weights ({read[:3]}...), and its "
+                "recomputation in backward would read them where no prefetch can be waited "
+                "for. Turn it off (model.gradient_checkpointing_disable() for a Hugging Face "
+                "model, or call the layers without torch.utils.checkpoint), or keep the "
+                "checkpointed layers resident (offload other layers with 'layers')")
+
+
+def trained_offloaded_error(what: str, names: list[str]) -> GradModeError:
+    """Grad enabled while offloaded parameters require grad (``what``: the compile or the
+    call that met them)."""
+    return GradModeError(
+        f"trains only parameters that are not offloaded: {what} with grad enabled, and "
+        f"offloaded parameters require grad ({names[:3]}...). Freeze them "
+        "(requires_grad_(False)) before the first compile: only frozen weights are then "
+        "offloaded and the trainable ones stay on the device (after a compile, call "
+        "fx_offload.restore(model) first). For inference, call the model under "
+        "torch.no_grad() or torch.inference_mode()")
 
 
 def _is_view(node: fx.Node) -> bool:
