@@ -108,18 +108,20 @@ def check_grad_mode(gi, state, example_inputs, options, layer_frame: bool):
     _refuse_checkpointing(gi, offloaded)
     if not torch.is_grad_enabled():
         return None
+    if layer_frame and any(isinstance(v, torch.Tensor) and v.requires_grad
+                           for v in example_inputs):
+        # (its parameters are named from the layer, not the model: checked here)
+        raise GradModeError(
+            "trains only a model whose layers run in its own graph: Dynamo compiled a layer's "
+            "forward on its own (a graph break in or between the layers), where no backward "
+            "prefetch can be placed. Remove the graph break, or call the model under "
+            "torch.no_grad()")
     reads = [name for name, _ in gi.params.values() if name in offloaded]
     if not reads:
         return None
     trained = [name for name, p in gi.params.values() if name in offloaded and p.requires_grad]
     if trained:
         raise trained_offloaded_error("this graph was compiled", trained)
-    if layer_frame:
-        raise GradModeError(
-            "trains only a model whose layers run in its own graph: Dynamo compiled a layer's "
-            "forward on its own (a graph break in or between the layers), where no backward "
-            "prefetch can be placed. Remove the graph break, or call the model under "
-            "torch.no_grad()")
     if options.inner_backend == "eager":
         raise GradModeError(
             "trains only with inner_backend 'aot_eager' or 'inductor': with 'eager' there is "

@@ -258,3 +258,30 @@ def test_hugging_face_gradient_checkpointing_is_refused_and_loses_nothing():
         compiled(input_ids=ids, labels=ids)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("where", ["unrolled", "inside"])
+def test_graph_breaks_between_layers_train_and_inside_a_layer_are_refused(where):
+    """A break between layers: each graph's backward streams its own layers (gradients
+    bitwise). A break inside every layer: Dynamo compiles the layer's forward on its own,
+    where no backward prefetch can be placed: refused, nothing lost."""
+    from test_graph_breaks import Stack
+    torch.manual_seed(0)
+    model = Stack(where)
+    model.requires_grad_(False)
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 16)
+    compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+    got, want = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    if where == "inside":
+        with pytest.raises(Exception, match="trains only a model whose layers run in its own "
+                                            "graph"):
+            compiled(got)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert torch.equal(p, q), name
+        return
+    for _ in range(2):
+        compiled(got).square().sum().backward()
+        reference(want).square().sum().backward()
+        assert torch.equal(got.grad, want.grad)
+    assert sorted(fx_offload.report(model).params) == [1, 3, 5]
