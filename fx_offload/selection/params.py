@@ -187,10 +187,14 @@ def layer_bytes(params: dict[int, list[OffloadedParam]]) -> dict[int, int]:
 
 
 def trains_adapters(stack: LayerStack) -> bool:
-    """Some parameters of the layers are frozen (``requires_grad=False``) and some are not:
-    the trainable ones (adapters, norms) are then kept resident and only the frozen ones
-    offloaded (``fx_offload.training``).  Where none is frozen (a model as built, used for
-    inference under ``no_grad``) every parameter may be offloaded."""
+    """The layers are in training mode and some of their parameters are frozen
+    (``requires_grad=False``) while some are not: the trainable ones (adapters, norms) are
+    then kept resident and only the frozen ones offloaded (``fx_offload.training``).  Where
+    none is frozen (a model as built, used for inference under ``no_grad``), or in eval mode
+    (a quantized model's weights are frozen, its biases not), every parameter may be
+    offloaded."""
+    if not any(layer.training for layer in stack.modules):
+        return False
     grads = {p.requires_grad for layer in stack.modules for p in layer.parameters()}
     return grads == {True, False}
 
