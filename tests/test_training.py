@@ -104,6 +104,19 @@ def test_the_backward_waits_are_what_make_the_gradients_right():
                for n, p in trained(model).items())
 
 
+@pytest.mark.parametrize("options", [{"prefetch_step": 2, "circular_prefetch": "entry"},
+                                     {"prefetch_step": 3, "copy_chunks": 2}])
+def test_the_reversed_ring_prefetches_every_layer(options):
+    """More slots, chunked copies, the circular prefetch at the entry: the gradients stay
+    bitwise, and every layer the backward reads was prefetched (no synchronous load)."""
+    model, x = frozen_mlp(num_layers=12)
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload", options={**OPTIONS, **options})
+    steps(compiled, torch.compile(reference, backend="aot_eager"), model, reference, x, n=2)
+    state = fx_offload.registry.state_for_model(model)
+    assert state.stats["sync_loads"] == 0 and state.stats["prefetches"] > 0
+
+
 def test_inductor_inner_backend_trains_within_tolerance():
     model, x = frozen_mlp()
     reference = copy.deepcopy(model)
