@@ -177,6 +177,7 @@ class BackwardOps:
         self.gi = gi
         self.weight_chunks: dict[int, tuple[int, int]] = {}  # input index -> (layer, chunk)
         self.storages: dict = {}            # fake storage -> (layer, chunk)
+        self.saved = 0                      # forward outputs that are (views of) them
 
     def set_plan(self, plan) -> None:
         """The forward's plan names which placeholders are weights of which chunk."""
@@ -196,16 +197,19 @@ class BackwardOps:
             val = inputs[i].meta.get("val")
             if isinstance(val, torch.Tensor):
                 self.storages[StorageWeakRef(val.untyped_storage())] = at
+        # what the forward saves of them (its outputs): the backward must find as many
+        output = next(n for n in reversed(fw.graph.nodes) if n.op == "output")
+        self.saved = len(_holding(output.all_input_nodes, self.storages))
 
     def weights_of(self, bw: fx.GraphModule) -> dict[fx.Node, tuple[int, int]]:
         """Backward input -> (layer, chunk) of the offloaded weight whose bytes it holds."""
-        found = {}
-        for n in bw.graph.nodes:
-            val = n.meta.get("val") if n.op == "placeholder" else None
-            if isinstance(val, torch.Tensor) and not isinstance(val, torch.SymInt):
-                at = self.storages.get(StorageWeakRef(val.untyped_storage()))
-                if at is not None:
-                    found[n] = at
+        found = _holding([n for n in bw.graph.nodes if n.op == "placeholder"], self.storages)
+        if len(found) < self.saved:     # a backward reading slots unwaited: never silently
+            raise OffloadError(
+                f"training: the forward saves {self.saved} offloaded weight(s) for backward, "
+                f"but only {len(found)} of the backward graph's inputs could be matched to "
+                "them, so the backward could read slots holding other layers. Call the model "
+                "under torch.no_grad(), or keep the layers resident")
         return found
 
     def backward(self, bw: fx.GraphModule) -> None:
@@ -250,8 +254,22 @@ class BackwardOps:
 
 
 def _no_autograd_cache():
-    """A cached backward would skip the pass that reads the forward's weights."""
+    """A cached backward would skip the pass that reads the forward's weights.  (The
+    backward is compiled at the first ``backward()``: compiled with the forward, torch 2.13
+    refuses a second backward through a retained graph.)"""
     return torch._functorch.config.patch(enable_autograd_cache=False)
+
+
+def _holding(nodes, storages: dict) -> dict[fx.Node, tuple[int, int]]:
+    """Those of ``nodes`` whose value views one of ``storages`` -> what that storage holds."""
+    found = {}
+    for n in dict.fromkeys(nodes):
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            at = storages.get(StorageWeakRef(val.untyped_storage()))
+            if at is not None:
+                found[n] = at
+    return found
 
 
 def _reads_by_layer(bw: fx.GraphModule, weights) -> dict[int, list[fx.Node]]:

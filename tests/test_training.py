@@ -117,6 +117,43 @@ def test_the_reversed_ring_prefetches_every_layer(options):
     assert state.stats["sync_loads"] == 0 and state.stats["prefetches"] > 0
 
 
+def test_the_verifier_proves_the_backward_schedule(monkeypatch):
+    """A backward whose waits are left out is refused by the verifier when it is compiled (at
+    the first backward), before it runs; the weights are intact."""
+    from fx_offload import training
+    real = training._call
+    monkeypatch.setattr(training, "_call", lambda graph, op, args: None if op is training.WAIT
+                        else real(graph, op, args))
+    model, x = frozen_mlp()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+    with pytest.raises(Exception, match=r"reads \w+ of layer 5 chunk \d from slot 0, but no "
+                                        "wait_prefetch for it precedes this read"):
+        compiled(x).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_a_backward_whose_saved_weights_cannot_be_matched_is_refused(monkeypatch):
+    """Where the backward graph's inputs cannot be told to be the forward's offloaded
+    weights (another torch, other fake tensors), the compile is refused rather than the
+    backward left without its waits."""
+    from fx_offload import training
+    real = training.BackwardOps.backward
+
+    def unmatched(self, bw):
+        self.storages = {}
+        return real(self, bw)
+    monkeypatch.setattr(training.BackwardOps, "backward", unmatched)
+    model, x = frozen_mlp()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+    with pytest.raises(Exception, match=r"training: the forward saves \d+ offloaded weight"):
+        compiled(x).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q), name
+
+
 def test_inductor_inner_backend_trains_within_tolerance():
     model, x = frozen_mlp()
     reference = copy.deepcopy(model)
