@@ -21,7 +21,7 @@ import torch
 from torch import fx, nn
 
 from . import registry
-from .errors import GradModeError, OffloadError
+from .errors import OffloadError
 from .graph_inputs import GraphInputs, read_graph_inputs
 from .inner import compile_inner
 from .kv import run_kv_pass
@@ -34,6 +34,7 @@ from .selection.budget import sizes_of
 from .selection.stack import (eager_experts_hint, find_enclosing_model, find_layer_stack,
                               find_parent_model, top_level_lists)
 from .text import format_bytes
+from .training import check_grad_mode
 
 log = logging.getLogger("fx_offload")
 
@@ -99,23 +100,34 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
     if state is None:
         return compile_inner(gm, example_inputs, options)
     state.turns.stop_if_interrupted()     # a compile in a call that Ctrl-C ended
-    _check_grad_mode(gi, state, example_inputs)
     placed_with = getattr(state, "placed_with", None)   # set by fx_offload.place
     if placed_with and not set(placed_with) & set(given):
         # place(model, inner_backend=...): used by a compile that sets neither
         options = dataclasses.replace(options, **placed_with)
     placed = state.choice.options
     check_host_compute_mode(placed.host_compute, options.mode)     # placed with "always"
+    backward = check_grad_mode(gi, state, example_inputs, options, layer_frame)
+    host_compute = placed.host_compute_in(state.device.type, options.mode)
+    if backward is not None and host_compute != "never":
+        # the host_experts op has no backward: a training graph streams its experts
+        if host_compute == "always":
+            raise OffloadError(
+                f"{state.model_name} was placed with host_compute='always', which computes "
+                "routed experts on the host in inference only; this graph trains (grad "
+                "enabled, trainable parameters): use host_compute='auto' (a training graph "
+                "streams the experts) or call it under torch.no_grad()")
+        host_compute = "never"
     if options.mode == "reduce-overhead":   # its calls may be replays from now on
         state.under_cuda_graphs = True      # (runtime.hook_copies)
     state.compiled_with = options           # the inner compiler report() names
     # 3. the pass (a graph of one layer's own frame is reused for every layer: no ops)
     plan = None
     if not layer_frame:
-        plan = run_prefetch_pass(gm, gi, state.choice, state.handle,
-                                 placed.host_compute_in(state.device.type, options.mode))
+        plan = run_prefetch_pass(gm, gi, state.choice, state.handle, host_compute)
+        if backward is not None:
+            backward.set_plan(plan)
     # 4. inner compile (it may ask Dynamo to trace the frame again: warn once it is done)
-    compiled = compile_inner(gm, example_inputs, options)
+    compiled = compile_inner(gm, example_inputs, options, backward)
     if layer_frame:
         _warn_layer_frame(state, gi)
     # 5. materialize: host blocks, slots, hooks (the parameters keep their storage for the
@@ -242,7 +254,6 @@ def _state_for_graph(gm, gi: GraphInputs, options: OffloadOptions, defaulted: bo
 _WARNED_LAYER_FRAMES: weakref.WeakSet = weakref.WeakSet()
 GRAPH_BREAKS_SHOWN = 3          # the most recent graph-break reasons a warning quotes
 REASON_CHARS = 200              # of each reason's first line
-NAMES_SHOWN = 3                 # parameter names an error quotes
 
 
 def _warn_layer_frame(state, gi) -> None:
@@ -263,29 +274,6 @@ def _recent_graph_breaks() -> list[str]:
     from torch._dynamo.utils import counters
     return [str(reason).splitlines()[0][:REASON_CHARS]
             for reason in list(counters["graph_break"])[-GRAPH_BREAKS_SHOWN:]]
-
-
-def _check_grad_mode(gi, state, example_inputs) -> None:
-    """Autograd saves what a layer reads for backward: with grad enabled, an offloaded
-    weight that requires grad, or any input that does (the weights are then saved to
-    compute its gradient), would be saved as slot contents that the next prefetch
-    overwrites."""
-    if not torch.is_grad_enabled():
-        return
-    offloaded = {p.name for ps in state.params.values() for p in ps}
-    trained = [name for name, p in gi.params.values() if name in offloaded and p.requires_grad]
-    inputs = [n.name for n, v in zip(gi.placeholders, example_inputs)
-              if n not in gi.params and isinstance(v, torch.Tensor) and v.requires_grad]
-    reads_offloaded = any(name in offloaded for name, _ in gi.params.values())
-    if trained or (inputs and reads_offloaded):
-        what = (f"offloaded parameters that require grad ({trained[:NAMES_SHOWN]}...)"
-                if trained else f"inputs that require grad ({inputs[:NAMES_SHOWN]}), so "
-                "autograd keeps the offloaded weights for their gradients")
-        raise GradModeError(
-            "supports inference only: this graph was compiled with grad enabled and reads "
-            f"{what}. Autograd would save slot contents for backward, which the next prefetch "
-            "overwrites. Call the model under torch.no_grad() or torch.inference_mode(), or "
-            "set requires_grad_(False) on its parameters and inputs")
 
 
 def register_names() -> None:

@@ -10,10 +10,15 @@ from .passes.in_place import call_in_place
 from .options import OffloadOptions
 
 
-def compile_inner(gm: fx.GraphModule, example_inputs, options: OffloadOptions) -> Callable:
+def compile_inner(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
+                  backward=None) -> Callable:
+    """``backward``: a :class:`~fx_offload.training.BackwardOps` where the backward reads
+    offloaded weights (training a frozen offloaded base)."""
     if options.inner_backend == "eager":
         return gm.forward
     if options.inner_backend == "aot_eager":
+        if backward is not None:
+            return backward.aot_eager(gm, example_inputs, _in_place_nop)
         from torch._dynamo.backends.registry import lookup_backend
         return lookup_backend("aot_eager")(gm, example_inputs, fw_compiler=_in_place_nop)
     import torch._inductor.config as inductor_config
@@ -25,6 +30,8 @@ def compile_inner(gm: fx.GraphModule, example_inputs, options: OffloadOptions) -
             "(torch._inductor.config.freezing=True): freezing folds weights into constants, so "
             "offloaded layers would read stale copies; turn freezing off")
     patches = dict(list_mode_options(options.mode)) if options.mode != "default" else {}
+    if backward is not None:
+        return backward.inductor(gm, example_inputs, patches)
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 

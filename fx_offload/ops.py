@@ -47,8 +47,8 @@ from .runtime import slot_check
 # from the dispatcher straight to it.  (``torch.library.custom_op`` wraps each call in three
 # Python layers, autograd, version-counter bumps and argument defaults: 18 us a call against
 # 2.5 us on a CPU, and a decode step calls these ops some 40 to 500 times.  Nothing needs the
-# bumps: the declared mutation is for the compilers, which read it from the schema, and a
-# grad-enabled call is refused before any op runs.)
+# bumps: the declared mutation is for the compilers, which read it from the schema, and in
+# training the ops run inside AOTAutograd's compiled graphs, which autograd does not track.)
 _LIB = torch.library.Library("fx_offload", "DEF")
 _SCHEMAS = {
     "wait_prefetch": "(Tensor(a0!)[] activations, SymInt handle, SymInt layer, "

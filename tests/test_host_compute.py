@@ -261,3 +261,18 @@ def test_experts_that_are_not_routed_stream_and_say_why():
     ran = fx_offload.report(model).experts_ran
     assert set(ran) == {1, 3} and all(
         why.startswith("streamed: its experts are not routed (") for why in ran.values()), ran
+
+
+def test_always_is_refused_for_a_training_graph():
+    """The host_experts op has no backward: a model placed with "always" compiled for
+    training is refused (errors row 92), its weights untouched."""
+    model = small_moe("qwen3_moe").train()
+    for name, p in model.named_parameters():
+        p.requires_grad_("lm_head" in name)        # a trainable head on a frozen base
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "aot_eager", **ALWAYS})
+    ids = torch.randint(0, 256, (1, 4))
+    with pytest.raises(Exception, match="inference only; this graph trains"):
+        compiled(ids, use_cache=False)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())

@@ -460,13 +460,19 @@ def test_a_fault_while_offloading_loses_nothing(step, monkeypatch):
                                          options=OPTIONS)(x), reference(x))
 
 
-def test_grad_through_frozen_offloaded_weights_is_refused():
+def test_grad_through_frozen_offloaded_weights_flows():
+    """Every weight frozen, the input requires grad: the backward streams the offloaded
+    weights again (fx_offload.training) and the input's gradient is the model's."""
     model, (x,) = models.build("mlp", num_layers=8)
     model.requires_grad_(False)
+    reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
-    with pytest.raises(Exception, match="inputs that require grad"):
-        compiled(x.clone().requires_grad_(True))
-    assert fx_offload.registry.state_for_model(model) is None
+    for _ in range(2):
+        got, want = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        compiled(got).square().sum().backward()
+        reference(want).square().sum().backward()
+        assert torch.equal(got.grad, want.grad)
+    assert sorted(fx_offload.report(model).params) == [1, 3, 5, 7]
 
 
 def test_threads_calling_one_compiled_model_get_their_own_right_outputs():
@@ -968,7 +974,8 @@ def test_an_offloaded_weight_tied_to_a_resident_layer_after_offloading_stays_res
 
 def test_an_eager_call_with_grad_enabled_is_refused():
     model, compiled, reference, x = offloaded()
-    with pytest.raises(fx_offload.OffloadError, match="supports inference only"):
+    with pytest.raises(fx_offload.OffloadError, match="trains only parameters that are not "
+                                                      "offloaded"):
         model(x.clone().requires_grad_(True))
     with torch.no_grad():
         assert torch.equal(model(x), reference(x))

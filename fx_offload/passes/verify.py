@@ -46,7 +46,8 @@ class SlotModel:
     """What the verifier needs to know about the schedule."""
     slot_of: dict[int, int]
     chunks: dict[int, list]         # layer -> its chunks (fx_offload.layout.Chunk)
-    entry_owner: list[int]          # layer each slot holds when the graph starts
+    entry_owner: list[int | None]   # layer each slot holds when the graph starts (None:
+    #                                 nothing known, as at a backward's start)
     exit_owner: list[int] | None    # layer each slot must hold at the end (None: unchecked)
 
 
@@ -64,7 +65,8 @@ def verify_graph(gm: fx.GraphModule, weight_chunk: dict[fx.Node, tuple[int, int]
     offloaded weight placeholder -> (its layer, its chunk)."""
     # per slot: (layer, chunk) whose bytes it holds -> readable (waited for since filled)
     held: list[dict[tuple[int, int], bool]] = [
-        {(layer, c.index): False for c in model.chunks[layer]} for layer in model.entry_owner]
+        {} if layer is None else {(layer, c.index): False for c in model.chunks[layer]}
+        for layer in model.entry_owner]
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     routers: dict = {}      # (ids, experts, last read) -> their picks (_check_routed)

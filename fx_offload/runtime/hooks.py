@@ -16,22 +16,25 @@ from .. import dtensor, registry
 from ..errors import GradModeError, OffloadError
 
 
-def refuse_grad(state, args) -> None:
-    """An eager call with grad enabled would let autograd save slot contents for backward
-    (the next prefetch overwrites them): refused as a compile with grad enabled is."""
+def refuse_grad(state, args, layer_call: bool = False) -> None:
+    """With grad enabled: an offloaded weight that requires grad is refused (a slot cannot
+    hold what its gradient updates), and so is an offloaded layer called eagerly on its own
+    (``layer_call``) with inputs that require grad: autograd would save its slot contents
+    for a backward that no graph streams them back for (``fx_offload.training``)."""
     if not torch.is_grad_enabled():
         return
+    from ..training import trained_offloaded_error
     trained = [p.name for ps in state.params.values() for p in ps
                if getattr(p.owner._parameters.get(p.attr), "requires_grad", False)]
-    inputs = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
-    if trained or inputs:
-        what = (f"offloaded parameters that require grad ({trained[:3]}...)" if trained
-                else "inputs that require grad")
+    if trained:
+        raise trained_offloaded_error(f"{state.model_name} was called", trained)
+    if layer_call and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
         raise GradModeError(
-            f"supports inference only: {state.model_name} was called with grad enabled and "
-            f"{what}; autograd would save slot contents for backward, which the next "
-            "prefetch overwrites. Call it under torch.no_grad() or torch.inference_mode(), "
-            "or set requires_grad_(False) on its parameters and inputs")
+            f"trains only through the compiled model: an offloaded layer of "
+            f"{state.model_name} was called on its own with grad enabled and inputs that "
+            "require grad; autograd would save its slot contents for a backward that no "
+            "graph streams them back for. Call the compiled model, or call the layer under "
+            "torch.no_grad()")
 
 
 # torch.export of an offloaded model: its offloaded weights live in host blocks that this
@@ -78,7 +81,7 @@ class LayerEnter(OurHook):
             state = registry.state_for_token(self.token)
             if state is None:
                 return None
-            refuse_grad(state, args)
+            refuse_grad(state, args, layer_call=True)
             state.enter(root=False)
         acts = [a for a in args if isinstance(a, torch.Tensor)]
         torch.ops.fx_offload.wait_prefetch(acts, self.handle, self.layer)

@@ -186,6 +186,19 @@ def layer_bytes(params: dict[int, list[OffloadedParam]]) -> dict[int, int]:
     return {layer: sum(p.nbytes for p in ps) for layer, ps in params.items()}
 
 
+def trains_adapters(stack: LayerStack) -> bool:
+    """The layers are in training mode and some of their parameters are frozen
+    (``requires_grad=False``) while some are not: the trainable ones (adapters, norms) are
+    then kept resident and only the frozen ones offloaded (``fx_offload.training``).  Where
+    none is frozen (a model as built, used for inference under ``no_grad``), or in eval mode
+    (a quantized model's weights are frozen, its biases not), every parameter may be
+    offloaded."""
+    if not any(layer.training for layer in stack.modules):
+        return False
+    grads = {p.requires_grad for layer in stack.modules for p in layer.parameters()}
+    return grads == {True, False}
+
+
 def select_params(root: nn.Module, stack: LayerStack, layers: Iterable[int],
                   patterns: tuple[str, ...] | None) -> dict[int, list[OffloadedParam]]:
     """Layer index -> its offloaded parameters among ``layers``: those matching ``patterns``
@@ -197,6 +210,7 @@ def select_params(root: nn.Module, stack: LayerStack, layers: Iterable[int],
 
     chosen: dict[int, list[OffloadedParam]] = {}
     any_match = False
+    training = trains_adapters(stack)
     for index, layer in enumerate(stack.modules):
         if index not in wanted:
             continue
@@ -206,6 +220,8 @@ def select_params(root: nn.Module, stack: LayerStack, layers: Iterable[int],
             if patterns is not None and not matches_segments(suffix, patterns):
                 continue
             any_match = True
+            if training and p.requires_grad:    # trained: stays on the device
+                continue
             names = owners.get(id(p), [])
             if len(names) > 1:
                 log.info("fx_offload: not offloading %s.%s: the parameter is shared with %s",
@@ -224,6 +240,9 @@ def select_params(root: nn.Module, stack: LayerStack, layers: Iterable[int],
                                          subclass.inner_names(local, f"{path}.{suffix}")))
         if picked:
             chosen[index] = picked
+        elif training:
+            log.debug("fx_offload: layer %s kept resident: every parameter of it requires "
+                      "grad (trained)", path)
         else:
             log.debug("fx_offload: layer %s has no parameter to offload; skipped", path)
     if patterns is not None and not any_match:
