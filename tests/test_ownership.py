@@ -912,7 +912,7 @@ def test_a_module_replaced_inside_an_offloaded_layer_is_offloaded_again():
     weight = model.layers[3].fc1.weight
     assert fx_offload.registry.owner_of_param(weight) == (state, 3)
     assert weight.data_ptr() == state.masters[3]["fc1.weight"].data_ptr()
-    assert not state.structure_changed
+    assert not state.ownership.structure_changed
 
 
 def test_module_and_parameter_registration_inside_a_traced_forward_is_not_traced(monkeypatch):

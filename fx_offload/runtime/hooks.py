@@ -111,12 +111,12 @@ class TruthInStateDict(OurHook):
             if found is None or key not in state_dict:
                 continue
             state, layer = found
-            if not state.swapped_in and not dtensor.is_dtensor(param):
+            if not state.ownership.swapped_in and not dtensor.is_dtensor(param):
                 continue
             for p in state.params[layer]:
                 if p.param is dtensor.local(param):
-                    truth = state.truth_of(layer, p) if state.swapped_in else p.param
-                    state_dict[key] = state.saved_dtensor(p, param, truth) \
+                    truth = state.truth_of(layer, p) if state.ownership.swapped_in else p.param
+                    state_dict[key] = state.versions.saved_dtensor(p, param, truth) \
                         if dtensor.is_dtensor(param) else truth
         return state_dict
 

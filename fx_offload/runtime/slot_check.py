@@ -56,7 +56,8 @@ def after_wait(state, layer: int, chunk: int, ids: torch.Tensor | None = None) -
                          for key in p.parts())]
         if wrong:
             state.contents.forget(layer, c)     # reloaded at its next wait
-            state.buffers.raise_if_corrupt()    # not a bug: its record was found corrupt
+            # not a bug: its record was found corrupt
+            state.buffers.compression.raise_if_corrupt()
             raise SlotCheckError(
                 f"{ENV}: the slot of layer {layer} of {state.model_name} held other bytes than "
                 f"the host copy of {', '.join(wrong)} (chunk {c.index}) when the layer was "
