@@ -30,6 +30,7 @@ from .checkpoint import Checkpoint, check_model
 from .errors import OffloadError
 from .options import PLACEMENT_KEYS, OffloadOptions, parse_options
 from .runtime import hooks
+from .runtime.phase import Phase
 from .runtime.state import OffloadState, ShapeChanged
 from .selection import NothingOffloaded, budget, choose
 from .selection.stack import find_layer_stack
@@ -356,7 +357,7 @@ class EnterCall(hooks.OurHook):
                 if state is None:
                     return None         # restored meanwhile: a plain model now
                 continue
-            if not state.restored:
+            if state.phase is not Phase.RESTORED:
                 return None
             # dropped while this call waited for its turn: another thread's call offloads
             # the model anew (enter that state once it is made), or it was restored (a
@@ -386,7 +387,7 @@ class EnterCall(hooks.OurHook):
                             "holding it); offloading the model again in its new form",
                             changed, type(module).__name__)
                 with old.holding_slots():   # no call of the old state runs meanwhile
-                    if old.restored:
+                    if old.phase is Phase.RESTORED:
                         return None         # fx_offload.restore got there first
                     old.detach(anew=True)
             if old is None:

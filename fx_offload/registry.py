@@ -147,7 +147,7 @@ def state_for_op(handle: int):
     ref = _HANDLES.get(handle)
     compiled_for = ref() if ref is not None else None
     if compiled_for is not None and (compiled_for.holder == threading.get_ident()
-                                     or not compiled_for.entered):
+                                     or not compiled_for.phase.called):
         return compiled_for     # its own model's call (the first one runs before any hook)
     if compiled_for is not None:
         compiled_for.turns.stop_if_interrupted()  # its call, ended by Ctrl-C, runs on

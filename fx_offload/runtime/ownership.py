@@ -32,7 +32,6 @@ class Ownership:
     def __init__(self, params: dict, stack, model_ref, versions):
         self.params, self.stack, self.model_ref, self.versions = \
             params, stack, model_ref, versions
-        self.swapped_in = False          # the parameters point at their slots
         self.structure_changed = ""      # what changed: a child module set inside an
         #   offloaded layer, an offloaded parameter set on another module
         self.watched: list[int] = []     # ids of the modules inside offloaded layers
@@ -41,14 +40,14 @@ class Ownership:
         self._fingerprint: Fingerprint | None = None  # of the last full look, if one applies
 
     def point_at(self, buffers, truth: bool) -> None:
-        """The parameters point at their host blocks (``truth``) or their slots."""
+        """The parameters point at their host blocks (``truth``) or their slots (the state
+        records which in its phase, :mod:`.phase`)."""
         with torch.no_grad():
             for layer, ps in self.params.items():
                 views = buffers.masters[layer] if truth else buffers.views[layer]
                 for p in ps:
                     p.point_at(views)
         self.versions.rewrap()
-        self.swapped_in = not truth
 
     def look(self, buffers, synchronize, replace, restoring: bool = False):
         """What the user did to the offloaded parameters since the last call: new storage

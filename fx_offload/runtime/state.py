@@ -39,7 +39,9 @@ the parameters, the slot contents) and handed the rest as arguments, never reach
 into the state: ``versions`` (:mod:`.versions`), ``ownership`` (:mod:`.ownership`),
 ``writes`` (:mod:`.in_call`), ``hook_copies`` (:mod:`.hook_copies`), ``copies``
 (:mod:`.copies`), ``turns`` (:mod:`.turns`); once materialized, ``buffers``
-(:mod:`.slots`) and ``routed`` (:mod:`.routed`).
+(:mod:`.slots`) and ``routed`` (:mod:`.routed`).  Where it is in its life is one value,
+``phase`` (:mod:`.phase`: planned, materialized, on slots, on truth, restored), and each
+move is checked.
 """
 from __future__ import annotations
 
@@ -63,6 +65,7 @@ from .hook_copies import HookCopies
 from .in_call import WritesInCall
 from .interrupts import GUARD
 from .ownership import Hold, Ownership, Restored, ShapeChanged, weak_callbacks
+from .phase import Phase
 from .routed import RoutedExperts
 from .slots import SlotBuffers
 from .turns import Turns
@@ -95,8 +98,7 @@ class OffloadState:
         self.num_slots = self.schedule.num_slots
         self.buffers: SlotBuffers | None = None
         self.contents = SlotContents(choice.layout, self.schedule.slot_of, self.num_slots)
-        self.materialized, self.restored, self.hooks = False, False, []
-        self.entered = False             # a call has begun through the hooks
+        self.phase, self.hooks = Phase.PLANNED, []   # (.phase: the moves it may make)
         self.check_slots = slot_check.enabled()     # read once per call (ops.wait_prefetch)
         self.versions = ParamVersions(self.params)
         self.writes = WritesInCall(self.versions)
@@ -160,7 +162,7 @@ class OffloadState:
         ``fill(layer, views)`` (``place`` from a checkpoint) writes the values instead; a
         parameter on the meta device is then replaced by one holding its block's view.
         ``placed(layer, masters)``: told as each layer's block is filled (progress)."""
-        if self.materialized:
+        if self.phase is not Phase.PLANNED:
             return
         take = functools.partial(_hold_masters, self.params, placed)
         handover = {p.name: (p.ptrs(), p.versions()) for ps in self.params.values() for p in ps}
@@ -182,22 +184,21 @@ class OffloadState:
             self.copies.load_now(layer)
         self.copies.stats = {"prefetches": 0, "sync_loads": 0}
         registry.register(self, self.model_ref())
-        self.materialized = True
+        self.phase = self.phase.to(Phase.MATERIALIZED, self.model_name)
 
     def restore(self) -> bool:
         """Return every offloaded weight to the device, bitwise, and detach; False where
         another thread's restore, or an offload anew, dropped this state first."""
         with self.holding_slots():
-            if self.restored:
+            if self.phase is Phase.RESTORED:
                 return False
             self.synchronize()
             with contextlib.suppress(ShapeChanged):     # the user's new values stay
                 self._take_up_changes(restoring=True)
-            if self.ownership.swapped_in:
-                self.ownership.point_at(self.buffers, truth=True)
+            if self.phase is Phase.ON_SLOTS:
+                self._point_at(truth=True)
             _to_device(self.params, self.masters, self.device)
             self.versions.rewrap()
-            self.ownership.swapped_in = False
             self.detach()
         return True
 
@@ -211,7 +212,7 @@ class OffloadState:
         if self.buffers is not None:
             self.buffers.release()
             self.routed.release()
-        self.restored = True
+        self.phase = self.phase.to(Phase.RESTORED, self.model_name)
         registry.unregister(self, self.model_ref())
 
     def synchronize(self) -> None:
@@ -225,7 +226,7 @@ class OffloadState:
         """A call of the model (``root``) or of one offloaded layer on its own begins: wait
         for another thread's call to end, take up what changed, point the parameters at
         their slots.  Raises :class:`ShapeChanged` where the slots no longer fit."""
-        if self.restored:
+        if self.phase is Phase.RESTORED:
             return
         turns, me = self.turns, threading.get_ident()
         if root:
@@ -244,8 +245,8 @@ class OffloadState:
         try:
             if turns.holder != me:
                 turns.take("call")
-            if self.restored:            # restored while this call waited: a plain model
-                raise Restored
+            if self.phase is Phase.RESTORED:    # restored while this call waited:
+                raise Restored                  # a plain model
             with GUARD.holding():        # Ctrl-C waits until the parameters are pointed
                 self.versions.memo = {}
                 self._root_call = root
@@ -256,9 +257,8 @@ class OffloadState:
                 self._after_take_up(root)
                 if self.buffers is not None:    # a record a copy found corrupt, unless
                     self.buffers.compression.raise_if_corrupt()     # new weights encoded it anew
-                self.ownership.point_at(self.buffers, truth=False)
+                self._point_at(truth=False)
                 registry.begin_call(self)
-                self.entered = True
                 turns.depth = 1
         except BaseException as error:
             self.versions.memo = None
@@ -320,7 +320,7 @@ class OffloadState:
         with GUARD.holding():            # Ctrl-C waits until the parameters are back
             try:
                 self.writes.forget()
-                self.ownership.point_at(self.buffers, truth=True)
+                self._point_at(truth=True)
                 if self._root_call and self.ahead is not None and not _capturing():
                     self.ahead.end_call(self.versions.of)   # crosses while the host works
             finally:
@@ -340,13 +340,19 @@ class OffloadState:
     def _end_left_call(self) -> None:
         """A hold left behind (:mod:`.turns`) ends: the parameters on the truth again."""
         self.versions.memo = None
-        if self.ownership.swapped_in:
-            self.ownership.point_at(self.buffers, truth=True)
+        if self.phase is Phase.ON_SLOTS:
+            self._point_at(truth=True)
+
+    def _point_at(self, truth: bool) -> None:
+        """The parameters point at their host blocks (``truth``) or their slots."""
+        after = self.phase.to(Phase.ON_TRUTH if truth else Phase.ON_SLOTS, self.model_name)
+        self.ownership.point_at(self.buffers, truth)    # (a move refused: nothing pointed)
+        self.phase = after
 
     def settle(self) -> None:
         """Outside a call: parameters still holding the storage the truth was copied from
         (the first call's) let it go and hold the truth."""
-        if self.ownership.handover and not self.ownership.swapped_in and \
+        if self.ownership.handover and self.phase is not Phase.ON_SLOTS and \
                 self.turns.holder is None:
             with self.holding_slots():
                 self._take_up_changes()
@@ -359,7 +365,7 @@ class OffloadState:
     def in_own_call(self) -> bool:
         """This thread's call holds the slots, the parameters pointing at them."""
         turns = self.turns
-        return self.ownership.swapped_in and turns.holder == threading.get_ident() and \
+        return self.phase is Phase.ON_SLOTS and turns.holder == threading.get_ident() and \
             turns.kind == "call"
 
     @torch._dynamo.disable         # from a hook Dynamo traces: run as it is, not traced
@@ -367,7 +373,7 @@ class OffloadState:
         """``writer`` is about to write the weights: inside this thread's call, point the
         parameters at the truth until :meth:`end_write` of the same ``writer``."""
         if self.in_own_call() and self.writes.begin(writer):
-            self.ownership.point_at(self.buffers, truth=True)
+            self._point_at(truth=True)
 
     @torch._dynamo.disable
     def end_write(self, writer) -> None:
@@ -375,7 +381,7 @@ class OffloadState:
         what the slots hold of layers it changed is loaded anew."""
         if not self.writes.end(writer):
             return
-        self.ownership.point_at(self.buffers, truth=False)
+        self._point_at(truth=False)
         written = self.writes.written()
         if not written:
             return
@@ -387,16 +393,16 @@ class OffloadState:
     # ---- the operations the graph calls (.copies) ------------------------------------
     def wait(self, layer: int, chunk: int = -1) -> None:
         """Before ``layer`` reads ``chunk``'s weights (-1: all): make sure its slot holds them."""
-        if not self.restored:
+        if self.phase is not Phase.RESTORED:
             self.copies.wait(layer, chunk)
 
     def wait_routed(self, layer: int, chunk: int, ids: torch.Tensor) -> None:
         """Before ``layer`` reads the rows ``ids`` picks of its expert tensors in ``chunk``."""
-        self.copies.wait_routed(layer, chunk, ids, self.restored)
+        self.copies.wait_routed(layer, chunk, ids, self.phase is Phase.RESTORED)
 
     def start(self, layer: int, refill: int, chunk: int = -1) -> None:
         """``layer`` has read the last of what ``refill``'s ``chunk`` overwrites."""
-        if not self.restored:
+        if self.phase is not Phase.RESTORED:
             self.copies.start(layer, refill, chunk)
 
     def join(self) -> None:
