@@ -17,7 +17,6 @@ import logging
 import weakref
 from typing import Any, Mapping
 
-import torch
 from torch import fx, nn
 
 from . import registry
@@ -118,7 +117,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
                 "streams the experts) or call it under torch.no_grad()")
         host_compute = "never"
     if options.mode == "reduce-overhead":   # its calls may be replays from now on
-        state.under_cuda_graphs = True      # (runtime.hook_copies)
+        state.hook_copies.under_cuda_graphs = True    # (runtime.hook_copies)
     state.compiled_with = options           # the inner compiler report() names
     # 3. the pass (a graph of one layer's own frame is reused for every layer: no ops)
     plan = None
@@ -136,7 +135,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
     # installed in)
     if first:
         activate(state, state.model_ref(), hand_over=False)
-    if plan is not None and state.handing_over and \
+    if plan is not None and state.ownership.handover and \
             state.schedule.ends_call([lp.layer for lp in plan.layers]):
         compiled = _then_settle(compiled, state)
     # 6. summary

@@ -31,6 +31,7 @@ from .errors import OffloadError
 from .options import PLACEMENT_KEYS, OffloadOptions, parse_options
 from .runtime import hooks
 from .runtime.host_experts import for_state
+from .runtime.phase import Phase
 from .runtime.state import OffloadState, ShapeChanged
 from .selection import NothingOffloaded, budget, choose
 from .selection.stack import find_layer_stack
@@ -359,7 +360,7 @@ class EnterCall(hooks.OurHook):
                 if state is None:
                     return None         # restored meanwhile: a plain model now
                 continue
-            if not state.restored:
+            if state.phase is not Phase.RESTORED:
                 return None
             # dropped while this call waited for its turn: another thread's call offloads
             # the model anew (enter that state once it is made), or it was restored (a
@@ -389,7 +390,7 @@ class EnterCall(hooks.OurHook):
                             "holding it); offloading the model again in its new form",
                             changed, type(module).__name__)
                 with old.holding_slots():   # no call of the old state runs meanwhile
-                    if old.restored:
+                    if old.phase is Phase.RESTORED:
                         return None         # fx_offload.restore got there first
                     old.detach(anew=True)
             if old is None:

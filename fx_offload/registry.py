@@ -147,7 +147,7 @@ def state_for_op(handle: int):
     ref = _HANDLES.get(handle)
     compiled_for = ref() if ref is not None else None
     if compiled_for is not None and (compiled_for.holder == threading.get_ident()
-                                     or not compiled_for.entered):
+                                     or not compiled_for.phase.called):
         return compiled_for     # its own model's call (the first one runs before any hook)
     if compiled_for is not None:
         compiled_for.turns.stop_if_interrupted()  # its call, ended by Ctrl-C, runs on
@@ -305,7 +305,7 @@ def register(state, model: nn.Module | None) -> None:
                         _BY_PARAM[id(held)] = (weakref.ref(state), layer)
             for module in state.stack.modules[layer].modules():
                 _BY_SUBMODULE[id(module)] = weakref.ref(state)
-                state.watched.append(id(module))
+                state.ownership.watched.append(id(module))
         # entries of states collected without being unregistered
         for key in [k for k, ref in _BY_SUBMODULE.items() if ref() is None]:
             del _BY_SUBMODULE[key]
@@ -329,7 +329,7 @@ def _child_set(module, name, child):
     state = None if ref is None else ref()
     if state is not None and any(m is module for layer in state.params
                                  for m in state.stack.modules[layer].modules()):
-        state.structure_changed = "a module inside an offloaded layer"
+        state.ownership.structure_changed = "a module inside an offloaded layer"
 
 
 def _param_set(module, name, param):
@@ -343,7 +343,8 @@ def _param_set(module, name, param):
     state = None if found is None else found[0]()
     if state is not None and any((param is p.param or param is p.host) and p.owner is not module
                                  for p in state.params.get(found[1], ())):
-        state.structure_changed = f"{_name_of(state, param)} (now held by another module too)"
+        state.ownership.structure_changed = \
+            f"{_name_of(state, param)} (now held by another module too)"
 
 
 def _name_of(state, param) -> str:
@@ -364,10 +365,10 @@ def unregister(state, model: nn.Module | None) -> None:
                 for held in (p.param, p.host):
                     if held is not None and _state_of_entry(held) is state:
                         del _BY_PARAM[id(held)]
-        for key in state.watched:
+        for key in state.ownership.watched:
             if _BY_SUBMODULE.get(key, lambda: None)() is state:
                 del _BY_SUBMODULE[key]
-        state.watched.clear()
+        state.ownership.watched.clear()
 
 
 def replace_param(state, layer: int, old, new) -> None:

@@ -167,11 +167,11 @@ def test_a_placed_model_compiled_for_cuda_graphs_later_is_switched_before_its_ca
     reference = copy.deepcopy(model)
     fx_offload.place(model, "cpu", prefetch_step=2)
     state = registry.state_for_model(model)
-    assert not state.under_cuda_graphs
+    assert not state.hook_copies.under_cuda_graphs
     compiled = torch.compile(model, backend=fx_offload.backend(), mode="reduce-overhead")
     with torch.no_grad():       # Inductor (no CUDA graphs on the CPU): its own rounding
         torch.testing.assert_close(compiled(x), reference(x), rtol=1e-5, atol=1e-5)
-    assert state.under_cuda_graphs and state.choice.hook_starts_entry
+    assert state.hook_copies.under_cuda_graphs and state.choice.hook_starts_entry
 
 
 class Landed:

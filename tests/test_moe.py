@@ -254,7 +254,7 @@ def test_routed_experts_inside_cuda_graphs():
                 assert state.routed.gathered.item() > 0, i     # this replay gathered
                 # the call hook copied each entry refill's other chunks once (the routed
                 # ones are the replay's to gather), not again after its look at the weights
-                hooked = sum(c.end - c.start for _, refill in state._hook_refills
+                hooked = sum(c.end - c.start for _, refill in state.hook_copies.refills
                              for c in state.contents.chunks(refill)
                              if not state.routed.gathers(refill, c))
                 assert 0 < state.buffers.copied <= hooked, (i, state.buffers.copied, hooked)

@@ -918,7 +918,7 @@ def test_a_module_replaced_inside_an_offloaded_layer_is_offloaded_again():
     weight = model.layers[3].fc1.weight
     assert fx_offload.registry.owner_of_param(weight) == (state, 3)
     assert weight.data_ptr() == state.masters[3]["fc1.weight"].data_ptr()
-    assert not state.structure_changed
+    assert not state.ownership.structure_changed
 
 
 def test_module_and_parameter_registration_inside_a_traced_forward_is_not_traced(monkeypatch):
@@ -1161,3 +1161,31 @@ def test_ctrl_c_in_guard_evaluation_before_a_recompile_stops_the_compile():
     with torch.no_grad():
         for _ in range(2):
             assert torch.equal(compiled(x), reference(x))
+
+
+def test_the_state_moves_through_its_phases_one_way():
+    """Placed, a state is MATERIALIZED; a call points the parameters at the slots (ON_SLOTS)
+    and back (ON_TRUTH); restore ends it (RESTORED).  A move the diagram of
+    ``runtime.phase`` has no arrow for is a bug: it raises PhaseError and points nothing."""
+    from fx_offload import registry
+    from fx_offload.runtime.phase import Phase, PhaseError
+    model, (x,) = models.build("mlp", num_layers=8)
+    reference = copy.deepcopy(model)
+    fx_offload.place(model, "cpu", group_size=2, num_in_group=1, prefetch_step=1)
+    state = registry.state_for_model(model)
+    assert state.phase is Phase.MATERIALIZED and not state.phase.called
+    seen = []
+    model.layers[1].register_forward_hook(lambda *_: seen.append(state.phase))
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    assert seen == [Phase.ON_SLOTS] and state.phase is Phase.ON_TRUTH and state.phase.called
+    fx_offload.restore(model)
+    assert state.phase is Phase.RESTORED
+    state.materialize(hand_over=True)           # a no-op: nothing is allocated again
+    assert state.phase is Phase.RESTORED and state.buffers.masters == {}
+    with pytest.raises(PhaseError, match="cannot move from restored to on slots"):
+        state._point_at(truth=False)
+    with pytest.raises(PhaseError, match="from planned to on truth"):
+        Phase.PLANNED.to(Phase.ON_TRUTH)
+    assert_weights(model, reference)
+

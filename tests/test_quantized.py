@@ -443,15 +443,15 @@ def test_a_call_reads_each_layers_versions_once_however_many_chunks(monkeypatch)
     layer reading them walks every inner tensor.  Inside a call they are read once per layer
     (nothing writes the weights while the graph runs), and a write between calls is still
     taken up: the memo begins afresh with each call."""
-    from fx_offload.runtime.ownership import Ownership
+    from fx_offload.runtime.versions import ParamVersions
     model, x = quantized("int8")
     reference = copy.deepcopy(model)
     other, _ = quantized("int8", seed=3)
     compiled = torch.compile(model, backend="prefetch_offload",
                              options={**OPTIONS, "copy_chunks": 3})
     reads = []
-    real = Ownership._read_versions
-    monkeypatch.setattr(Ownership, "_read_versions",
+    real = ParamVersions.read
+    monkeypatch.setattr(ParamVersions, "read",
                         lambda self, layer: reads.append(layer) or real(self, layer))
     with torch.no_grad():
         assert torch.equal(compiled(x), reference(x))

@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
           f"({kernels.physical_cores()} physical cores), last-level cache "
           f"{_llc_bytes() / 2 ** 20:.0f} MiB, CUDA {torch.cuda.is_available()}, "
           f"weights {args.dtype}, each row's weights span >= {span / GiB:.2f} GiB")
-    print(f"| what | shape | ms median | GB/s | x read |\n| --- | --- | ---: | ---: | ---: |")
+    print("| what | shape | ms median | GB/s | x read |\n| --- | --- | ---: | ---: | ---: |")
     read = _read_rows(read_gib, quick, reps)
     for t in tokens:
         for path in _paths(args.paths, kernels.EXPERT_PATHS + BENCH_PATHS):

@@ -235,6 +235,7 @@ def _weights_report(model: nn.Module) -> Report:
     state = registry.state_for_model(model)
     if state is not None:
         choice = state.choice
+        packed = None if state.buffers is None else state.buffers.compression
         return Report(
             model=choice.model_name, stack=choice.stack.path,
             num_layers=len(choice.stack.modules), layers=choice.layers,
@@ -245,10 +246,10 @@ def _weights_report(model: nn.Module) -> Report:
             layer_bytes=choice.layer_bytes, pinned=state.pinned,
             options=_options_in_force(state), planner=choice.planner,
             circular=choice.schedule.circular, circular_text=state.circular.describe(),
-            call_bytes=state.buffers.call_bytes() if state.buffers else {},
-            compressed_host_bytes=state.buffers.compressed_host_bytes if state.buffers else 0,
-            codec=state.buffers.codec_names() if state.buffers else "",
-            uncompressed_in_file_bytes=state.buffers.in_file_bytes if state.buffers else 0,
+            call_bytes=packed.call_bytes() if packed else {},
+            compressed_host_bytes=packed.compressed_host_bytes if packed else 0,
+            codec=packed.codec_names() if packed else "",
+            uncompressed_in_file_bytes=packed.in_file_bytes if packed else 0,
             copied_bytes_last_call=_copied(state),
             experts=experts_moved(choice, getattr(state, "routed", None)),
             expert_cache=_expert_cache(state),

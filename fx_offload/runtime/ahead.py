@@ -247,33 +247,26 @@ class AheadCopies:
         self.ring, self.held, self.depth = [], [], 0
 
 
-class AheadStarts:
-    """:class:`~.state.OffloadState`'s starts through the ring (a mixin): ``ahead`` is
-    its slot buffers' ring, or None."""
+def copy_chunk(ahead: AheadCopies | None, buffers, refill: int, chunk, copy_stream, fork,
+               done, capturing: bool) -> None:
+    """Begin the copy of ``refill``'s ``chunk`` into its slot: from the ring ``ahead`` where
+    a usable fill holds it, else from the host (``buffers``); the ring then takes its next
+    fill."""
+    i = None if ahead is None else ahead.serves(refill, chunk)
+    hit = i is not None and ahead.copy_into_slot(i, copy_stream, fork, done)
+    if not hit:
+        buffers.begin_copy(refill, chunk, copy_stream, fork, done, capturing)
+    if i is not None:
+        ahead.consumed(i)
 
-    @property
-    def ahead(self) -> AheadCopies | None:
-        return None if self.buffers is None else self.buffers.ahead
 
-    def _copy_chunk(self, refill: int, chunk, fork, done, capturing: bool) -> None:
-        """Begin the copy of ``refill``'s ``chunk`` into its slot: from the ring where a
-        usable fill holds it, else from the host; the ring then takes its next fill."""
-        ahead = self.ahead
-        i = None if ahead is None else ahead.serves(refill, chunk)
-        hit = i is not None and ahead.copy_into_slot(i, self.copy_stream, fork, done)
-        if not hit:
-            self.buffers.begin_copy(refill, chunk, self.copy_stream, fork, done, capturing)
-        if i is not None:
-            ahead.consumed(i)
-
-    def _join_copies(self, capturing: bool) -> None:
-        """The current stream waits for the copies begun in the capture under way
-        (``capturing``), else for those begun outside any; and, in a capture, for the
-        ring's fills recorded in it."""
-        stream = torch.cuda.current_stream(self.device)
-        self.contents.join(stream, captured=capturing)
-        if capturing and self.ahead is not None:
-            self.ahead.join(stream)
+def join_copies(ahead: AheadCopies | None, contents, stream, capturing: bool) -> None:
+    """``stream`` waits for the copies begun in the capture under way (``capturing``), else
+    for those begun outside any (``contents``); and, in a capture, for the ring's fills
+    recorded in it."""
+    contents.join(stream, captured=capturing)
+    if capturing and ahead is not None:
+        ahead.join(stream)
 
 
 def _sequence(choice, buffers) -> list:

@@ -33,7 +33,7 @@ import logging
 import torch
 
 from ..errors import OffloadError
-from ..codecs import ans, codec_for, lossless
+from ..codecs import codec_for, lossless
 from . import record_check
 from .host_memory import HostBlock
 

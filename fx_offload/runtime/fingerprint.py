@@ -1,7 +1,7 @@
 """A cheap test, run as each call begins, that nothing was done to the offloaded parameters
 since the last full look at them.
 
-:meth:`~.ownership.Ownership._take_up_changes` looks at every parameter as a call begins
+:meth:`~.ownership.Ownership.look` looks at every parameter as a call begins
 (new storage, an in-place write, a new object, a new shape): a few function calls each,
 about 6 microseconds a parameter on a slow host.  A 48-layer MoE has over 500 of them, and
 under CUDA graphs the device waits for that host time between decode steps.  Between calls

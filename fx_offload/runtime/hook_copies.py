@@ -1,5 +1,6 @@
-"""The entry refills begun by the model's call hook, outside the compiled graph (a mixin of
-:class:`~.state.OffloadState`).
+"""The entry refills begun by the model's call hook, outside the compiled graph (the state's
+``hook_copies``, built from the choice and the state's slot contents; what it copies with is
+passed to each method).
 
 Where the circular prefetch starts at a call's entry (:mod:`fx_offload.schedule`), each
 slot's first layer ``l_s`` comes back into the slot when the next call begins.  Begun from
@@ -22,84 +23,70 @@ from __future__ import annotations
 
 import torch
 
-from . import slot_check
 from .contents import capturing
 
 
 class HookCopies:
     """Entry refills begun by the call hook."""
 
-    def _init_hook_copies(self, choice) -> None:
-        self._hook_refills = self.schedule.entry_refills() if choice.hook_starts_entry else []
-        self._hook_events: dict[tuple[int, int], tuple] = {}
+    def __init__(self, choice, contents):
+        self.contents, self.layout = contents, choice.layout
+        self.refills = choice.schedule.entry_refills() if choice.hook_starts_entry else []
+        self.events: dict[tuple[int, int], tuple] = {}
         # calls may be CUDA-graph replays: offloaded with reduce-overhead (also a copy
         # offloaded again at its first call, which runs the graph compiled for the original),
         # or set by the compiler when a model placed first gets a reduce-overhead graph
         self.under_cuda_graphs = choice.under_cuda_graphs
-        self.check_slots = slot_check.enabled()     # read once per call (ops.wait_prefetch)
 
-    def _make_hook_events(self) -> None:
+    def make_events(self) -> None:
         """Each hook-begun chunk's (fork, done) events, made once; ``done`` is external."""
-        self._hook_events = {(refill, c.index): (torch.cuda.Event(),
-                                                 torch.cuda.Event(external=True))
-                             for _, refill in self._hook_refills
-                             for c in self.choice.layout[refill]}
+        self.events = {(refill, c.index): (torch.cuda.Event(), torch.cuda.Event(external=True))
+                       for _, refill in self.refills for c in self.layout[refill]}
 
-    def begin_entry_refills(self, tokens: int | None = None) -> None:
+    def begin_call(self, buffers, routed, circular, refill, tokens: int | None) -> None:
         """A call begins (its hook): choose where this call's circular prefetch starts
-        (``"either"``), and begin the entry refills now, so the copy stream works while
-        Dynamo's guards run; the graph's own start finds them begun.  Not inside a capture
-        that takes in the whole call (a user's ``torch.cuda.graph``): there the graph's own
-        start copies, as its replays run only what it recorded."""
-        self.buffers.begin_count()     # a new call: report's copied_bytes_last_call
-        self.check_slots = slot_check.enabled()
+        (``"either"``), and begin the entry refills now (``refill(leaving, refilled)``), so
+        the copy stream works while Dynamo's guards run; the graph's own start finds them
+        begun.  Not inside a capture that takes in the whole call (a user's
+        ``torch.cuda.graph``): there the graph's own start copies, as its replays run only
+        what it recorded."""
+        buffers.begin_count()     # a new call: report's copied_bytes_last_call
         # a capture that raised: its copies never ran, and no wait on their events may be
         # recorded, outside a capture or inside the next (a user's retried capture)
         self.contents.forget_captured()
         if capturing():         # copies an earlier call's hook began are not this call's
-            self._forget_hook_copies()
+            self._forget()
             return
-        self.routed.begin_call(tokens)      # many tokens: routed chunks prefetched whole
-        self.circular.call_begins()
-        for leaving, refill in self._hook_refills:
-            self._hook_refill(leaving, refill)
+        routed.begin_call(tokens)      # many tokens: routed chunks prefetched whole
+        circular.call_begins()
+        for leaving, refilled in self.refills:
+            refill(leaving, refilled)
 
-    def after_take_up(self, root: bool) -> None:
-        """The call's look at what the user changed has run (``root``: a call of the model,
-        not of a layer on its own).  Under CUDA graphs, a hook copy it replaced with a
-        synchronous reload (the layer's weights changed) is begun again, so that a capture
-        in this call still finds one to wait for: every later replay's hook copies outside
-        the graph.  The expert cache may choose anew which experts it keeps; the other
-        chunks of routed layers begin to run ahead (:mod:`.ahead`)."""
-        if self.ahead is not None:
-            self.ahead.begin_call(fill=root and not capturing(), changed=self._changed_since)
-        if root and not capturing():
-            self.routed.between_calls(self._versions)
-        if not (root and self.under_cuda_graphs) or self.copy_stream is None or capturing():
-            return
-        for leaving, refill in self._hook_refills:
-            if refill in self.buffers.compressed:
-                continue        # the hook copies none of it (the graph's own start does)
-            # a routed chunk the hook left to its wait (few experts picked) is not missing:
-            # counting it would copy the rest of the layer again at every call
-            if not all(self.contents.by_hook(refill, c) for c in self.contents.chunks(refill)
-                       if not self.routed.gathers(refill, c)):
-                self._hook_refill(leaving, refill)
+    def missing(self, refill: int, compressed, routed) -> bool:
+        """Under CUDA graphs, after the call's look at what the user changed: the entry
+        refill of ``refill`` was replaced with a synchronous reload (the layer's weights
+        changed), and is to be begun again, so that a capture in this call still finds a
+        hook copy to wait for: every later replay's hook copies outside the graph."""
+        if refill in compressed:
+            return False        # the hook copies none of it (the graph's own start does)
+        # a routed chunk the hook left to its wait (few experts picked) is not missing:
+        # counting it would copy the rest of the layer again at every call
+        return not all(self.contents.by_hook(refill, c) for c in self.contents.chunks(refill)
+                       if not routed.gathers(refill, c))
 
-    def _hook_refill(self, leaving: int, refill: int) -> None:
-        if self.under_cuda_graphs and self.copy_stream is not None:
-            chunks = self.contents.chunks(refill)       # copied whatever the slot holds
-            self.contents.settle_over(refill, chunks, self._wait_for)
-            for c in chunks:
-                self.contents.forget(refill, c)
-            if refill in self.buffers.compressed:
-                # left to the graph: a replay's own compressed copies reuse the staging
-                # buffers without waiting for decodes begun outside it
-                return
-        self.start(leaving, refill, by_hook=True)
+    def settle(self, refill: int, compressed, wait_for) -> bool:
+        """Before the hook copies ``refill`` under CUDA graphs: settle and forget what the
+        slot was known to hold (``wait_for``: a pending copy's wait); False where the copy
+        is left to the graph (a compressed layer: a replay's own compressed copies reuse
+        the staging buffers without waiting for decodes begun outside it)."""
+        chunks = self.contents.chunks(refill)       # copied whatever the slot holds
+        self.contents.settle_over(refill, chunks, wait_for)
+        for c in chunks:
+            self.contents.forget(refill, c)
+        return refill not in compressed
 
-    def _forget_hook_copies(self) -> None:
-        for _, refill in self._hook_refills:
+    def _forget(self) -> None:
+        for _, refill in self.refills:
             for c in self.contents.chunks(refill):
                 if self.contents.by_hook(refill, c):
                     self.contents.forget(refill, c)

@@ -14,6 +14,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .. import dtensor, registry
 from ..errors import GradModeError, OffloadError
+from .phase import Phase
 
 
 def refuse_grad(state, args, layer_call: bool = False) -> None:
@@ -114,12 +115,13 @@ class TruthInStateDict(OurHook):
             if found is None or key not in state_dict:
                 continue
             state, layer = found
-            if not state.swapped_in and not dtensor.is_dtensor(param):
+            if state.phase is not Phase.ON_SLOTS and not dtensor.is_dtensor(param):
                 continue
             for p in state.params[layer]:
                 if p.param is dtensor.local(param):
-                    truth = state.truth_of(layer, p) if state.swapped_in else p.param
-                    state_dict[key] = state.saved_dtensor(p, param, truth) \
+                    truth = state.truth_of(layer, p) if state.phase is Phase.ON_SLOTS \
+                        else p.param
+                    state_dict[key] = state.versions.saved_dtensor(p, param, truth) \
                         if dtensor.is_dtensor(param) else truth
         return state_dict
 
@@ -137,7 +139,7 @@ class LoadTakesTurn(OurHook):
         state = registry.state_for_load(self.token)
         while state is not None:
             state.turns.begin_load(module)
-            if not state.restored:
+            if state.phase is not Phase.RESTORED:
                 state.begin_write(module)   # from inside a call: into the truth (.in_call)
                 return
             # offloaded anew while this waited: the new state's turn (its post-hook, on

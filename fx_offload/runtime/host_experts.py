@@ -42,6 +42,7 @@ from ..errors import OffloadError
 from ..host_compute import kernels
 from ..host_compute.rates import host_rates
 from .contents import capturing
+from .phase import Phase
 
 log = logging.getLogger("fx_offload")
 
@@ -143,7 +144,7 @@ class HostExperts:
         entry = self._layer(layer, chunks)
         tokens, k = x.shape[0], ids.shape[-1] if ids.dim() else 1
         self._k = k
-        if state.restored:
+        if state.phase is Phase.RESTORED:
             return _laid_out_as(x, entry.module(x, ids, gates))
         host = self.mode == "always" or (not capturing() and self._prefers(entry, tokens, k))
         if host and capturing():

@@ -7,53 +7,45 @@ a slot, which the next copy into it overwrites: the weights would be dropped.  I
 parameters point at the truth (their host blocks) while the write runs, as between calls;
 then the slots follow: what they hold of a layer written is loaded again (a layer read later
 in this call computes with the new values, as in a plain model), compressed copies are
-encoded again and cached experts copied again.  A mixin of :class:`~.ownership.Ownership`.
+encoded again and cached experts copied again.  :class:`WritesInCall` is the state's
+``writes``: it keeps which write is in progress and what the counters read before it;
+:meth:`~.state.OffloadState.begin_write` and ``end_write`` point the parameters and reload.
 """
 from __future__ import annotations
 
-import threading
-
-import torch
-
 
 class WritesInCall:
-    """Writes of the true weights from inside this thread's call (a mixin)."""
+    """The write in progress inside this thread's call, if any (``versions``: the state's
+    :class:`~.versions.ParamVersions`)."""
 
-    _writer = None      # the module whose load (or the update) began the write in progress
+    def __init__(self, versions):
+        self.versions = versions
+        self.writer = None      # the module whose load (or the update) began the write
+        self._before: dict[int, tuple] = {}
 
-    def in_own_call(self) -> bool:
-        """This thread's call holds the slots, the parameters pointing at them."""
-        turns = self.turns
-        return self.swapped_in and turns.holder == threading.get_ident() and \
-            turns.kind == "call"
+    def begin(self, writer) -> bool:
+        """``writer`` is about to write the weights: True (the caller points the parameters
+        at the truth) unless another write is in progress."""
+        if self.writer is not None:
+            return False
+        self.writer = writer
+        self._before = {layer: self.versions.of(layer) for layer in self.versions.params}
+        return True
 
-    @torch._dynamo.disable         # from a hook Dynamo traces: run as it is, not traced
-    def begin_write(self, writer) -> None:
-        """``writer`` is about to write the weights: inside this thread's call, point the
-        parameters at the truth until :meth:`end_write` of the same ``writer``."""
-        if self._writer is not None or not self.in_own_call():
-            return                      # between calls, or inside another write
-        self._writer = writer
-        self._before = {layer: self._versions(layer) for layer in self.params}
-        self._point_at(truth=True)
+    def end(self, writer) -> bool:
+        """The write ``writer`` began is done: True (the caller points the parameters at
+        the slots again, then asks :meth:`written`) unless it began none."""
+        if self.writer is not writer or writer is None:
+            return False
+        self.writer = None
+        return True
 
-    @torch._dynamo.disable
-    def end_write(self, writer) -> None:
-        """The write ``writer`` began is done: the parameters point at the slots again, and
-        what the slots hold of layers it changed is loaded anew."""
-        if self._writer is not writer or writer is None:
-            return
-        self._writer = None
-        self._point_at(truth=False)
-        self._call_versions = {}        # the call's memo of the counters: they moved
-        written = {layer for layer, seen in self._before.items()
-                   if self._versions(layer) != seen}
-        if not written:
-            return
-        written |= self.buffers.recompress_changed(self._versions, (), self.synchronize)
-        self.routed.reload_changed(written, self._versions)
-        self._reload_stale(written)
+    def written(self) -> set[int]:
+        """The layers the write that ended changed."""
+        self.versions.memo = {}         # the call's memo of the counters: they moved
+        return {layer for layer, seen in self._before.items()
+                if self.versions.of(layer) != seen}
 
-    def forget_write(self) -> None:
+    def forget(self) -> None:
         """A call begins or ends: a write left unfinished (its load raised) is forgotten."""
-        self._writer = None
+        self.writer = None

@@ -25,7 +25,6 @@ import torch
 
 from ..copy_rules import WHOLE_ABOVE, expected_share
 from . import gather
-from .contents import capturing
 from .expert_cache import ExpertCache
 
 log = logging.getLogger("fx_offload")
@@ -120,6 +119,14 @@ class RoutedExperts:
         else:
             self.gathered.add_(picked * row)
 
+    def gather_into(self, layer: int, chunk, ids: torch.Tensor, contents, wait_for) -> None:
+        """:meth:`gather` into a slot whose ``contents`` say it holds other bytes: copies
+        pending into them are waited for (``wait_for``) first."""
+        contents.settle_over(layer, (chunk,), wait_for)
+        # forgotten first: a gather that fails part-way has overwritten what they held
+        contents.forget(layer, chunk)
+        self.gather(layer, chunk, ids)
+
     def begin_call(self, tokens: int | None) -> None:
         """A call of ``tokens`` tokens begins (outside a CUDA graph): count its gathered
         bytes from zero, and predict from its size whether its routed chunks are to be
@@ -159,21 +166,3 @@ class RoutedExperts:
 
     def _count(self, layer: int, chunk) -> int:
         return self.experts[layer][chunk.suffixes[0]]
-
-
-class RoutedWait:
-    """:class:`~.state.OffloadState`'s wait for a routed chunk (a mixin)."""
-
-    def wait_routed(self, layer: int, chunk: int, ids: torch.Tensor) -> None:
-        """Before ``layer`` reads the rows ``ids`` picks of its expert tensors in ``chunk``:
-        the slot holds the chunk whole (waited for), or the picked rows (copied now)."""
-        c = self.contents.chunks(layer, chunk)[0]
-        gathers = self.routed.observe(layer, c, ids)
-        if self.restored or self.contents.held_for(layer, c, capturing()):
-            return self.wait(layer, chunk)
-        if not gathers:
-            return self._load_now(layer, c)
-        self.contents.settle_over(layer, (c,), self._wait_for)
-        # forgotten first: a gather that fails part-way has overwritten what they held
-        self.contents.forget(layer, c)
-        self.routed.gather(layer, c, ids)

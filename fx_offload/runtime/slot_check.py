@@ -25,6 +25,7 @@ import torch
 
 from ..errors import OffloadError
 from .contents import capturing
+from .phase import Phase
 
 log = logging.getLogger("fx_offload")
 
@@ -44,7 +45,8 @@ def after_wait(state, layer: int, chunk: int, ids: torch.Tensor | None = None) -
     """``layer``'s ``chunk`` (-1: all of them) was just waited for: compare each of its
     tensors in the slot with its host copy (for a routed chunk not held whole, the rows
     ``ids`` picked).  Raises :class:`SlotCheckError` naming what differs."""
-    if getattr(state, "restored", True) or state.buffers is None or capturing():
+    if getattr(state, "phase", Phase.RESTORED) is Phase.RESTORED or state.buffers is None \
+            or capturing():
         return                          # restored, or a stand-in (fx_offload.registry)
     buffers, held = state.buffers, state.contents.slot(layer)
     for c in state.contents.chunks(layer, chunk):
@@ -56,7 +58,8 @@ def after_wait(state, layer: int, chunk: int, ids: torch.Tensor | None = None) -
                          for key in p.parts())]
         if wrong:
             state.contents.forget(layer, c)     # reloaded at its next wait
-            state.buffers.raise_if_corrupt()    # not a bug: its record was found corrupt
+            # not a bug: its record was found corrupt
+            state.buffers.compression.raise_if_corrupt()
             raise SlotCheckError(
                 f"{ENV}: the slot of layer {layer} of {state.model_name} held other bytes than "
                 f"the host copy of {', '.join(wrong)} (chunk {c.index}) when the layer was "

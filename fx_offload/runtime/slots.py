@@ -28,18 +28,17 @@ import os
 
 import torch
 
-from . import file_backed
 from .ahead import AheadCopies
-from .compressed import StagedCopies
 from .compressed_layers import CompressedLayers
 from .host_memory import HostBlock, align_for, layout_of, views_into
-from .new_values import NewValues
+from .new_values import taken
 
 log = logging.getLogger("fx_offload")
 
 
-class SlotBuffers(NewValues, CompressedLayers):
-    """Masters and slots for a :class:`~fx_offload.selection.Choice`."""
+class SlotBuffers:
+    """Masters and slots for a :class:`~fx_offload.selection.Choice`; its compressed copies
+    are ``compression`` (:class:`~.compressed_layers.CompressedLayers`)."""
 
     # One copy per chunk from a packed host block into its slot, not one per parameter (the
     # measurement that chose it: docs/notes/2026-11-22-dense-decoder-grid.md).
@@ -64,45 +63,51 @@ class SlotBuffers(NewValues, CompressedLayers):
         self.views = {layer: views_into(self.flat[slot_of[layer]], layouts[layer][0])
                       for layer in self.params}
         self.masters: dict[int, dict[str, torch.Tensor]] = {}
-        self.compressed: dict = {}          # layer -> CompressedBlock (compressed_layers)
         self.layout, self.model_name = choice.layout, choice.model_name
         self.compress = choice.compress == "lossless" and self.packed
-        self.experts = choice.experts
-        # compressed layers' uncompressed weights: in files there (runtime.file_backed),
-        # looked up when the first layer could go
-        self.raw_folder = file_backed.LATER if self.compress else None
-        self.uncompressed_weights = choice.uncompressed_weights
+        self.compression = CompressedLayers(choice, self._blocks, self.align, self.compress)
         self.ahead = AheadCopies.make(choice, self)     # before any parameter is handed over
         for layer, ps in self.params.items():
             self.masters[layer] = self._make_masters(layer, ps, fill)
             if self.compress:
-                self._compress(layer, ps)
+                self.compression.compress(layer, ps)
                 self._place_raw(layer)
             if hand_over is not None:
                 hand_over(layer, self.masters[layer])
-        if self.compress and not any(c.meta for c in self.compressed.values()):
-            kinds = sorted({str(t.dtype).replace("torch.", "") for ps in self.params.values()
-                            for p in ps for t in p.parts().values()})
-            log.warning("fx_offload: compress='lossless' compresses bfloat16 weights only; the "
-                        "offloaded weights of %s are %s: copied as they are", self.model_name,
-                        ", ".join(kinds))
-        # on a GPU: staging buffers for the prefetches (copy and decode streams) and one for
-        # synchronous loads (copy and decode on the compute stream, in order)
-        most = max((c.staging_nbytes for c in self.compressed.values()), default=0)
-        on_gpu = most and self.device.type == "cuda"
-        self.staging = torch.empty(most, dtype=torch.uint8, device=self.device) \
-            if on_gpu else None
-        self.staged = StagedCopies(self.device, most) if on_gpu else None
-        self.corrupt: torch.Tensor | None = None    # the device checks' flags (on a GPU)
-        if on_gpu:
-            self._give_flags()
-        self.captured = False       # a CUDA graph captured a copy: record sizes are fixed
-        self.encoded_at: dict[int, tuple] = {}  # layer -> its parameters' versions encoded
+        self.staging, self.staged = self.compression.made()     # (None on the CPU)
         self.copied = 0             # bytes copied across the link since the latest call began,
         # by copies the host ran; those recorded in a CUDA graph count here instead, on the
         # device, as each replay runs them (made here: not in a capture's memory pool)
         self.replayed = torch.zeros((), dtype=torch.int64, device=self.device) \
             if self.device.type == "cuda" else None
+
+    @property
+    def compressed(self) -> dict:
+        """Layer -> its :class:`~.compressed.CompressedBlock` (compressed layers only)."""
+        return self.compression.compressed
+
+    @torch.inference_mode(False)    # masters outlive the call that takes them up
+    @torch.no_grad()
+    def take_values(self, layer: int, values: dict[str, torch.Tensor]) -> None:
+        """``values`` (key in the host block -> a tensor holding it, none of them viewing
+        this layer's masters) are ``layer``'s true values from now on (:mod:`.new_values`);
+        ``masters[layer]`` may then be a new dict of tensors."""
+        old = self._blocks.get(layer)
+        self.masters[layer], block = taken(
+            self.masters[layer], old, values,
+            pin=self.device.type != "cpu" and not self.compress, align=self.align)
+        if block is old:
+            return
+        self._blocks[layer] = block
+        if not self.compress:
+            self.pinned = block.pinned
+        elif layer in self.compressed:
+            self._place_raw(layer)      # into a file, or page-locked, as the first one was
+
+    def _place_raw(self, layer: int) -> None:
+        placed = self.compression.place_raw(layer)
+        if placed is not None:
+            self.masters[layer], self.pinned = placed
 
     def begin_count(self) -> None:
         """A call begins: count its copies from zero (in a capture that takes in the whole
@@ -171,7 +176,7 @@ class SlotBuffers(NewValues, CompressedLayers):
         on the compute stream after the last read of the bytes it overwrites) is reached;
         ``done`` is recorded when the chunk is in its slot.  A compressed chunk: its record,
         then its decode on the decode stream (:class:`.compressed.StagedCopies`)."""
-        self.captured = self.captured or capturing
+        self.compression.captured = self.compression.captured or capturing
         packed = self.compressed.get(layer)
         if self.staged is not None and packed is not None and packed.holds(chunk):
             flat = self.flat[self.schedule.slot_of[layer]]
@@ -200,17 +205,10 @@ class SlotBuffers(NewValues, CompressedLayers):
         :class:`~fx_offload.layout.Chunk`, or all of them.  A compressed chunk is copied and
         decoded on this stream, through the synchronous loads' staging buffer on a GPU."""
         block = self._blocks.get(layer)
-        packed = self.compressed.get(layer)
-        if packed is not None:
-            flat = self.flat[self.schedule.slot_of[layer]]
-            staging = self.staging
-            for c in (self.layout[layer] if chunk is None else (chunk,)):
-                self.count_copied(self.chunk_nbytes(layer, c))
-                if packed.holds(c):
-                    packed.copy_in(c, flat[c.start:c.end], staging, non_blocking)
-                else:
-                    flat[c.start:c.end].copy_(block.buffer[c.start:c.end],
-                                              non_blocking=non_blocking)
+        if layer in self.compressed:
+            chunks = self.layout[layer] if chunk is None else (chunk,)
+            self.compression.copy_in(layer, chunks, self.flat[self.schedule.slot_of[layer]],
+                                     self.staging, self.count_copied, non_blocking)
             return
         if self.packed and block is not None:       # one copy per chunk
             start, end = (0, block.nbytes) if chunk is None else (chunk.start, chunk.end)
@@ -234,9 +232,7 @@ class SlotBuffers(NewValues, CompressedLayers):
             self.ahead = None
         for block in self._blocks.values():
             block.release()
-        for packed in self.compressed.values():
-            packed.release()
-        self.compressed = {}
+        self.compression.release()
         self._blocks, self.flat, self.views, self.masters = {}, [], {}, {}
 
 

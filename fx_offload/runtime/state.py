@@ -32,35 +32,57 @@ fork (event wait) pulls the copy into the capture; ``join`` ends a captured forw
 copies that were forked during the capture (and, for a model compiled for CUDA graphs, an
 eager call too).  The call hook's entry refills (:mod:`.hook_copies`) run outside any
 capture, on external events a capture can wait for.
+
+The state is composed, not inherited: it runs a call's steps in one order (:meth:`enter`,
+:meth:`leave`) and forwards the ops, over parts each built from what it needs (the choice,
+the parameters, the slot contents) and handed the rest as arguments, never reaching back
+into the state: ``versions`` (:mod:`.versions`), ``ownership`` (:mod:`.ownership`),
+``writes`` (:mod:`.in_call`), ``hook_copies`` (:mod:`.hook_copies`), ``copies``
+(:mod:`.copies`), ``turns`` (:mod:`.turns`); once materialized, ``buffers``
+(:mod:`.slots`) and ``routed`` (:mod:`.routed`).  Where it is in its life is one value,
+``phase`` (:mod:`.phase`: planned, materialized, on slots, on truth, restored), and each
+move is checked.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import logging
+import sys
+import threading
 import weakref
 
 import torch
 from torch import nn
 
 from .. import layout, registry
-from ..schedule import Schedule
-from . import expert_cache, hooks
-from .ahead import AheadStarts
+from . import expert_cache, hooks, slot_check
 from .circular import CircularStart
-from .contents import Pending, SlotContents, landed
+from .copies import SlotCopies
+from .contents import SlotContents
 from .contents import capturing as _capturing
 from .hook_copies import HookCopies
-from .ownership import Ownership, ShapeChanged
-from .routed import RoutedExperts, RoutedWait
+from .in_call import WritesInCall
+from .interrupts import GUARD
+from .ownership import Hold, Ownership, Restored, ShapeChanged, weak_callbacks
+from .phase import Phase
+from .routed import RoutedExperts
 from .slots import SlotBuffers
+from .turns import Turns
+from .versions import ParamVersions
 
 log = logging.getLogger("fx_offload")
 
 
-class OffloadState(Ownership, RoutedWait, HookCopies, AheadStarts):
+class OffloadState:
     """The slots of one model compiled with the backend, driven by the ops.  Built from a
-    :class:`~fx_offload.selection.Choice`; it reads no option."""
+    :class:`~fx_offload.selection.Choice`; it reads no option.  Its parts, each built from
+    what it needs: ``versions`` (:class:`~.versions.ParamVersions`), ``writes``
+    (:class:`~.in_call.WritesInCall`), ``ownership`` (:class:`~.ownership.Ownership`),
+    ``hook_copies`` (:class:`~.hook_copies.HookCopies`), ``contents``, ``circular``,
+    ``turns``; once materialized ``buffers`` (:class:`~.slots.SlotBuffers`, whose ring is
+    ``ahead``) and ``routed`` (:class:`~.routed.RoutedExperts`).  The state runs the steps
+    of a call (:meth:`enter`, :meth:`leave`) and the ops' waits and starts over them."""
 
     compiled_with = None    # the options of the latest compile (compiler), for report()
 
@@ -76,13 +98,18 @@ class OffloadState(Ownership, RoutedWait, HookCopies, AheadStarts):
         self.num_slots = self.schedule.num_slots
         self.buffers: SlotBuffers | None = None
         self.contents = SlotContents(choice.layout, self.schedule.slot_of, self.num_slots)
-        self._events: dict[tuple[int, int], tuple] = {}   # (layer, chunk) -> (fork, done)
-        self.copy_stream, self.materialized, self.restored, self.hooks = None, False, False, []
-        self.stats = {"prefetches": 0, "sync_loads": 0}
+        self.phase, self.hooks = Phase.PLANNED, []   # (.phase: the moves it may make)
+        self.check_slots = slot_check.enabled()     # read once per call (ops.wait_prefetch)
+        self.versions = ParamVersions(self.params)
+        self.writes = WritesInCall(self.versions)
+        self.ownership = Ownership(self.params, self.stack, self.model_ref, self.versions)
         # the refills the call hook begins, worked out once rather than on every call
-        self._init_hook_copies(choice)
+        self.hook_copies = HookCopies(choice, self.contents)
         self.circular = CircularStart(self.schedule.circular, self.model_name)
-        self._init_ownership()
+        self.copies = SlotCopies(choice, self.contents, self.versions, self.circular,
+                                 self.hook_copies)
+        self.turns = Turns(self.model_name, *weak_callbacks(self))
+        self._root_call = False             # the call in progress is the model's
 
     # ---- bookkeeping -------------------------------------------------------------------
     @property
@@ -98,6 +125,29 @@ class OffloadState(Ownership, RoutedWait, HookCopies, AheadStarts):
         """Layer -> parameter name inside the layer -> its true value (host)."""
         return {} if self.buffers is None else self.buffers.masters
 
+    @property
+    def ahead(self):
+        """The ring of :mod:`.ahead` of the slot buffers, or None."""
+        return self.copies.ahead
+
+    @property
+    def copy_stream(self):
+        return self.copies.copy_stream
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Refills begun (``prefetches``) and synchronous loads since materialized."""
+        return self.copies.stats
+
+    @property
+    def holder(self) -> int | None:
+        """The thread whose call holds the slots, if any."""
+        return self.turns.holder
+
+    def truth_of(self, layer: int, p) -> torch.Tensor:
+        """The true value of ``layer``'s offloaded parameter ``p``: its host block's."""
+        return p.value_in(self.buffers.masters[layer])
+
     # ---- setup and teardown ------------------------------------------------------------
     @torch.inference_mode(False)    # host blocks and slots outlive the call that made them
     def materialize(self, hand_over: bool, fill=None, placed=None) -> None:
@@ -112,7 +162,7 @@ class OffloadState(Ownership, RoutedWait, HookCopies, AheadStarts):
         ``fill(layer, views)`` (``place`` from a checkpoint) writes the values instead; a
         parameter on the meta device is then replaced by one holding its block's view.
         ``placed(layer, masters)``: told as each layer's block is filled (progress)."""
-        if self.materialized:
+        if self.phase is not Phase.PLANNED:
             return
         take = functools.partial(_hold_masters, self.params, placed)
         handover = {p.name: (p.ptrs(), p.versions()) for ps in self.params.values() for p in ps}
@@ -120,47 +170,35 @@ class OffloadState(Ownership, RoutedWait, HookCopies, AheadStarts):
         cache = expert_cache.make(self.choice)     # before anything touches a parameter
         buffers = SlotBuffers(self.choice, take if hand_over else None, fill)
         self.routed = RoutedExperts(self.choice, buffers, cache)
-        if self.device.type == "cuda":
-            self.copy_stream = torch.cuda.Stream(self.device)
-            # made once: no event is created on the forward path
-            self._events = {(layer, c.index): (torch.cuda.Event(), torch.cuda.Event())
-                            for layer in self.layers for c in self.choice.layout[layer]}
-            self._make_hook_events()
+        self.copies.bind(buffers, self.routed)
         self.buffers = buffers
         _make_twins(self.params, buffers.masters)
-        self._handover = {p.name: handover[p.name] for layer, ps in self.params.items()
-                          for p in ps if not hand_over and
-                          handover[p.name][0] != p.ptrs_in(buffers.masters[layer])}
+        self.ownership.handover = {
+            p.name: handover[p.name] for layer, ps in self.params.items() for p in ps
+            if not hand_over and handover[p.name][0] != p.ptrs_in(buffers.masters[layer])}
         if hand_over:
-            self.rewrap()
-        buffers.encoded_at = {layer: self._versions(layer) for layer in buffers.compressed}
+            self.versions.rewrap()
+        buffers.compression.encoded_at = {layer: self.versions.of(layer)
+                                          for layer in buffers.compressed}
         for layer in self.schedule.first_fill():
-            self._load_now(layer)
-        self.stats = {"prefetches": 0, "sync_loads": 0}
+            self.copies.load_now(layer)
+        self.copies.stats = {"prefetches": 0, "sync_loads": 0}
         registry.register(self, self.model_ref())
-        self.materialized = True
+        self.phase = self.phase.to(Phase.MATERIALIZED, self.model_name)
 
     def restore(self) -> bool:
         """Return every offloaded weight to the device, bitwise, and detach; False where
         another thread's restore, or an offload anew, dropped this state first."""
         with self.holding_slots():
-            if self.restored:
+            if self.phase is Phase.RESTORED:
                 return False
             self.synchronize()
             with contextlib.suppress(ShapeChanged):     # the user's new values stay
                 self._take_up_changes(restoring=True)
-            if self.swapped_in:
+            if self.phase is Phase.ON_SLOTS:
                 self._point_at(truth=True)
-            with torch.no_grad():
-                for layer, ps in self.params.items():
-                    for p in ps:
-                        current = p.current()
-                        if p.fits(current, self.masters[layer]) and \
-                                p.ptrs(current) == p.ptrs_in(self.masters[layer]):
-                            for t in p.parts(current).values():     # the CPU: itself
-                                t.data = t.data.to(self.device)
-            self.rewrap()
-            self.swapped_in = False
+            _to_device(self.params, self.masters, self.device)
+            self.versions.rewrap()
             self.detach()
         return True
 
@@ -174,7 +212,7 @@ class OffloadState(Ownership, RoutedWait, HookCopies, AheadStarts):
         if self.buffers is not None:
             self.buffers.release()
             self.routed.release()
-        self.restored = True
+        self.phase = self.phase.to(Phase.RESTORED, self.model_name)
         registry.unregister(self, self.model_ref())
 
     def synchronize(self) -> None:
@@ -183,81 +221,205 @@ class OffloadState(Ownership, RoutedWait, HookCopies, AheadStarts):
             self.copy_stream.synchronize()
             self.buffers.synchronize()      # decodes and the ring (with the copy stream)
 
-    # ---- the operations the graph calls ------------------------------------------------
+    # ---- a call, step by step ----------------------------------------------------------
+    def enter(self, root: bool, tokens: int | None = None) -> None:
+        """A call of the model (``root``) or of one offloaded layer on its own begins: wait
+        for another thread's call to end, take up what changed, point the parameters at
+        their slots.  Raises :class:`ShapeChanged` where the slots no longer fit."""
+        if self.phase is Phase.RESTORED:
+            return
+        turns, me = self.turns, threading.get_ident()
+        if root:
+            turns.interrupted = None     # a new call: an interrupt reached its caller
+        if turns.holder == me and turns.kind == "call":
+            if not root:
+                turns.depth += 1         # a layer inside this thread's call
+                return
+            # This thread is still in a call: a BaseException raised by code (Ctrl-C's
+            # signal ends the call at once, .interrupts) skipped the hooks that end one
+            # (they run on Exception only).  The weights are intact; start afresh.
+            registry.end_call(self)
+        elif turns.holder == me:
+            turns.give_back()            # a load's hold that its post-hook did not end
+        GUARD.arm(self._end_interrupted_call)
+        try:
+            if turns.holder != me:
+                turns.take("call")
+            if self.phase is Phase.RESTORED:    # restored while this call waited:
+                raise Restored                  # a plain model
+            with GUARD.holding():        # Ctrl-C waits until the parameters are pointed
+                self.versions.memo = {}
+                self._root_call = root
+                if root:    # first: the copy stream works while the rest runs; a layer
+                    self.begin_entry_refills(tokens)   # changed: reloaded when taken up
+                self.writes.forget()
+                self._take_up_changes()
+                self._after_take_up(root)
+                if self.buffers is not None:    # a record a copy found corrupt, unless
+                    self.buffers.compression.raise_if_corrupt()     # new weights encoded it anew
+                self._point_at(truth=False)
+                registry.begin_call(self)
+                turns.depth = 1
+        except BaseException as error:
+            self.versions.memo = None
+            turns.give_back()
+            GUARD.disarm(self._end_interrupted_call)
+            if not isinstance(error, Restored):
+                raise
+
+    def begin_entry_refills(self, tokens: int | None = None) -> None:
+        """A call begins (its hook): :meth:`.HookCopies.begin_call`."""
+        self.check_slots = slot_check.enabled()
+        self.hook_copies.begin_call(self.buffers, self.routed, self.circular,
+                                    self.copies.hook_refill, tokens)
+
+    def _take_up_changes(self, restoring: bool = False) -> None:
+        """What the user did to the offloaded parameters since the last call
+        (:meth:`.Ownership.look`): a slot holding a layer changed is reloaded, and (unless
+        ``restoring``) its compressed copy encoded again and its cached experts copied."""
+        found = self.ownership.look(self.buffers, self.synchronize,
+                                    functools.partial(registry.replace_param, self), restoring)
+        if found is None:
+            return
+        moved, stale = found
+        if not restoring:   # compressed copies, cached experts follow (a restore drops them)
+            stale |= self.buffers.compression.recompress_changed(self.versions.of, moved,
+                                                                 self.synchronize)
+            self.routed.reload_changed(stale, self.versions.of)
+        self.versions.reload_stale(stale, self.contents, self.copies.load_now)
+        self.ownership.looked(stale)
+
+    def _after_take_up(self, root: bool) -> None:
+        """The call's look at what the user changed has run (``root``: a call of the model,
+        not of a layer on its own).  The other chunks of routed layers begin to run ahead
+        (:mod:`.ahead`); the expert cache may choose anew which experts it keeps; under CUDA
+        graphs, an entry refill the look replaced with a synchronous reload is begun again
+        (:meth:`.HookCopies.missing`)."""
+        capturing = _capturing()
+        if self.ahead is not None:
+            self.ahead.begin_call(fill=root and not capturing,
+                                  changed=self.versions.changed_since)
+        if root and not capturing:
+            self.routed.between_calls(self.versions.of)
+        if not (root and self.hook_copies.under_cuda_graphs) or self.copy_stream is None \
+                or capturing:
+            return
+        for leaving, refill in self.hook_copies.refills:
+            if self.hook_copies.missing(refill, self.buffers.compressed, self.routed):
+                self.copies.hook_refill(leaving, refill)
+
+    def leave(self) -> None:
+        """The call that :meth:`enter` began has ended (or raised): the parameters point at
+        the truth again, and another thread may call."""
+        turns = self.turns
+        if turns.holder != threading.get_ident() or turns.kind != "call":
+            return                       # an enter that failed, or another thread's call
+        turns.depth -= 1
+        if turns.depth > 0:
+            return
+        with GUARD.holding():            # Ctrl-C waits until the parameters are back
+            try:
+                self.writes.forget()
+                self._point_at(truth=True)
+                if self._root_call and self.ahead is not None and not _capturing():
+                    self.ahead.end_call(self.versions.of)   # crosses while the host works
+            finally:
+                self.versions.memo = None
+                registry.end_call(self)
+                turns.give_back()
+                GUARD.disarm(self._end_interrupted_call)
+
+    def _end_interrupted_call(self) -> None:
+        """Ctrl-C stopped this thread's call (:mod:`.interrupts`): end it as the hook that
+        torch skips would have."""
+        if self.turns.holder == threading.get_ident() and self.turns.kind == "call":
+            self.turns.note_interrupted()
+            self.turns.depth = 1
+            self.leave()
+
+    def _end_left_call(self) -> None:
+        """A hold left behind (:mod:`.turns`) ends: the parameters on the truth again."""
+        self.versions.memo = None
+        if self.phase is Phase.ON_SLOTS:
+            self._point_at(truth=True)
+
+    def _point_at(self, truth: bool) -> None:
+        """The parameters point at their host blocks (``truth``) or their slots."""
+        after = self.phase.to(Phase.ON_TRUTH if truth else Phase.ON_SLOTS, self.model_name)
+        self.ownership.point_at(self.buffers, truth)    # (a move refused: nothing pointed)
+        self.phase = after
+
+    def settle(self) -> None:
+        """Outside a call: parameters still holding the storage the truth was copied from
+        (the first call's) let it go and hold the truth."""
+        if self.ownership.handover and self.phase is not Phase.ON_SLOTS and \
+                self.turns.holder is None:
+            with self.holding_slots():
+                self._take_up_changes()
+
+    def holding_slots(self):
+        """Hold the slots as a call does (for restore), unless this thread is in a call."""
+        return Hold(self.turns, sys._getframe(1).f_code)    # the hold lasts while that runs
+
+    # ---- writes of the weights inside a call (.in_call) --------------------------------
+    def in_own_call(self) -> bool:
+        """This thread's call holds the slots, the parameters pointing at them."""
+        turns = self.turns
+        return self.phase is Phase.ON_SLOTS and turns.holder == threading.get_ident() and \
+            turns.kind == "call"
+
+    @torch._dynamo.disable         # from a hook Dynamo traces: run as it is, not traced
+    def begin_write(self, writer) -> None:
+        """``writer`` is about to write the weights: inside this thread's call, point the
+        parameters at the truth until :meth:`end_write` of the same ``writer``."""
+        if self.in_own_call() and self.writes.begin(writer):
+            self._point_at(truth=True)
+
+    @torch._dynamo.disable
+    def end_write(self, writer) -> None:
+        """The write ``writer`` began is done: the parameters point at the slots again, and
+        what the slots hold of layers it changed is loaded anew."""
+        if not self.writes.end(writer):
+            return
+        self._point_at(truth=False)
+        written = self.writes.written()
+        if not written:
+            return
+        written |= self.buffers.compression.recompress_changed(self.versions.of, (),
+                                                               self.synchronize)
+        self.routed.reload_changed(written, self.versions.of)
+        self.versions.reload_stale(written, self.contents, self.copies.load_now)
+
+    # ---- the operations the graph calls (.copies) ------------------------------------
     def wait(self, layer: int, chunk: int = -1) -> None:
         """Before ``layer`` reads ``chunk``'s weights (-1: all): make sure its slot holds them."""
-        if self.restored:
-            return
-        held = self.contents.slot(layer)
-        for c in self.contents.chunks(layer, chunk):
-            key = (layer, c.index)
-            if key not in held:
-                self._load_now(layer, c)
-            elif held[key] is not None:
-                self._wait_for(held[key])
-                held[key] = landed(held[key].in_capture)
+        if self.phase is not Phase.RESTORED:
+            self.copies.wait(layer, chunk)
 
-    def start(self, layer: int, refill: int, chunk: int = -1, by_hook: bool = False) -> None:
-        """``layer`` has read the last of what ``refill``'s ``chunk`` (-1: all of them)
-        overwrites in their slot: copy it in asynchronously (``by_hook``: the call hook's
-        entry refills, begun outside the graph)."""
-        if self.restored:
-            return
-        held, capturing = self.contents.slot(refill), _capturing()
-        at_end = chunk >= 0 and Schedule.wraps(layer, refill)   # an entry start's chunk: -1
-        if at_end and not self.circular.copies_at_end(capturing):
-            return          # left to the next call's entry start (fx_offload.schedule)
-        for c in self.contents.chunks(refill, chunk):
-            # not overwritten since (a capture copies: its replays cannot know), or begun
-            # by this call's hook, for which a capture waits (an external event)
-            if (refill, c.index) in held and (not capturing or self.contents.by_hook(refill, c)):
-                continue
-            if self.routed.skips(refill, c, self.contents):
-                continue    # a routed chunk: its wait_routed copies what the router picks
-            if c.index == 0:
-                self.stats["prefetches"] += 1       # refills begun, whole or in chunks
-            self._copied[(refill, c.index)] = self._versions(refill)
-            self.contents.forget(refill, c)     # until recorded: cut short, it names nothing
-            if self.copy_stream is None:
-                self.buffers.copy_in(refill, c)
-                self.contents.fill(refill, c, None)
-                continue
-            fork, done = (self._hook_events if by_hook else self._events)[(refill, c.index)]
-            fork.record(torch.cuda.current_stream(self.device))     # made once, recorded again
-            self._copy_chunk(refill, c, fork, done, capturing)     # from the ring or the host
-            self.contents.fill(refill, c, Pending(done, capturing, by_hook))
-            if at_end:
-                self.circular.began_at_end(done)
+    def wait_routed(self, layer: int, chunk: int, ids: torch.Tensor) -> None:
+        """Before ``layer`` reads the rows ``ids`` picks of its expert tensors in ``chunk``."""
+        self.copies.wait_routed(layer, chunk, ids, self.phase is Phase.RESTORED)
+
+    def start(self, layer: int, refill: int, chunk: int = -1) -> None:
+        """``layer`` has read the last of what ``refill``'s ``chunk`` overwrites."""
+        if self.phase is not Phase.RESTORED:
+            self.copies.start(layer, refill, chunk)
 
     def join(self) -> None:
-        """End of a forward: inside a CUDA-graph capture, join every copy forked during it.
-        Also in an eager call of a model compiled for CUDA graphs (a warm-up, a shape not
-        captured yet): a replay that comes next reads each slot's first layer as its capture
-        found it, without a wait for this call's copy of it (the circular prefetch at the
-        end), so the call ends as a replay does, its copies landed.  Elsewhere they run on."""
-        if self.copy_stream is None:
-            return
-        if (capturing := _capturing()) or self.under_cuda_graphs:
-            self._join_copies(capturing)
+        """End of a forward (:meth:`.SlotCopies.join`)."""
+        self.copies.join()
 
-    def _wait_for(self, pending: Pending) -> None:
-        # A copy recorded before a capture began was completed by the synchronization that
-        # starts every capture (a wait on it inside is refused); no event: it landed there.
-        if pending.event is not None and (pending.in_capture or pending.by_hook or
-                                          not _capturing()):
-            torch.cuda.current_stream(self.device).wait_event(pending.event)
 
-    def _load_now(self, layer: int, chunk=None) -> None:
-        """Stream-ordered load of ``layer``'s ``chunk`` (None: all) into its slot."""
-        chunks = self.contents.chunks(layer) if chunk is None else (chunk,)
-        self.contents.settle_over(layer, chunks, self._wait_for)
-        for c in chunks:
-            self.contents.forget(layer, c)          # (as in start)
-            self.buffers.copy_in(layer, c, non_blocking=self.copy_stream is not None)
-            self.contents.fill(layer, c, landed(_capturing()))
-            self._copied[(layer, c.index)] = self._versions(layer)
-        self.stats["sync_loads"] += 1
-        log.debug("fx_offload: loaded layer %d (chunk %s) synchronously", layer, chunk)
+def _to_device(params, masters, device) -> None:
+    """The parameters holding their true values (host blocks) hold them on ``device``."""
+    with torch.no_grad():
+        for layer, ps in params.items():
+            for p in ps:
+                current = p.current()
+                if p.fits(current, masters[layer]) and \
+                        p.ptrs(current) == p.ptrs_in(masters[layer]):
+                    for t in p.parts(current).values():     # the CPU: itself
+                        t.data = t.data.to(device)
 
 
 def _make_twins(params, masters) -> None:

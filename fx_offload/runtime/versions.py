@@ -1,8 +1,9 @@
 """What the offloaded parameters' version counters say: autograd moves a tensor's counter at
 every in-place write, so a layer whose counters moved since its copy holds stale bytes in
 its slot (reloaded as a call begins), and a fill of the ring of :mod:`.ahead` begun before
-is not used.  A mixin of :class:`~.ownership.Ownership`, which sets ``_call_versions`` (the
-memo of one call), ``_dtensor_params``, ``_saved``, ``_copied`` and ``_taken_up``."""
+is not used.  :class:`ParamVersions` is the state's ``versions``: built from the offloaded
+parameters alone, it keeps the memo of one call, what each chunk in a slot was copied at,
+and the layers whose values the latest look at the user's changes copied in."""
 from __future__ import annotations
 
 import logging
@@ -13,35 +14,53 @@ log = logging.getLogger("fx_offload")
 
 
 class ParamVersions:
-    """The version counters of each offloaded layer's parameters (a mixin)."""
+    """The version counters of each offloaded layer's parameters (``params``: layer -> its
+    ``OffloadedParam`` list)."""
 
-    def _versions(self, layer: int) -> tuple:
+    def __init__(self, params: dict):
+        self.params = params
+        self.memo: dict[int, tuple] | None = None   # during a call: of()'s, read once
+        # (layer, chunk) -> the layer's parameters' versions when that chunk was copied: a
+        # slot may hold chunks of one layer copied at different times (a refill skips those
+        # it holds), so each is checked on its own
+        self.copied: dict[tuple[int, int], tuple] = {}
+        self.taken_up: set[int] = set()     # layers whose values the latest look copied in
+        self._dtensor_params: list | None = None  # (owner, attr) of DTensor parameters
+        self._saved: dict = {}  # name -> the DTensor state_dict gives for it (versions)
+
+    def of(self, layer: int) -> tuple:
         """The version counters of ``layer``'s parameters.  Inside a call they are read once
         (each start and load of a chunk records them: for a quantized layer that is a walk
         of every inner tensor): nothing writes the parameters while the graph runs, and a
         call's look at what the user changed begins the memo afresh."""
-        if (memo := self._call_versions) is None:
-            return self._read_versions(layer)
+        if (memo := self.memo) is None:
+            return self.read(layer)
         if layer not in memo:
-            memo[layer] = self._read_versions(layer)
+            memo[layer] = self.read(layer)
         return memo[layer]
 
-    def _reload_stale(self, layers: set[int]) -> None:
-        """Reload what a slot holds of a layer changed since its copy (or in ``layers``);
-        chunks overwritten since are forgotten: copied afresh anyway."""
-        self._copied = {k: v for k, v in self._copied.items() if k in self.contents.slot(k[0])}
-        for (layer, index), seen in list(self._copied.items()):
-            if layer in layers or seen != self._versions(layer):
+    def note_copy(self, layer: int, index: int) -> None:
+        """``layer``'s chunk ``index`` was copied into its slot now."""
+        self.copied[(layer, index)] = self.of(layer)
+
+    def reload_stale(self, layers: set[int], contents, load) -> None:
+        """``load(layer, chunk)`` what a slot holds (``contents``) of a layer changed since
+        its copy (or in ``layers``); chunks overwritten since are forgotten: copied afresh
+        anyway."""
+        self.copied = {k: v for k, v in self.copied.items() if k in contents.slot(k[0])}
+        for (layer, index), seen in list(self.copied.items()):
+            if layer in layers or seen != self.of(layer):
                 log.debug("fx_offload: layer %d changed since its chunk %d was copied; "
                           "reloading it", layer, index)
-                self._load_now(layer, self.contents.chunks(layer, index)[0])
+                load(layer, contents.chunks(layer, index)[0])
 
-    def _changed_since(self, layer: int, versions) -> bool:
+    def changed_since(self, layer: int, versions) -> bool:
         """``layer``'s weights changed since its version counters read ``versions`` (or
         the call's look copied new values into its host block)."""
-        return layer in self._taken_up or versions != self._versions(layer)
+        return layer in self.taken_up or versions != self.of(layer)
 
-    def _read_versions(self, layer: int) -> tuple:
+    def read(self, layer: int) -> tuple:
+        """The counters as they are now (no memo)."""
         if not self.dtensor_params:          # every call: plain parameters stay cheap
             return tuple(p.versions() for p in self.params[layer])
         # a DTensor parameter's own counter too: a write through it leaves its shard's

@@ -17,6 +17,7 @@ from torch import nn
 from .. import dtensor, registry, subclass
 from . import hooks
 from ..errors import OffloadError
+from .phase import Phase
 
 
 def _not_offloaded(model: nn.Module, where: str) -> OffloadError:
@@ -85,7 +86,7 @@ def update_weights(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> Non
     # write, and then the slots follow (.in_call).
     while state is not None:
         with state.holding_slots():
-            if not state.restored:
+            if state.phase is not Phase.RESTORED:
                 state.begin_write(staged)
                 try:
                     _write(staged)

@@ -12,7 +12,6 @@ from torch import nn
 
 from .. import dtensor, subclass
 from ..errors import OffloadError
-from ..schedule import Schedule
 from .stack import LayerStack
 
 log = logging.getLogger("fx_offload")
