@@ -38,7 +38,7 @@ The state is composed, not inherited: it runs a call's steps in one order (:meth
 the parameters, the slot contents) and handed the rest as arguments, never reaching back
 into the state: ``versions`` (:mod:`.versions`), ``ownership`` (:mod:`.ownership`),
 ``writes`` (:mod:`.in_call`), ``hook_copies`` (:mod:`.hook_copies`), ``copies``
-(:mod:`.copies`), ``turns`` (:mod:`.turns`); once materialized, ``buffers``
+(:mod:`.slot_copies`), ``turns`` (:mod:`.turns`); once materialized, ``buffers``
 (:mod:`.slots`) and ``routed`` (:mod:`.routed`).  Where it is in its life is one value,
 ``phase`` (:mod:`.phase`: planned, materialized, on slots, on truth, restored), and each
 move is checked.
@@ -58,7 +58,7 @@ from torch import nn
 from .. import layout, registry
 from . import expert_cache, hooks, slot_check
 from .circular import CircularStart
-from .copies import SlotCopies
+from .slot_copies import SlotCopies
 from .contents import SlotContents
 from .contents import capturing as _capturing
 from .hook_copies import HookCopies
