@@ -59,6 +59,7 @@ from .errors import GradModeError, OffloadError, ScheduleError
 from .ops import START, WAIT
 from .passes.verify import SlotModel, verify_graph
 from .runtime.ownership import ShapeChanged
+from .runtime.phase import Phase
 
 log = logging.getLogger("fx_offload")
 
@@ -74,7 +75,7 @@ RESTORED = ("backward after fx_offload.restore(model): the forward saved offload
 def _backward_enter(activations, handle):
     # the state the graph was compiled for (no call of the model is active to find it by)
     state = registry.state_for_handle(handle)
-    if getattr(state, "restored", True):
+    if state is None or state.phase is Phase.RESTORED:
         raise OffloadError(RESTORED)
     try:
         state.enter(root=False)
@@ -87,7 +88,7 @@ def _backward_enter(activations, handle):
 
 def _backward_leave(activations, reads, handle):
     state = registry.state_for_handle(handle)
-    if not getattr(state, "restored", True):
+    if state is not None and state.phase is not Phase.RESTORED:
         state.leave()
 
 

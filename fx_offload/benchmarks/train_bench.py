@@ -187,11 +187,11 @@ def _row(method, args, device, ids, reference):
         times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     if method == "fx_offload":
-        offloaded = report(model.base_model.model).offloaded_bytes
+        offloaded = report(model).offloaded_bytes
         if 2 * offloaded != copied:
             print(f"note: fx_offload offloaded {offloaded} bytes, the frozen weights of the "
                   f"layers asked for are {copied // 2}")
-        restore(model.base_model.model)
+        restore(model)
     out = dict(method=method, ms=1e3 * statistics.median(times), peak=peak, copied=copied,
                grads=grads, diff=diff)
     del run, model, opt
@@ -217,19 +217,16 @@ def run(args) -> int:
           f", {args.layers} layers, LoRA r={args.rank} on q/k/v/o, seq {args.seq} x batch "
           f"{args.batch}, offloaded layers {_offloaded(args)}"
           + (f", pinned H2D {link / 1e9:.1f} GB/s" if link else ""))
-    rows, reference = [], None
-    for method in methods:
-        row = _row(method, args, device, ids, reference)
-        if method == "resident" and "grads" in row:
-            reference = row["grads"]
-        rows.append(row)
-    resident = next((r["ms"] for r in rows if r["method"] == "resident" and "ms" in r), None)
     print("| method | step ms | x bound | bound ms | copied GiB | peak GiB | adapter grads vs "
           "resident (max rel) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in rows:
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |", flush=True)
+    reference = resident = None
+    for method in methods:          # each row printed as it is measured
+        r = _row(method, args, device, ids, reference)
+        if method == "resident" and "grads" in r:
+            reference, resident = r["grads"], r["ms"]
         if "ms" not in r:
-            print(f"| {r['method']} | {r['note']} | - | - | - | - | - |")
+            print(f"| {r['method']} | {r['note']} | - | - | - | - | - |", flush=True)
             continue
         bound = None
         if resident is not None:
@@ -238,7 +235,7 @@ def run(args) -> int:
         bound_ms = "-" if bound is None else f"{bound:.1f}"
         diff = "-" if r["diff"] is None else f"{r['diff']:.2e}"
         print(f"| {r['method']} | {r['ms']:.1f} | {ratio} | {bound_ms} | "
-              f"{r['copied'] / 2**30:.2f} | {r['peak'] / 2**30:.2f} | {diff} |")
+              f"{r['copied'] / 2**30:.2f} | {r['peak'] / 2**30:.2f} | {diff} |", flush=True)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return 0
