@@ -50,6 +50,8 @@ class HookCopies:
         begun.  Not inside a capture that takes in the whole call (a user's
         ``torch.cuda.graph``): there the graph's own start copies, as its replays run only
         what it recorded."""
+        if routed.host is not None:     # before anything is enqueued in a capture
+            routed.host.refuse_capture()
         buffers.begin_count()     # a new call: report's copied_bytes_last_call
         # a capture that raised: its copies never ran, and no wait on their events may be
         # recorded, outside a capture or inside the next (a user's retried capture)

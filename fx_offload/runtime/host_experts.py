@@ -122,6 +122,16 @@ class HostExperts:
         self.ran: dict[int, str] = {}           # layer -> "host" or "device", latest call
         self.read_bytes = 0                     # host memory the latest call's kernels read
 
+    def refuse_capture(self) -> None:
+        """Under "always", a call inside a CUDA graph capture is refused: at the call's
+        entry, before anything is enqueued (a capture left with forked copies would end
+        with CUDA's own error instead of this one), and again at the op."""
+        if self.mode == "always" and capturing():
+            raise OffloadError(
+                "host_compute='always' computes the experts on the host, which a CUDA graph "
+                "capture cannot record: capture with host_compute='auto' (it streams the "
+                "experts in a capture)", where="fx_offload.host_experts")
+
     def begin_call(self, tokens: int | None) -> None:
         """A call of ``tokens`` tokens begins: predict whether its layers compute on the
         host (their prefetches then copy nothing), and count anew."""
@@ -147,11 +157,8 @@ class HostExperts:
         if state.phase is Phase.RESTORED:
             return _laid_out_as(x, entry.module(x, ids, gates))
         host = self.mode == "always" or (not capturing() and self._prefers(entry, tokens, k))
-        if host and capturing():
-            raise OffloadError(
-                "host_compute='always' computes the experts on the host, which a CUDA graph "
-                "capture cannot record: capture with host_compute='auto' (it streams the "
-                "experts in a capture)", where="fx_offload.host_experts")
+        if host:
+            self.refuse_capture()
         if not host:
             for chunk in chunks:
                 state.wait_routed(layer, chunk, ids)
