@@ -341,7 +341,7 @@ class EnterCall(hooks.OurHook):
 
     @torch._dynamo.disable(reason=f"fx_offload: an offloaded model: {hooks.EXPORT_REFUSED}")
     def __call__(self, module, args, kwargs=None):
-        if torch.compiler.is_exporting():   # (a check per call, not a call per call)
+        if hooks.exporting():   # (a check per call, not a call per call)
             hooks.refuse_export(module)
         state = registry.state_for_model(module)
         tokens = call_tokens(args, kwargs or {})

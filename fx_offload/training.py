@@ -75,7 +75,8 @@ RESTORED = ("backward after fx_offload.restore(model): the forward saved offload
 def _backward_enter(activations, handle):
     # the state the graph was compiled for (no call of the model is active to find it by)
     state = registry.state_for_handle(handle)
-    if state is None or state.phase is Phase.RESTORED:
+    # (a restored model's handle finds a stand-in with no phase)
+    if getattr(state, "phase", Phase.RESTORED) is Phase.RESTORED:
         raise OffloadError(RESTORED)
     try:
         state.enter(root=False)
@@ -88,7 +89,7 @@ def _backward_enter(activations, handle):
 
 def _backward_leave(activations, reads, handle):
     state = registry.state_for_handle(handle)
-    if state is not None and state.phase is not Phase.RESTORED:
+    if getattr(state, "phase", Phase.RESTORED) is not Phase.RESTORED:
         state.leave()
 
 

@@ -1075,6 +1075,21 @@ def test_torch_export_of_an_offloaded_model_says_restore_first():
     assert_weights(model, reference)
 
 
+def test_the_export_check_reads_torchs_flag_not_is_exporting(monkeypatch):
+    """torch 2.11's Dynamo folds ``torch.compiler.is_exporting()`` to True while it traces
+    (2.13 folds it to the flag): a layer hook that asked it called the export refusal in
+    every traced layer, a graph break that left every layer of a ``compile_forward`` model
+    to load synchronously.  Modelled by a stand-in answering True outside any export: the
+    hooks read torch's flag, so calls run (before: refused as an export)."""
+    model, compiled, reference, x = offloaded()
+    monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), reference(x))
+        h = torch.randn(2, model.layers[1].fc1.in_features)
+        assert torch.equal(model.layers[1](h), reference.layers[1](h))
+    assert_weights(model, reference)
+
+
 def test_ctrl_c_in_dynamos_guard_evaluation_stops_the_call_it_ended():
     """SIGINT while Dynamo evaluates the guards of a compiled forward during generate: the
     handler ends the call (the weights back on the truth) and raises, but the guard

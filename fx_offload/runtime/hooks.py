@@ -47,13 +47,21 @@ EXPORT_REFUSED = (
     "afterwards to offload it anew)")
 
 
+def exporting() -> bool:
+    """torch.export is tracing (its flag, read as a plain global: Dynamo folds it to False
+    under torch.compile; torch 2.11's Dynamo folds ``torch.compiler.is_exporting()`` itself
+    to True, and a call of the refusal below in a traced hook breaks the model's graph at
+    every layer)."""
+    return bool(getattr(torch.compiler, "_is_exporting_flag", False))
+
+
 # disabled: torch.export(strict=True) traces the hooks with Dynamo, which then stops here
 # and names the reason
 @torch._dynamo.disable(reason=f"fx_offload: an offloaded model: {EXPORT_REFUSED}")
 def refuse_export(module: nn.Module) -> None:
     """Refuse ``torch.export`` (which traces the model with fake tensors) of an offloaded
     model, or of a copy of one, before anything of it changes."""
-    if torch.compiler.is_exporting():
+    if exporting():
         raise OffloadError(
             f"torch.export of {type(module).__name__}, which is offloaded (or a copy of an "
             f"offloaded model, which offloads itself at its first call): {EXPORT_REFUSED}; "
@@ -76,7 +84,7 @@ class LayerEnter(OurHook):
         self.token, self.handle, self.layer = token, handle, layer
 
     def __call__(self, module, args):
-        if torch.compiler.is_exporting():   # False while torch.compile traces this hook
+        if exporting():
             refuse_export(module)
         if not torch.compiler.is_compiling():
             state = registry.state_for_token(self.token)
