@@ -92,3 +92,14 @@ def test_explain_folds_layers_cut_alike_and_gives_sizes_in_binary_units():
     assert short.endswith(f"graph 0: {len(graph)} nodes, {inserted} inserted op(s)\n"), short
     assert full.startswith(plan) and full.endswith("\n".join(graph) + "\n")
     assert ">>>" not in short
+
+
+def test_train_smoke_run_trains_the_adapters_offloaded_as_resident(capsys):
+    """``python -m fx_offload train --device cpu --quick``: the LoRA step runs offloaded
+    (aot_eager inside) and its adapters' gradients equal the resident row's."""
+    pytest.importorskip("peft", reason="install the test extra")
+    assert cli.main(["train", "--device", "cpu", "--quick", "--layers", "2", "--seq", "16",
+                     "--steps", "1", "--methods", "resident,fx_offload"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| fx_offload")]
+    assert len(rows) == 1 and rows[0].rstrip(" |").endswith("0.00e+00"), rows
