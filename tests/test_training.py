@@ -59,9 +59,11 @@ def steps(compiled, reference_compiled, model, reference, x, n=3, exact=True):
             opt.zero_grad()
 
 
-def test_frozen_weights_offloaded_trained_ones_resident_bitwise_gradients():
-    """Biases and a wholly trained layer stay resident; the gradients of the biases and of
-    the input equal the model's without offloading, bitwise, over three AdamW steps."""
+def test_frozen_weights_offloaded_trained_ones_resident_bitwise_gradients(caplog):
+    """Biases and a wholly trained layer stay resident (one INFO line names it); the
+    gradients of the biases and of the input equal the model's without offloading, bitwise,
+    over three AdamW steps."""
+    caplog.set_level("INFO", logger="fx_offload")
     model, x = frozen_mlp(trained_layer=5)
     reference = copy.deepcopy(model)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
@@ -74,6 +76,8 @@ def test_frozen_weights_offloaded_trained_ones_resident_bitwise_gradients():
     assert torch.equal(x.grad, xr.grad)
     assert_grads(model, reference)
     assert sorted(fx_offload.report(model).params) == [1, 3]      # layer 5: all trained
+    assert any("1 layer(s) kept resident, every parameter of them requires grad" in r.message
+               and "layers.5" in r.message for r in caplog.records), caplog.text
     assert offloaded_names(model) == {"fc1.weight", "fc2.weight"}
     model.zero_grad()
     reference.zero_grad()

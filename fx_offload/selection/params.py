@@ -210,6 +210,7 @@ def select_params(root: nn.Module, stack: LayerStack, layers: Iterable[int],
     chosen: dict[int, list[OffloadedParam]] = {}
     any_match = False
     training = trains_adapters(stack)
+    trained_whole = []      # layers kept resident: every parameter of them trains
     for index, layer in enumerate(stack.modules):
         if index not in wanted:
             continue
@@ -240,10 +241,12 @@ def select_params(root: nn.Module, stack: LayerStack, layers: Iterable[int],
         if picked:
             chosen[index] = picked
         elif training:
-            log.debug("fx_offload: layer %s kept resident: every parameter of it requires "
-                      "grad (trained)", path)
+            trained_whole.append(path)
         else:
             log.debug("fx_offload: layer %s has no parameter to offload; skipped", path)
+    if trained_whole:   # one line, so a user training the whole model sees why
+        log.info("fx_offload: %d layer(s) kept resident, every parameter of them requires "
+                 "grad (trained): %s", len(trained_whole), trained_whole)
     if patterns is not None and not any_match:
         sample = [n for n, _ in stack.modules[0].named_parameters()][:NAMES_SHOWN]
         raise OffloadError(
