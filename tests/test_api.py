@@ -43,9 +43,9 @@ def test_configured_backend_object_takes_torch_compile_mode(monkeypatch):
     import fx_offload.compiler as compiler
     real = compiler.compile_inner
 
-    def spy(gm, example_inputs, options):
+    def spy(gm, example_inputs, options, *rest):
         seen["mode"] = options.mode
-        return real(gm, example_inputs, options)
+        return real(gm, example_inputs, options, *rest)
 
     monkeypatch.setattr(compiler, "compile_inner", spy)
     model, inputs = models.build("mlp", num_layers=4)

@@ -621,23 +621,29 @@ def test_the_moe_benchmark_puts_the_gathered_rows_at_the_gather_kernels_rate(cap
     """``moe``'s table: ``x bound`` holds every byte of a step to the copy engine's rate,
     ``x gather`` only the bytes the gathers did not move (the gathered rows at the gather
     kernel's own rate); a row that moved its experts whole gathered nothing, so the two
-    agree.  Without a GPU the gather's rate is not measured."""
+    agree; a row whose experts ran on the host is held to the larger of its copies over the
+    link and its host reads over the host's read rate.  Without a GPU the gather's rate is
+    not measured."""
     from fx_offload.benchmarks import bench, moe_bench
     routed, whole = "fx_offload, experts='routed'", "fx_offload, experts='whole'"
-    rows = {(routed, 1): (100.0, 35.0), (whole, 1): (200.0, 140.0)}
-    moved = {(routed, 1): (3 * 10**9, 0, 2 * 10**9), (whole, 1): (7 * 10**9, 0, 0)}
-    tokens = {(routed, 1): torch.zeros(1), (whole, 1): torch.zeros(1)}
-    moe_bench._print_table(rows, tokens, moved, bandwidth=50e9, gathering=40e9)
+    hosted = "fx_offload, experts='routed', host_compute='always'"
+    rows = {(routed, 1): (100.0, 35.0), (whole, 1): (200.0, 140.0), (hosted, 1): (90.0, 30.0)}
+    moved = {(routed, 1): (3 * 10**9, 0, 2 * 10**9, 0), (whole, 1): (7 * 10**9, 0, 0, 0),
+             (hosted, 1): (10**9, 0, 0, 4 * 10**9)}
+    tokens = {key: torch.zeros(1) for key in rows}
+    moe_bench._print_table(rows, tokens, moved, bandwidth=50e9, gathering=40e9, read_rate=80e9)
     lines = capsys.readouterr().out.splitlines()
-    assert "x bound x gather" in " ".join(lines[1].split())
-    # after the name: batch, prefill, decode, GiB/step, x bound, x gather, cached, x routed,
-    # x whole, same tokens
-    got = {line[:72].strip(): line[72:].split() for line in lines[2:]}
+    assert "host GiB x bound x gather" in " ".join(lines[1].split())
+    # after the name: batch, prefill, decode, GiB/step, host GiB, x bound, x gather, cached,
+    # x routed, x whole, same tokens
+    got = {line[:88].strip(): line[88:].split() for line in lines[2:]}
     # 3 GB at 50 GB/s: 60 ms; 1 GB at 50 and 2 GB at 40: 20 + 50 ms
-    assert float(got[routed][4]) == pytest.approx(35 / 60, abs=1e-3)
-    assert float(got[routed][5]) == pytest.approx(35 / 70, abs=1e-3)
-    assert float(got[routed][8]) == pytest.approx(35 / 140, abs=1e-3)
-    assert got[whole][4] == got[whole][5] == "1.000"
+    assert float(got[routed][5]) == pytest.approx(35 / 60, abs=1e-3)
+    assert float(got[routed][6]) == pytest.approx(35 / 70, abs=1e-3)
+    assert float(got[routed][9]) == pytest.approx(35 / 140, abs=1e-3)
+    assert got[whole][5] == got[whole][6] == "1.000"
+    # 1 GB over the link (20 ms) and 4 GB read on the host at 80 GB/s (50 ms): 50 ms
+    assert float(got[hosted][5]) == pytest.approx(30 / 50, abs=1e-3)
     assert math.isnan(bench.gather_bandwidth(torch.device("cpu")))
 
 
