@@ -73,6 +73,19 @@ def test_generate_gives_the_same_tokens():
     assert fx_offload.report(model).experts_ran == {1: "host", 3: "host"}
 
 
+def test_a_size_shared_out_of_the_experts_keeps_them_on_the_host():
+    # dynamic shapes, batch 1, a cache: the tracer shares the size T * k computed inside
+    # layer 0's experts with a later node; the size stays in the graph, the experts go
+    model = small_moe("qwen3_moe").eval()
+    reference = copy.deepcopy(model)
+    fx_offload.compile_forward(model, dynamic=True, group_size=1, num_in_group=1,
+                               inner_backend="aot_eager", **ALWAYS)
+    ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, **FP32)
+    assert fx_offload.report(model).experts_ran == {i: "host" for i in range(4)}
+
+
 def test_bf16_logits_within_bf16_rounding():
     """The host sums in fp32 and rounds once; the model rounds each step in bf16."""
     model = small_moe("qwen3_moe").eval().to(torch.bfloat16)

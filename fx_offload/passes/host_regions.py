@@ -22,7 +22,8 @@ overwrite them start after the layer's outputs, which the op's result feeds.
 The region is replaced only where it is clean: its inputs from outside are the router's ids,
 one activation shaped like its output (``x``), one shaped like the ids (``gates``), the
 routed chunks' weights and nothing else (other weights, a graph input); its nodes are read
-outside it only through that one output; it writes nothing outside it.  Otherwise the layer
+outside it only through that one output (sizes computed from outside values alone stay in
+the graph: the tracer shares them); it writes nothing outside it.  Otherwise the layer
 streams as before and ``choice.hosting`` records why (``report`` and ``explain`` show it).
 """
 from __future__ import annotations
@@ -77,6 +78,12 @@ def _region(lp: LayerPlan, gi: GraphInputs, choice):
               if any(module_path(e[0], gi.root_expr) == path
                      for e in (n.meta.get("nn_module_stack") or {}).values())]
     inside = set(region)
+    # Sizes computed from values made outside (T * k under dynamic shapes) may be shared with
+    # later layers by the tracer: they stay in the graph, out of the region.
+    for n in region:
+        if not _is_tensor(n) and all(a not in inside for a in n.all_input_nodes):
+            inside.discard(n)
+    region = [n for n in region if n in inside]
     weights = {w for w, c in lp.weights.items() if c in lp.routed}
     readers = {u for w in weights for u in w.users}
     if not readers <= inside:
