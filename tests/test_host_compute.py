@@ -233,6 +233,45 @@ def test_a_model_placed_with_always_is_refused_under_cuda_graphs():
 
 
 @pytest.mark.cuda
+def test_on_a_gpu_the_stream_runs_the_host_kernel_and_the_caller_never_waits(monkeypatch):
+    """On CUDA the op enqueues the host kernel on the stream (a host function) instead of
+    waiting for it: greedy tokens as the model's, the experts' bytes counted, no
+    synchronize of the stream from the op."""
+    model = small_moe("qwen3_moe").eval().cuda()
+    reference = copy.deepcopy(model)
+    fx_offload.compile_forward(model, dynamic=True, inner_backend="aot_eager", **ALWAYS)
+    ids = torch.randint(0, 256, (2, 7), device="cuda")
+    waits = []
+    real = torch.cuda.Stream.synchronize
+    monkeypatch.setattr(torch.cuda.Stream, "synchronize",
+                        lambda self: waits.append(self) or real(self))
+    with torch.no_grad():
+        model(ids)                              # the first call grows the staging once
+        waits.clear()
+        got = model(ids, use_cache=False).logits
+        want = reference(ids, use_cache=False).logits
+    assert waits == []
+    torch.testing.assert_close(got, want, **FP32)
+    rep = fx_offload.report(model)
+    assert rep.experts_ran == {1: "host", 3: "host"} and rep.host_read_bytes_last_call > 0
+    assert registry.state_for_model(model).host_experts._jobs is not None
+
+
+def test_the_host_jobs_threads_leave_a_quarter_of_the_pool_or_follow_the_variable(
+        monkeypatch, caplog):
+    from fx_offload.runtime.host_experts import job_threads
+    pool = torch.get_num_threads()
+    monkeypatch.delenv("FX_OFFLOAD_HOST_THREADS", raising=False)
+    assert job_threads() == max(1, pool - pool // 4)
+    monkeypatch.setenv("FX_OFFLOAD_HOST_THREADS", "3")
+    assert job_threads() == 3
+    monkeypatch.setenv("FX_OFFLOAD_HOST_THREADS", "0")
+    with caplog.at_level("WARNING", logger="fx_offload"):
+        assert job_threads() == max(1, pool - pool // 4)
+    assert "FX_OFFLOAD_HOST_THREADS='0' is no count of threads" in caplog.text
+
+
+@pytest.mark.cuda
 def test_always_inside_a_capture_is_refused():
     model = small_moe("qwen3_moe").eval().cuda()
     compiled = torch.compile(model, backend="prefetch_offload",

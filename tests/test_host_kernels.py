@@ -171,6 +171,34 @@ def test_a_call_from_another_thread_gives_the_same_result():
     assert torch.equal(got["y"], want)
 
 
+def test_a_job_the_stream_runs_gives_the_kernels_result_and_counts_its_experts():
+    """The job a CUDA stream runs as a host function (cuLaunchHostFunc), run here by the
+    caller: its arguments packed as the C struct reads them, from a thread of its own (the
+    driver's, there), sentinel ids skipped."""
+    import ctypes
+    import threading
+    from fx_offload.host_compute import native
+    lib = native.library()
+    if lib is None:
+        pytest.skip("no C compiler: the runtime computes without queued jobs")
+    gate_up, down = weights(torch.bfloat16)
+    x, ids, gates = routing(3, 4)
+    ids[1, 2] = E                               # a sentinel: routes nowhere
+    want = routed_experts(x, ids, gates, gate_up, down, path="loops")
+    floats, ints = native.scratch_sizes(ids.numel(), H, I, E)
+    y = torch.full((3, H), float("nan"))
+    picked, job = ctypes.c_int64(-1), native.ExpertsJob()
+    scratch = torch.empty(floats), torch.empty(ints, dtype=torch.int64)   # alive till it ran
+    native.fill_job(job, gate_up, down, "silu", x, ids, gates, *scratch, y, picked, 2)
+    assert job.done == 0
+    worker = threading.Thread(target=lib.fx_experts_run, args=(ctypes.addressof(job),))
+    worker.start()
+    worker.join()
+    assert torch.equal(y, want)
+    valid = ids[(ids >= 0) & (ids < E)]
+    assert picked.value == valid.unique().numel() and job.done == 1
+
+
 def test_host_threads_is_torchs_pool():
     before = torch.get_num_threads()
     try:

@@ -257,6 +257,32 @@ void fx_experts(int wt, const void* gate_up, const void* down, int64_t n_experts
                 for (int64_t t = 0; t < m; ++t) y[token[p0 + t] * hidden + r0 + r] += v[r * m + t];
         }
 }
+
+/* One layer's routed experts as a job the CUDA stream runs (cuLaunchHostFunc): the call's
+   arguments, and what it leaves behind (how many distinct experts it read; done = 1 once
+   finished, so the caller knows the job's arguments may be written again). */
+typedef struct {
+    int32_t wt, act, threads, done;
+    const void *gate_up, *down;
+    int64_t n_experts, hidden, inter, tokens, k;
+    const float* x; const int64_t* ids; const float* gates;
+    float *xp, *h, *gp; int64_t* is; float* y; int64_t* picked;
+} fx_experts_job;
+
+void fx_experts_run(void* arg) {
+    fx_experts_job* j = (fx_experts_job*)arg;
+    unsigned char seen[j->n_experts > 0 ? j->n_experts : 1];
+    memset(seen, 0, sizeof seen);
+    int64_t distinct = 0;
+    for (int64_t p = 0; p < j->tokens * j->k; ++p) {
+        int64_t e = j->ids[p];
+        if (e >= 0 && e < j->n_experts && !seen[e]) { seen[e] = 1; ++distinct; }
+    }
+    fx_experts(j->wt, j->gate_up, j->down, j->n_experts, j->hidden, j->inter, j->x, j->tokens,
+               j->k, j->ids, j->gates, j->act, j->xp, j->h, j->gp, j->is, j->y, j->threads);
+    *j->picked = distinct;
+    __atomic_store_n(&j->done, 1, __ATOMIC_RELEASE);
+}
 """
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-Wno-psabi", "-fopenmp", "-fPIC", "-shared"]
 WEIGHT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -308,7 +334,60 @@ def _build(flags: list):
     lib.fx_linear.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, ptr, i32]
     lib.fx_experts.argtypes = [i32, ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, i32, ptr,
                                ptr, ptr, ptr, ptr, i32]
+    lib.fx_experts_run.argtypes = [ptr]
     return lib
+
+
+class ExpertsJob(ctypes.Structure):
+    """``fx_experts_job`` of the C source: one layer's routed experts, run by the stream."""
+    _fields_ = [("wt", ctypes.c_int32), ("act", ctypes.c_int32), ("threads", ctypes.c_int32),
+                ("done", ctypes.c_int32), ("gate_up", ctypes.c_void_p),
+                ("down", ctypes.c_void_p), ("n_experts", ctypes.c_int64),
+                ("hidden", ctypes.c_int64), ("inter", ctypes.c_int64),
+                ("tokens", ctypes.c_int64), ("k", ctypes.c_int64),
+                *((name, ctypes.c_void_p) for name in
+                  ("x", "ids", "gates", "xp", "h", "gp", "is_", "y", "picked"))]
+
+
+def scratch_sizes(pairs: int, hidden: int, inter: int, experts: int) -> tuple[int, int]:
+    """(floats, ints) of scratch ``fx_experts`` needs for ``pairs`` (token, expert) pairs."""
+    return pairs * (hidden + inter + 1), 3 * experts + 3 * pairs + 2
+
+
+def fill_job(job: ExpertsJob, gate_up: torch.Tensor, down: torch.Tensor, act: str,
+             x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor, floats: torch.Tensor,
+             ints: torch.Tensor, y: torch.Tensor, picked: ctypes.c_int64,
+             threads: int) -> None:
+    """``job``'s fields for the experts on ``x`` (fp32), ``ids`` (int64), ``gates`` (fp32)
+    into ``y`` (fp32), host tensors that stay alive until the job has run."""
+    (T, H), k = x.shape, ids.shape[1]
+    E, I, pairs = gate_up.shape[0], down.shape[2], T * k
+    base, f = floats.data_ptr(), 4
+    job.wt, job.act, job.threads, job.done = WEIGHT_CODES[gate_up.dtype], ACT_CODES[act], \
+        threads, 0
+    job.gate_up, job.down = gate_up.data_ptr(), down.data_ptr()
+    job.n_experts, job.hidden, job.inter, job.tokens, job.k = E, H, I, T, k
+    job.x, job.ids, job.gates = x.data_ptr(), ids.data_ptr(), gates.data_ptr()
+    job.xp, job.h, job.gp = base, base + f * pairs * H, base + f * pairs * (H + I)
+    job.is_, job.y, job.picked = ints.data_ptr(), y.data_ptr(), ctypes.addressof(picked)
+
+
+_driver: list = []
+
+
+def launch_host_function(lib, stream: int, job: ExpertsJob) -> None:
+    """Enqueue ``fx_experts_run(job)`` on the CUDA ``stream`` (a ``cudaStream_t`` as an int):
+    the stream runs it on a thread of the driver once the work before it is done, and the
+    work after it waits for it; the caller does not wait."""
+    if not _driver:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        cuda.cuLaunchHostFunc.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        cuda.cuLaunchHostFunc.restype = ctypes.c_int
+        _driver.append(cuda)
+    fn = ctypes.cast(lib.fx_experts_run, ctypes.c_void_p)
+    status = _driver[0].cuLaunchHostFunc(stream, fn, ctypes.addressof(job))
+    if status:
+        raise RuntimeError(f"cuLaunchHostFunc failed with CUDA driver error {status}")
 
 
 def linear(lib, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
