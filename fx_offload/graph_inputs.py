@@ -10,6 +10,7 @@ exact whatever form the source takes.  ``grapharg`` only exists while the backen
 from __future__ import annotations
 
 import dataclasses
+import operator
 import re
 
 import torch
@@ -177,10 +178,33 @@ def layers_of_nodes(gm: fx.GraphModule, gi: GraphInputs, layer_paths: dict[str, 
         if node.op not in ("call_function", "call_method", "call_module"):
             continue
         found = []
-        for entry in (node.meta.get("nn_module_stack") or {}).values():
-            layer = layer_paths.get(module_path(entry[0], gi.root_expr))
-            if layer is not None and layer not in found:
-                found.append(layer)
+        for stack in [node.meta.get("nn_module_stack")] + _subgraph_stacks(gm, node):
+            for entry in (stack or {}).values():
+                layer = layer_paths.get(module_path(entry[0], gi.root_expr))
+                if layer is not None and layer not in found:
+                    found.append(layer)
+        if not found and node.target is operator.getitem and \
+                isinstance(node.args[0], fx.Node) and _calls_subgraph(node.args[0]):
+            found = membership.get(node.args[0], [])    # an output of such an op's body
         if found:
             membership[node] = found
     return membership
+
+
+def _calls_subgraph(node: fx.Node) -> bool:
+    return node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator)
+
+
+def _subgraph_stacks(gm: fx.GraphModule, node: fx.Node) -> list:
+    """The ``nn_module_stack`` of each node inside the subgraphs a higher-order op such as
+    activation checkpointing's ``tag_activation_checkpoint`` calls: the op itself was traced
+    in the caller's frame, its body in the layer's."""
+    if not _calls_subgraph(node):
+        return []
+    stacks = []
+    for arg in node.args:
+        if isinstance(arg, fx.Node) and arg.op == "get_attr":
+            sub = getattr(gm, arg.target, None)
+            if isinstance(sub, fx.GraphModule):
+                stacks += [n.meta.get("nn_module_stack") for n in sub.graph.nodes]
+    return stacks

@@ -106,8 +106,9 @@ def check_grad_mode(gi, state, example_inputs, options, layer_frame: bool):
     no backward needs the offloaded weights.  Refused: an offloaded weight that requires
     grad (a slot cannot hold its gradient's update), a graph of one layer's own frame, and
     ``inner_backend="eager"`` (no backward graph to place ops in)."""
-    offloaded = {p.name for ps in state.params.values() for p in ps}
-    _refuse_checkpointing(gi, offloaded)
+    layer_of = {p.name: layer for layer, ps in state.params.items() for p in ps}
+    offloaded = set(layer_of)
+    _refuse_checkpointing(gi, layer_of)
     if not torch.is_grad_enabled():
         return None
     if layer_frame and any(isinstance(v, torch.Tensor) and v.requires_grad
@@ -132,23 +133,25 @@ def check_grad_mode(gi, state, example_inputs, options, layer_frame: bool):
     return BackwardOps(state, gi)
 
 
-def _refuse_checkpointing(gi, offloaded: set[str]) -> None:
-    """Activation checkpointing traces each checkpointed region as one opaque node whose
-    recomputation in backward reads the layer's weights where no wait can be placed."""
+def _refuse_checkpointing(gi, layer_of: dict[str, int]) -> None:
+    """A checkpointed region (``torch.utils.checkpoint``: one ``tag_activation_checkpoint``
+    node in Dynamo's graph, planned as a member of the layer its body was traced in) is
+    waited for before and refilled after as a whole, forward and backward (where its
+    recomputation and its gradients read the layer's weights together).  A region over
+    several offloaded layers would need all of them in their slots at once: refused."""
     hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
     for node in next(iter(gi.params)).graph.nodes:
         if node.op != "call_function" or node.target is not hop:
             continue
-        read = [gi.params[a][0] for a in node.all_input_nodes
-                if a in gi.params and gi.params[a][0] in offloaded]
-        if read:
+        read = sorted({layer_of[gi.params[a][0]] for a in node.all_input_nodes
+                       if a in gi.params and gi.params[a][0] in layer_of})
+        if len(read) > 1:
             raise OffloadError(
-                f"activation checkpointing of offloaded layers is not supported: a "
-                f"checkpointed region reads offloaded weights ({read[:3]}...), and its "
-                "recomputation in backward would read them where no prefetch can be waited "
-                "for. Turn it off (model.gradient_checkpointing_disable() for a Hugging Face "
-                "model, or call the layers without torch.utils.checkpoint), or keep the "
-                "checkpointed layers resident (offload other layers with 'layers')")
+                f"one activation-checkpointed region reads the offloaded weights of layers "
+                f"{read}; a region is waited for and refilled as a whole, so it may read one "
+                "offloaded layer's weights at most. Checkpoint each layer on its own (as "
+                "model.gradient_checkpointing_enable() does for a Hugging Face model), or turn "
+                "checkpointing off for these layers")
 
 
 def trained_offloaded_error(what: str, names: list[str]) -> GradModeError:
@@ -350,16 +353,22 @@ def _device_of(node: fx.Node) -> torch.device:
     return torch.device("cpu")
 
 
-def _check_tied(graph: fx.Graph, layer: int, nodes: list[fx.Node], acts, wait) -> None:
-    """Every read of ``layer``'s weights that computes (not a view) takes, directly or
-    through what it is computed from after the wait, a value the wait is tied to: so
-    Inductor, which orders by data, orders it after the wait too."""
+def _downstream(graph: fx.Graph, acts, at) -> set:
+    """``acts`` and the nodes from ``at`` on computed from them."""
     tied, after = set(acts), False
     for n in graph.nodes:
-        if n is wait:
-            after = True
-        elif after and any(a in tied for a in n.all_input_nodes):
+        after = after or n is at
+        if after and any(a in tied for a in n.all_input_nodes):
             tied.add(n)
+    return tied
+
+
+def _check_tied(graph: fx.Graph, layer: int, nodes: list[fx.Node], acts, wait) -> None:
+    """(``wait``: the node the wait went before, the layer's first read, itself checked.)
+    Every read of ``layer``'s weights that computes (not a view) takes, directly or
+    through what it is computed from after the wait, a value the wait is tied to: so
+    Inductor, which orders by data, orders it after the wait too."""
+    tied = _downstream(graph, acts, wait)
     loose = [n for n in nodes if not _is_view(n) and n not in tied]
     if loose:
         raise ScheduleError(
