@@ -378,3 +378,38 @@ def test_graph_breaks_between_layers_train_and_inside_a_layer_are_refused(where)
         reference(want).square().sum().backward()
         assert torch.equal(got.grad, want.grad)
     assert sorted(fx_offload.report(model).params) == [1, 3, 5]
+
+
+def test_hugging_face_trainer_trains_the_adapters_as_without_offloading(tmp_path):
+    """transformers' Trainer (AdamW, a linear schedule, its own loop and data order) on a
+    model whose forward compile_forward offloaded: after three steps the adapters equal
+    those trained the same way without offloading (both compiled with aot_eager, so
+    bitwise), the frozen base is unchanged, and the Trainer's saved adapter loads back."""
+    transformers = pytest.importorskip("transformers", reason="install the test extra")
+    model, reference, _ = lora_llama(num_layers=2)
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    start = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    gen = torch.Generator().manual_seed(0)
+    data = [{"input_ids": ids, "labels": ids}
+            for ids in torch.randint(0, 64, (6, 8), generator=gen)]
+    fx_offload.compile_forward(model, **OPTIONS)
+    reference.forward = torch.compile(reference.forward, backend="aot_eager")
+    for m, out in ((model, tmp_path / "offloaded"), (reference, tmp_path / "reference")):
+        args = transformers.TrainingArguments(
+            output_dir=str(out), max_steps=3, per_device_train_batch_size=2,
+            learning_rate=1e-2, report_to=[], use_cpu=True, save_strategy="no",
+            logging_strategy="no", seed=0, dataloader_num_workers=0)
+        transformers.Trainer(model=m, args=args, train_dataset=data).train()
+    lora = [(n, p) for n, p in model.named_parameters() if "lora_" in n]
+    assert lora
+    for (name, p), q in zip(lora, (p for n, p in reference.named_parameters() if "lora_" in n)):
+        assert torch.equal(p, q), name
+        assert not torch.equal(p, start[name]), name           # the steps trained it
+    assert fx_offload.report(model).layers == [1]
+    for n, p in model.named_parameters():
+        if n in base:
+            assert torch.equal(p, base[n]), n
+    model.save_pretrained(tmp_path / "adapter")
+    from safetensors.torch import load_file
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert len(saved) == len(lora)
