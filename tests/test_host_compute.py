@@ -257,6 +257,26 @@ def test_on_a_gpu_the_stream_runs_the_host_kernel_and_the_caller_never_waits(mon
     assert registry.state_for_model(model).host_experts._jobs is not None
 
 
+def test_a_job_still_queued_is_waited_for_before_the_host_blocks_change(monkeypatch):
+    """The state's synchronize (before update_weights, restore, freeing) waits for host
+    jobs a stream still holds: they read the host blocks."""
+    from fx_offload.runtime import host_experts
+    model, (x,) = models.build("moe", num_layers=4, routed=True, batch=1, seq=1)
+    fx_offload.place(model, "cpu", group_size=2, num_in_group=1, **ALWAYS)
+    state = registry.state_for_model(model)
+    jobs = state.host_experts._jobs = host_experts._StreamJobs(None, 1)
+    waited = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
+    state.synchronize()
+    assert waited == []                         # nothing queued
+    jobs.queued[0], jobs.jobs[0].done = True, 0
+    state.synchronize()
+    assert len(waited) == 1
+    jobs.jobs[0].done = 1                       # the job marked itself done
+    state.synchronize()
+    assert len(waited) == 1
+
+
 def test_the_host_jobs_threads_leave_a_quarter_of_the_pool_or_follow_the_variable(
         monkeypatch, caplog):
     from fx_offload.runtime.host_experts import job_threads

@@ -169,6 +169,18 @@ class _StreamJobs:
             self.buffers[name] = buf
         return buf[:numel]
 
+    def pending(self) -> bool:
+        """A job queued on a stream has not finished."""
+        return any(q and not j.done for q, j in zip(self.queued, self.jobs))
+
+    def __del__(self):
+        # a queued job reads this object's buffers and arguments: never free them under it
+        try:
+            if self.pending():
+                torch.cuda.synchronize()
+        except Exception:       # (interpreter shutdown: CUDA may be gone already)
+            pass
+
     def job(self, stream) -> native.ExpertsJob:
         i, self.next = self.next, (self.next + 1) % self.RING
         job = self.jobs[i]
@@ -235,6 +247,12 @@ class HostExperts:
         if self.mode == "auto" and tokens and self._k and self._layers:
             layer = next(iter(self._layers.values()))
             self.on_host_now = self._prefers(layer, tokens, self._k)
+
+    def synchronize(self) -> None:
+        """Wait for the host jobs queued on the streams: they read the host blocks (the
+        state's ``synchronize``, before the masters change or are freed)."""
+        if self._jobs is not None and self._jobs.pending():
+            torch.cuda.synchronize(self._state.device)
 
     @property
     def read_bytes(self) -> int:

@@ -216,7 +216,10 @@ class OffloadState:
         registry.unregister(self, self.model_ref())
 
     def synchronize(self) -> None:
-        """Wait for copies in flight (they read the masters about to be changed)."""
+        """Wait for copies in flight and host jobs the streams still hold (they read the
+        masters about to be changed)."""
+        if getattr(self, "host_experts", None) is not None:
+            self.host_experts.synchronize()
         if self.copy_stream is not None:
             self.copy_stream.synchronize()
             self.buffers.synchronize()      # decodes and the ring (with the copy stream)
