@@ -353,6 +353,20 @@ def test_hugging_face_gradient_checkpointing_trains_the_adapters_bitwise():
     assert fx_offload.report(model).layers == [1]
 
 
+def test_the_require_grad_hook_of_gradient_checkpointing_gets_advice_not_already_offloaded():
+    """Left on, transformers' hook that makes the embeddings' output require grad breaks
+    the graph; Dynamo then compiles the inner model's forward apart from the offloaded
+    outer one: the error says so and what to call, and nothing is lost."""
+    model, reference, ids = lora_llama(num_layers=2)
+    model.gradient_checkpointing_enable()
+    compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+    with pytest.raises(Exception, match=r"compiled .*forward on their own, one module inside the other.*"
+                                        r"disable_input_require_grads"):
+        compiled(input_ids=ids, labels=ids, use_cache=False)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q), name
+
+
 @pytest.mark.parametrize("where", ["unrolled", "inside"])
 def test_graph_breaks_between_layers_train_and_inside_a_layer_are_refused(where):
     """A break between layers: each graph's backward streams its own layers (gradients

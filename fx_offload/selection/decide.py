@@ -54,7 +54,7 @@ def choose(model: nn.Module, options: OffloadOptions, graph=None, layer_frame: b
     params = select_params(model, stack, layers, patterns)
     _check_count(params, num_slots, options, stack)
     if check_owners:
-        _check_not_offloaded_elsewhere(params)
+        _check_not_offloaded_elsewhere(params, model)
     device = _offload_device(model, params) if device is None else device
     schedule = Schedule(params, num_slots, options.circular_start)
     choice = Choice(type(model).__name__, options, stack, params, schedule, device, planner,
@@ -136,15 +136,30 @@ def _check_count(params, num_slots: int, options: OffloadOptions, stack: LayerSt
             "offload more layers (group_size/num_in_group)")
 
 
-def _check_not_offloaded_elsewhere(params) -> None:
+def _check_not_offloaded_elsewhere(params, model: nn.Module) -> None:
     for ps in params.values():
         for p in ps:
             owner = registry.owner_of_param(p.param)
-            if owner is not None:
+            if owner is None:
+                continue
+            other = owner[0].model_ref()
+            if other is not None and other is not model and (
+                    any(m is model for m in other.modules()) or
+                    any(m is other for m in model.modules())):
+                # Dynamo fell back to eager in an outer forward and compiled a module inside
+                # it apart: two frames, one inside the other, claim the same layers
                 raise OffloadError(
-                    f"{p.name} is already offloaded (layer {owner[1]} of a "
-                    f"{owner[0].model_name}); a model is offloaded once. Call "
-                    "fx_offload.restore(model) before compiling it again differently")
+                    f"Dynamo compiled {type(model).__name__}.forward and "
+                    f"{owner[0].model_name}.forward on their own, one module inside the "
+                    "other, and both hold these offloaded layers: a graph break in the outer "
+                    "forward outside the layers (TORCH_LOGS=graph_breaks shows where; a "
+                    "Hugging Face model training with gradient checkpointing breaks at its "
+                    "embeddings' require-grad hook: call model.disable_input_require_grads()). "
+                    "Remove the graph break, or offload and compile the inner module alone")
+            raise OffloadError(
+                f"{p.name} is already offloaded (layer {owner[1]} of a "
+                f"{owner[0].model_name}); a model is offloaded once. Call "
+                "fx_offload.restore(model) before compiling it again differently")
 
 
 def _offload_device(model: nn.Module, params) -> torch.device:
