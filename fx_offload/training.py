@@ -363,12 +363,12 @@ def _downstream(graph: fx.Graph, acts, at) -> set:
     return tied
 
 
-def _check_tied(graph: fx.Graph, layer: int, nodes: list[fx.Node], acts, wait) -> None:
-    """(``wait``: the node the wait went before, the layer's first read, itself checked.)
+def _check_tied(graph: fx.Graph, layer: int, nodes: list[fx.Node], acts, first) -> None:
+    """(``first``: the layer's first read, which the wait went before: itself checked.)
     Every read of ``layer``'s weights that computes (not a view) takes, directly or
     through what it is computed from after the wait, a value the wait is tied to: so
     Inductor, which orders by data, orders it after the wait too."""
-    tied = _downstream(graph, acts, wait)
+    tied = _downstream(graph, acts, first)
     loose = [n for n in nodes if not _is_view(n) and n not in tied]
     if loose:
         raise ScheduleError(

@@ -257,8 +257,7 @@ class HostExperts:
     @property
     def read_bytes(self) -> int:
         """Host memory the latest call's kernels read; waits for its queued jobs."""
-        if self._queued_reads:
-            torch.cuda.synchronize(self._state.device)
+        self.synchronize()
         return self._read + sum(c.value * b for c, b in self._queued_reads)
 
     def skips(self, layer: int, chunk) -> bool:
