@@ -348,3 +348,89 @@ def test_always_is_refused_for_a_training_graph():
     with pytest.raises(Exception, match="inference only; this graph trains"):
         compiled(ids, use_cache=False)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def _fused_experts(experts=6, hidden=16, inner=8, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(experts, 2 * inner, hidden, generator=gen).to(dtype)
+    down = torch.randn(experts, hidden, inner, generator=gen).to(dtype)
+    return gate_up, down
+
+
+@pytest.mark.parametrize("m,cached", [(0, ()), (1, ()), (2, (4,)), (0, (0, 3, 5)), (3, ())])
+def test_a_split_layers_two_parts_sum_to_the_whole(m, cached):
+    """The device's part (each token's first ``m`` picks and the cached experts) and the
+    host kernel's part (the rest, the device's ids set to the sentinel) add up to the
+    layer's experts; rows the device's part does not keep may hold NaN (a slot's stale
+    bytes) and change nothing."""
+    from fx_offload.host_compute import split
+    E, T, k = 6, 5, 3
+    gate_up, down = _fused_experts(E)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(T, 16, generator=gen)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    gates = torch.rand(T, k, generator=gen)
+    where = torch.full((E + 1,), -1, dtype=torch.int32)
+    for row, e in enumerate(cached):
+        where[e] = row
+    keep = split.keep_on_device(ids, m, where if cached else None)
+    assert keep[:, :m].all()
+    for t in range(T):
+        for j in range(m, k):
+            assert keep[t, j] == (int(ids[t, j]) in cached)
+    sentinel = torch.full_like(ids, E)
+    on_device, on_host = torch.where(keep, ids, sentinel), torch.where(keep, sentinel, ids)
+    stale_up, stale_down = gate_up.clone(), down.clone()
+    unkept = [e for e in range(E) if not (on_device == e).any()]
+    stale_up[unkept], stale_down[unkept] = float("nan"), float("nan")
+    mine = split.device_experts(x, on_device, gates, stale_up, stale_down, keep)
+    theirs = kernels.routed_experts(x, on_host, gates, gate_up, down)
+    whole = kernels.routed_experts(x, ids, gates, gate_up, down)
+    assert mine.dtype == torch.float32 and mine.isfinite().all()
+    torch.testing.assert_close(mine + theirs, whole, **FP32)
+
+
+def test_the_split_takes_the_share_that_lets_link_and_host_finish_together():
+    """``device_picks``: with the link free and as fast as the host, about half of the
+    picks; with the link busy with the layer's other chunks, fewer or none; never all
+    (that is streaming)."""
+    from fx_offload.host_compute import split
+    E, k, b = 128, 8, 9 << 20
+
+    def host(rate):
+        return lambda picks: picks * b / rate
+
+    assert split.device_picks(1, k, E, b, 0, host(50e9), 50e9) == 4
+    assert split.device_picks(1, k, E, b, 0, host(100e9), 50e9) in (2, 3)
+    # the layer's attention (36 MiB) crosses too: one pick is left for the link
+    assert split.device_picks(1, k, E, b, 36 << 20, host(80e9), 55e9) == 1
+    assert split.device_picks(1, k, E, b, 1 << 30, host(80e9), 55e9) == 0
+    # a host far slower than the link still computes one pick: all k is streaming
+    assert split.device_picks(1, k, E, b, 0, host(1e9), 1e12) == k - 1
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cache", [None, "1MiB"])
+def test_on_a_gpu_auto_splits_a_layers_picks_between_device_and_host(monkeypatch, cache):
+    """Under "auto", each token's first pick (and the cached experts) run on the device
+    while the host computes the others, on a stream of its own: the model's logits, the
+    split reported, the host's share read."""
+    from fx_offload.host_compute import split
+    monkeypatch.setattr(split, "device_picks", lambda *a, **kw: 1)
+    monkeypatch.setattr("fx_offload.runtime.host_experts.prefers_host",
+                        lambda *a, **kw: True)
+    model = small_moe("qwen3_moe").eval().cuda()
+    reference = copy.deepcopy(model)
+    fx_offload.compile_forward(model, dynamic=True, inner_backend="aot_eager",
+                               host_compute="auto", expert_cache=cache)
+    with torch.no_grad():
+        for seed in range(6):       # the cache is filled after 4 calls
+            ids = torch.randint(0, 256, (2, 1), device="cuda",
+                                generator=torch.Generator("cuda").manual_seed(seed))
+            got = model(ids, use_cache=False).logits
+            want = reference(ids, use_cache=False).logits
+            torch.testing.assert_close(got, want, **FP32)
+    rep = fx_offload.report(model)
+    assert rep.experts_ran == {1: "split 1", 3: "split 1"}, rep.experts_ran
+    assert rep.host_read_bytes_last_call > 0
+    assert "split with the device" in str(rep)

@@ -56,7 +56,8 @@ class Report:
     # device bytes, counted in buffer_bytes); None where there is no such ring
     ahead: tuple[int, int] | None = None
     # host_compute: routed MoE layer -> where its experts ran in the latest call ("host",
-    # "device"), or why they are not a host_experts op ("streamed: <why>")
+    # "device", "split <m>": the device took each token's first m picks and the cached
+    # ones), or why they are not a host_experts op ("streamed: <why>")
     experts_ran: dict[int, str] = dataclasses.field(default_factory=dict)
     # bytes of host memory the latest call's host-computed experts read in place (beside
     # copied_bytes_last_call, what crossed the link)
@@ -152,10 +153,15 @@ class Report:
 def _host_line(ran: dict[int, str], read: int) -> str:
     where = {place: [layer for layer, r in ran.items() if r == place] for place in
              ("host", "device")}
+    split = {layer: r.split()[1] for layer, r in ran.items() if r.startswith("split ")}
     line = ("  host compute: the last call computed the experts of layers "
-            f"{where['host']} on the host (reading {format_bytes(read)} of host memory in "
-            f"place) and of layers {where['device']} on the device")
-    streamed = {layer: r for layer, r in ran.items() if r not in where}
+            f"{where['host'] + list(split)} on the host (reading {format_bytes(read)} of host "
+            f"memory in place) and of layers {where['device']} on the device")
+    if split:
+        line += ("; split with the device (each token's first picks, and those the expert "
+                 "cache holds): " + ", ".join(f"layer {layer} {m}" for layer, m in
+                                               split.items()))
+    streamed = {layer: r for layer, r in ran.items() if r not in where and layer not in split}
     if streamed:
         line += "; " + "; ".join(f"layer {layer} {r}" for layer, r in streamed.items())
     return line

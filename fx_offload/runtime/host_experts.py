@@ -53,6 +53,7 @@ from ..copy_rules import WHOLE_ABOVE, expected_share
 from ..errors import OffloadError
 from ..host_compute import kernels
 from ..host_compute import native
+from ..host_compute import split
 from ..host_compute.rates import host_rates
 from .contents import capturing
 from .phase import Phase
@@ -156,16 +157,20 @@ class _StreamJobs:
         self.next = 0
         self.buffers: dict[str, torch.Tensor] = {}
         self.picked: dict[int, ctypes.c_int64] = {}
+        # the jobs' stream, and the events between it and the compute stream
+        self.stream = self.entered = self.left = None
 
     def buffer(self, name: str, numel: int, dtype: torch.dtype, stream,
-               pinned: bool = True) -> torch.Tensor:
-        """Buffer ``name``'s first ``numel`` elements; staging is page-locked (copies of
-        it run asynchronously), the kernel's scratch is not."""
+               pinned: bool = True, device=None) -> torch.Tensor:
+        """Buffer ``name``'s first ``numel`` elements (on ``device``, else on the host:
+        staging page-locked, so that copies of it run asynchronously, the kernel's scratch
+        not)."""
         buf = self.buffers.get(name)
         if buf is None or buf.numel() < numel or buf.dtype != dtype:
             if buf is not None:         # a queued job may still read the smaller one
-                stream.synchronize()
-            buf = torch.empty(max(numel, 1), dtype=dtype, pin_memory=pinned)
+                torch.cuda.synchronize(stream.device)
+            buf = torch.empty(max(numel, 1), dtype=dtype, device=device,
+                              pin_memory=pinned and device is None)
             self.buffers[name] = buf
         return buf[:numel]
 
@@ -189,28 +194,51 @@ class _StreamJobs:
         self.queued[i] = True
         return job
 
-    def run(self, entry, layer: int, x, ids, gates) -> torch.Tensor:
-        stream = torch.cuda.current_stream(x.device)
+    def run(self, entry, layer: int, x, ids, gates, device_part=None) -> torch.Tensor:
+        """Queue ``layer``'s host job for ``x``, ``ids``, ``gates`` on a stream of its own and
+        return its result on the compute stream, plus ``device_part()`` (an fp32 (T, H)
+        the compute stream makes meanwhile; :mod:`~fx_offload.host_compute.split`)."""
+        main = torch.cuda.current_stream(x.device)
+        side = self._side(x.device)
         (T, H), k = x.shape, ids.shape[1]
         gate_up, down = entry.host["gate_up_proj"], entry.host["down_proj"]
         floats, ints = native.scratch_sizes(T * k, H, down.shape[2], entry.experts)
-        staged = []
+        # converted on the compute stream into buffers of ours (the side stream reads them
+        # after the caching allocator could hand a temporary to someone else)
+        ready = []
         for name, t, dtype in (("x", x, torch.float32), ("ids", ids, torch.int64),
                                ("gates", gates, torch.float32)):
-            view = self.buffer(name, t.numel(), dtype, stream).view(t.shape)
-            view.copy_(t.to(dtype), non_blocking=True)
-            staged.append(view)
-        y = self.buffer("y", T * H, torch.float32, stream).view(T, H)
-        picked = self.picked.setdefault(layer, ctypes.c_int64(0))
-        job = self.job(stream)
-        native.fill_job(job, gate_up, down, "silu", *staged,
-                        self.buffer("floats", floats, torch.float32, stream, False),
-                        self.buffer("ints", ints, torch.int64, stream, False), y, picked,
-                        self.threads)
-        native.launch_host_function(self.lib, stream.cuda_stream, job)
-        back = torch.empty((T, H), dtype=torch.float32, device=x.device)
-        back.copy_(y, non_blocking=True)
-        return torch.empty_like(x).copy_(back)
+            there = self.buffer("dev_" + name, t.numel(), dtype, main, device=x.device)
+            ready.append((there.view(t.shape).copy_(t), name, dtype))
+        y_there = self.buffer("dev_y", T * H, torch.float32, main, device=x.device).view(T, H)
+        self.entered.record(main)
+        with torch.cuda.stream(side):
+            side.wait_event(self.entered)
+            staged = []
+            for there, name, dtype in ready:
+                view = self.buffer(name, there.numel(), dtype, side).view(there.shape)
+                view.copy_(there, non_blocking=True)
+                staged.append(view)
+            y = self.buffer("y", T * H, torch.float32, side).view(T, H)
+            picked = self.picked.setdefault(layer, ctypes.c_int64(0))
+            job = self.job(side)
+            native.fill_job(job, gate_up, down, "silu", *staged,
+                            self.buffer("floats", floats, torch.float32, side, False),
+                            self.buffer("ints", ints, torch.int64, side, False), y, picked,
+                            self.threads)
+            native.launch_host_function(self.lib, side.cuda_stream, job)
+            y_there.copy_(y, non_blocking=True)
+            self.left.record(side)
+        mine = device_part() if device_part is not None else None
+        main.wait_event(self.left)
+        total = y_there if mine is None else mine.add_(y_there)
+        return torch.empty_like(x).copy_(total)
+
+    def _side(self, device) -> torch.cuda.Stream:
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device)
+            self.entered, self.left = torch.cuda.Event(), torch.cuda.Event()
+        return self.stream
 
 
 class HostExperts:
@@ -225,10 +253,11 @@ class HostExperts:
         self._rates = None          # HostRates, measured (or read) at the first need
         self._k = None              # top-k of the latest call's routers
         self.on_host_now = mode == "always"     # this call's prediction, for the prefetches
-        self.ran: dict[int, str] = {}           # layer -> "host" or "device", latest call
+        self.ran: dict[int, str] = {}   # layer -> "host", "device", "split <m>", latest call
         self._read = 0              # host memory the latest call's kernels read (waited)
         self._queued_reads: list = []   # (counter, bytes an expert) of its queued jobs
         self._jobs = None           # _StreamJobs, made at the first queued call
+        self._picks: dict[tuple, int] = {}      # (layer, tokens, k) -> that count
 
     def refuse_capture(self) -> None:
         """Under "always", a call inside a CUDA graph capture is refused: at the call's
@@ -290,10 +319,61 @@ class HostExperts:
             if lib is not None:
                 if self._jobs is None:
                     self._jobs = _StreamJobs(lib, job_threads())
-                out = self._jobs.run(entry, layer, x, ids, gates)
+                out = self._queued(entry, layer, chunks, x, ids, gates)
                 self._queued_reads.append((self._jobs.picked[layer], entry.expert_bytes))
                 return out
         return self._on_host(entry, x, ids, gates)
+
+    def _queued(self, entry: _Layer, layer: int, chunks, x, ids, gates) -> torch.Tensor:
+        """The host job queued on a stream; under "auto" the picks split with the device
+        where that finishes sooner (:mod:`~fx_offload.host_compute.split`)."""
+        m = self._device_picks(entry, layer, chunks, x.shape[0], ids.shape[1])
+        routed = getattr(self._state, "routed", None)
+        cache = routed.cache if routed is not None else None
+        where = cache.where.get(layer) if cache is not None and \
+            layer in cache.tensors else None
+        if not m and where is None:
+            return self._jobs.run(entry, layer, x, ids, gates)
+        self.ran[layer] = f"split {m}"
+        keep = split.keep_on_device(ids, m, where)
+        sentinel = torch.full_like(ids, entry.experts)
+        ids_device = torch.where(keep, ids, sentinel)
+        ids_host = torch.where(keep, sentinel, ids)
+        if where is not None:       # the cache learns from every pick, the host's too
+            cache.note_picks(layer, ids_host)
+
+        def device_part() -> torch.Tensor:
+            for chunk in chunks:
+                self._state.wait_routed(layer, chunk, ids_device)
+            module = entry.module
+            return split.device_experts(x, ids_device, gates, module.gate_up_proj,
+                                        module.down_proj, keep)
+        return self._jobs.run(entry, layer, x, ids_host, gates, device_part)
+
+    def _device_picks(self, entry: _Layer, layer: int, chunks, tokens: int, k: int) -> int:
+        """How many of each token's picks the device computes (0 under "always", or where
+        the slots are not the device's)."""
+        routed = getattr(self._state, "routed", None)
+        if self.mode != "auto" or routed is None or not routed.usable:
+            return 0
+        rates = self._rates or host_rates(self._state.device)
+        self._rates = rates
+        key = (layer, tokens, k)
+        m = self._picks.get(key)
+        if m is None:
+            # the layer's other chunks cross the link meanwhile (attention, norms, router)
+            others = sum(c.end - c.start for c in self._state.choice.layout[layer]
+                         if c.index not in chunks)
+
+            def host_seconds(picks: int) -> float:
+                share = expected_share(entry.experts, picks, tokens)
+                return entry.experts * share * entry.expert_bytes / rates.read_rate + \
+                    2 * tokens * picks * (entry.expert_bytes / entry.element_size) / \
+                    rates.flop_rate + rates.latency
+            m = split.device_picks(tokens, k, entry.experts, entry.expert_bytes, others,
+                                   host_seconds, rates.link_rate)
+            self._picks[key] = m
+        return m
 
     def _on_host(self, entry: _Layer, x, ids, gates) -> torch.Tensor:
         xh, idh, gh = (self._stage(t, i) for i, t in enumerate((x, ids, gates)))
@@ -346,5 +426,6 @@ class HostExperts:
                             host.link_rate, host)
 
     def last_call(self) -> dict[int, str]:
-        """Layer -> where its experts ran in the latest call ("host" or "device")."""
+        """Layer -> where its experts ran in the latest call ("host", "device", or "split
+        <m>": each token's first m picks and the cached ones on the device)."""
         return dict(self.ran)

@@ -1,0 +1,72 @@
+"""One routed MoE layer's picks split between the device and the host, so that the link and
+the host's cores work on the same layer at once (``host_compute="auto"``).
+
+A decode step's layer picks ``k`` experts a token.  Computed wholly on the host, the link
+carries only the layer's other chunks (attention, norms, router) meanwhile and then idles;
+streamed wholly, the host idles.  Split, each token's first ``m`` picks (the router's
+strongest) and every pick the device's expert cache holds run on the device, the rest on
+the host::
+
+    keep     = (position < m) | cached[ids]            on the device, no host wait
+    ids_dev  = where(keep, ids, E)                     E: the sentinel nobody reads
+    ids_host = where(keep, E, ids)
+    wait_routed(ids_dev)   -> the device's picks cross the link (or come from the cache)
+    y = device_experts(x, ids_dev, gates, keep) + host kernel(x, ids_host, gates)
+
+The two parts run at once: the host's part on a stream of its own (its host function holds
+that stream, not the compute stream), the device's on the compute stream.  ``m`` is chosen
+per call from the measured rates so that both finish together (:func:`device_picks`); the
+expert cache's hits are free extras on the device.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..copy_rules import expected_share
+
+
+def device_picks(tokens: int, k: int, experts: int, expert_bytes: int, other_bytes: int,
+                 host_seconds, link_rate: float) -> int:
+    """``m``, how many of each token's ``k`` picks the device computes: the ``m`` minimizing
+    ``max(link time, host time)`` of a layer, where the link carries the layer's
+    ``other_bytes`` (its streamed non-expert chunks) and the distinct experts the first
+    ``m`` positions pick, and the host reads the rest (``host_seconds(picks)``: its time
+    for ``picks`` positions a token).  0 keeps every pick on the host; at most ``k - 1``
+    (all ``k`` is streaming, which the caller weighs on its own)."""
+    best, best_time = 0, float("inf")
+    for m in range(k):
+        moved = experts * expected_share(experts, m, tokens) * expert_bytes if m else 0.0
+        time = max((other_bytes + moved) / link_rate, host_seconds(k - m))
+        if time < best_time - 1e-12:
+            best, best_time = m, time
+    return best
+
+
+def keep_on_device(ids: torch.Tensor, m: int, where: torch.Tensor | None) -> torch.Tensor:
+    """Which picks of ``ids`` (T, k) the device computes: the first ``m`` of each token, and
+    every pick that ``where`` (expert -> its row in the device's cache, -1 for none; one
+    entry more than experts) says is cached."""
+    keep = torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)
+    keep[:, :m] = True
+    if where is not None:
+        keep |= where[ids.clamp(0, where.numel() - 1)] >= 0
+    return keep
+
+
+def device_experts(x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor,
+                   gate_up: torch.Tensor, down: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``sum_j keep[t, j] * gates[t, j] * down[e] @ (silu(gate) * up)`` in fp32, (T, H), for
+    transformers' fused layout (``gate_up [E, 2I, H]``, gate rows first, ``down [E, H, I]``).
+    Rows of experts no kept pick names may hold anything (a slot's stale bytes): their
+    products are dropped with ``where``, never multiplied by zero (0 * NaN is NaN)."""
+    T, k = ids.shape
+    safe = torch.where(keep, ids, 0).reshape(-1)
+    rows = x.repeat_interleave(k, dim=0).unsqueeze(-1)                 # (T*k, H, 1)
+    h = torch.bmm(gate_up[safe], rows.to(gate_up.dtype)).squeeze(-1)   # (T*k, 2I)
+    gate, up = h.chunk(2, dim=-1)
+    act = F.silu(gate) * up
+    out = torch.bmm(down[safe], act.unsqueeze(-1)).squeeze(-1).float()  # (T*k, H)
+    out = out * gates.reshape(-1, 1).float()
+    out = torch.where(keep.reshape(-1, 1), out, 0.0)
+    return out.view(T, k, -1).sum(dim=1)
