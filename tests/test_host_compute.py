@@ -14,7 +14,6 @@ from fx_offload import explain, ops, registry
 from fx_offload.errors import OffloadError, ScheduleError
 from fx_offload.host_compute import kernels
 from fx_offload.host_compute.rates import HostRates
-from fx_offload.runtime.host_experts import prefers_host
 from fx_offload.tools import models
 from helpers import PLANNER_RATES, assert_same_greedy_tokens, small_moe
 
@@ -110,7 +109,7 @@ def test_a_streamed_call_runs_the_same_op_on_the_slot(monkeypatch):
     _calls(compiled, reference, [(2, 1)], **FP32)
     host = registry.state_for_model(model).host_experts
     monkeypatch.setattr(host, "mode", "auto")
-    monkeypatch.setattr(host, "_prefers", lambda *args: False)
+    monkeypatch.setattr(host, "_plan", lambda entry, layer, tokens, k: k)
     monkeypatch.setattr(host, "on_host_now", False)
     _calls(compiled, reference, [(2, 1)], seed=1, **FP32)
     rep = fx_offload.report(model)
@@ -183,14 +182,23 @@ def test_the_verifier_refuses_a_refill_over_the_experts_before_their_op():
 
 def test_auto_prefers_the_host_for_decode_and_the_link_for_a_prompt():
     """Qwen3-30B-A3B's shapes (128 experts, top 8, 9.4 MB each in bf16), a 50 GB/s link,
-    a host reading 100 GB/s and computing 1 TFLOP/s, 50 us a layer."""
+    a host reading 100 GB/s and computing 1 TFLOP/s, 50 us a layer: decode splits with
+    most picks on the host, a prompt streams (m = k)."""
+    from fx_offload.host_compute import split
     host = HostRates(read_rate=100e9, flop_rate=1e12, latency=50e-6)
-    shape = dict(k=8, experts=128, expert_bytes=9_437_184, element_size=2, link_rate=50e9)
-    assert prefers_host(1, host=host, **shape)
-    assert prefers_host(4, host=host, **shape)
-    assert not prefers_host(512, host=host, **shape)
-    slow = HostRates(read_rate=20e9, flop_rate=1e12, latency=50e-6)
-    assert not prefers_host(1, host=slow, **shape)
+    shape = dict(k=8, experts=128, expert_bytes=9_437_184, element_size=2, link_rate=50e9,
+                 host=host)
+    assert split.device_picks(1, other_bytes=0, **shape) in (2, 3)
+    assert split.device_picks(4, other_bytes=0, **shape) < 8
+    assert split.device_picks(512, other_bytes=0, **shape) == 8
+    # every layer offloaded: its 36 MiB of attention leave the link less time
+    assert split.device_picks(1, other_bytes=36 << 20, **shape) == 0
+    # a host far slower than the link still takes one pick where the link is free ...
+    slow = dict(shape, host=HostRates(read_rate=10e9, flop_rate=1e12, latency=50e-6))
+    assert split.device_picks(1, other_bytes=0, **slow) == 7
+    # ... but not where its round trip costs more than the pick
+    slower = dict(shape, host=HostRates(read_rate=10e9, flop_rate=1e12, latency=2e-3))
+    assert split.device_picks(1, other_bytes=0, **slower) == 8
 
 
 def test_the_reference_kernel_skips_sentinels_and_sums_in_fp32():
@@ -392,37 +400,36 @@ def test_a_split_layers_two_parts_sum_to_the_whole(m, cached):
 
 def test_the_split_takes_the_share_that_lets_link_and_host_finish_together():
     """``device_picks``: with the link free and as fast as the host, about half of the
-    picks; with the link busy with the layer's other chunks, fewer or none; never all
-    (that is streaming)."""
+    picks; with the link busy with the layer's other chunks, fewer or none."""
     from fx_offload.host_compute import split
     E, k, b = 128, 8, 9 << 20
 
-    def host(rate):
-        return lambda picks: picks * b / rate
+    def picks(rate, link, others=0):
+        host = HostRates(read_rate=rate, flop_rate=1e15, latency=0.0)
+        return split.device_picks(1, k, E, b, 2, others, link, host)
 
-    assert split.device_picks(1, k, E, b, 0, host(50e9), 50e9) == 4
-    assert split.device_picks(1, k, E, b, 0, host(100e9), 50e9) in (2, 3)
+    assert picks(50e9, 50e9) == 4
+    assert picks(100e9, 50e9) in (2, 3)
     # the layer's attention (36 MiB) crosses too: one pick is left for the link
-    assert split.device_picks(1, k, E, b, 36 << 20, host(80e9), 55e9) == 1
-    assert split.device_picks(1, k, E, b, 1 << 30, host(80e9), 55e9) == 0
-    # a host far slower than the link still computes one pick: all k is streaming
-    assert split.device_picks(1, k, E, b, 0, host(1e9), 1e12) == k - 1
+    assert picks(80e9, 55e9, 36 << 20) == 1
+    assert picks(80e9, 55e9, 1 << 30) == 0
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("cache", [None, "1MiB"])
-def test_on_a_gpu_auto_splits_a_layers_picks_between_device_and_host(monkeypatch, cache):
-    """Under "auto", each token's first pick (and the cached experts) run on the device
-    while the host computes the others, on a stream of its own: the model's logits, the
-    split reported, the host's share read."""
+@pytest.mark.parametrize("cached", [0, 4])
+def test_on_a_gpu_auto_splits_a_layers_picks_between_device_and_host(monkeypatch, cached):
+    """Under "auto", each token's first pick (and the cached experts: 4 of 16 a layer) run
+    on the device while the host computes the others, on a stream of its own: the model's
+    logits, the split reported, the host's share read."""
     from fx_offload.host_compute import split
     monkeypatch.setattr(split, "device_picks", lambda *a, **kw: 1)
-    monkeypatch.setattr("fx_offload.runtime.host_experts.prefers_host",
-                        lambda *a, **kw: True)
     model = small_moe("qwen3_moe").eval().cuda()
     reference = copy.deepcopy(model)
+    # the cache holds as many experts of each routed layer (layers 1 and 3)
+    per_expert = _experts_bytes(model, 1) // model.model.layers[1].mlp.experts.num_experts
     fx_offload.compile_forward(model, dynamic=True, inner_backend="aot_eager",
-                               host_compute="auto", expert_cache=cache)
+                               host_compute="auto",
+                               expert_cache=cached * 2 * per_expert or None)
     with torch.no_grad():
         for seed in range(6):       # the cache is filled after 4 calls
             ids = torch.randint(0, 256, (2, 1), device="cuda",
@@ -434,3 +441,23 @@ def test_on_a_gpu_auto_splits_a_layers_picks_between_device_and_host(monkeypatch
     assert rep.experts_ran == {1: "split 1", 3: "split 1"}, rep.experts_ran
     assert rep.host_read_bytes_last_call > 0
     assert "split with the device" in str(rep)
+    if cached:
+        assert rep.expert_cache[0] == cached and rep.expert_cache[3] == 2 * cached
+
+
+def test_the_read_probe_reads_more_than_a_cache_holds_through_a_job_thread(monkeypatch):
+    """``"auto"``'s read rate is taken on experts far larger than a last-level cache (a
+    probe held in the cache read 150-280 GB/s on a host whose memory reads 86), on a
+    thread of its own as a queued job runs."""
+    import threading
+    from fx_offload.host_compute import rates
+    per_expert = 3 * rates.PROBE_INNER * rates.PROBE_HIDDEN * 2
+    assert rates.PROBE_EXPERTS * per_expert >= 512 << 20
+    threads = []
+    real = kernels.job_threads
+    monkeypatch.setattr(kernels, "job_threads",
+                        lambda: threads.append(threading.current_thread()) or real())
+    rate = rates.read_rate(repeats=2)
+    assert 1e8 < rate < 1e13
+    if fx_offload.host_compute.native.library() is not None:
+        assert threads and all(t is not threading.main_thread() for t in threads)

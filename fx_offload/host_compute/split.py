@@ -15,30 +15,49 @@ the host::
 
 The two parts run at once: the host's part on a stream of its own (its host function holds
 that stream, not the compute stream), the device's on the compute stream.  ``m`` is chosen
-per call from the measured rates so that both finish together (:func:`device_picks`); the
-expert cache's hits are free extras on the device.
+per layer and call shape from the measured rates so that both finish together
+(:func:`device_picks`): ``m = k`` streams the layer (a prompt: the host's arithmetic is the
+cost), ``m = 0`` computes it wholly on the host; the expert cache's hits are free extras on
+the device.  The rule counts what else crosses the link for the layer (with every layer
+offloaded, its attention and norms): the link's share is the time it has left.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from ..copy_rules import expected_share
+from ..copy_rules import WHOLE_ABOVE, expected_share
 
 
-def device_picks(tokens: int, k: int, experts: int, expert_bytes: int, other_bytes: int,
-                 host_seconds, link_rate: float) -> int:
+def device_picks(tokens: int, k: int, experts: int, expert_bytes: int, element_size: int,
+                 other_bytes: int, link_rate: float, host) -> int:
     """``m``, how many of each token's ``k`` picks the device computes: the ``m`` minimizing
-    ``max(link time, host time)`` of a layer, where the link carries the layer's
-    ``other_bytes`` (its streamed non-expert chunks) and the distinct experts the first
-    ``m`` positions pick, and the host reads the rest (``host_seconds(picks)``: its time
-    for ``picks`` positions a token).  0 keeps every pick on the host; at most ``k - 1``
-    (all ``k`` is streaming, which the caller weighs on its own)."""
-    best, best_time = 0, float("inf")
-    for m in range(k):
-        moved = experts * expected_share(experts, m, tokens) * expert_bytes if m else 0.0
-        time = max((other_bytes + moved) / link_rate, host_seconds(k - m))
-        if time < best_time - 1e-12:
+    ``max(link time, host time)`` of a layer.  The link carries the layer's ``other_bytes``
+    (its streamed non-expert chunks) and the distinct experts the first ``m`` positions
+    pick (all ``k``: the layer streams, its chunk whole where most experts are picked);
+    the host reads the experts the other positions pick and computes on them.  ``host``:
+    :class:`~fx_offload.host_compute.rates.HostRates`.  0 keeps every pick on the host;
+    ``k`` streams the layer; a tie goes to the device (the host's part would add a
+    round trip for nothing)."""
+    def host_seconds(picks: int) -> float:
+        if not picks:
+            return 0.0
+        share = expected_share(experts, picks, tokens)
+        return experts * share * expert_bytes / host.read_rate + \
+            2 * tokens * picks * (expert_bytes / element_size) / host.flop_rate + host.latency
+
+    # where the call's tokens pick most experts, the device's routed wait loads the chunk
+    # whole, whatever its share of the picks (it sees every token's ids)
+    whole = expected_share(experts, k, tokens) > WHOLE_ABOVE
+
+    def link_seconds(m: int) -> float:
+        share = 0.0 if not m else 1.0 if whole else expected_share(experts, m, tokens)
+        return (other_bytes + experts * share * expert_bytes) / link_rate
+
+    best, best_time = k, link_seconds(k)
+    for m in range(k - 1, -1, -1):
+        time = max(link_seconds(m), host_seconds(k - m))
+        if time < best_time * (1 - 1e-9):
             best, best_time = m, time
     return best
 

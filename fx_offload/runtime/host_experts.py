@@ -1,13 +1,16 @@
 """The ``host_experts`` op at run time (option ``host_compute``): a routed MoE layer's experts
 computed on the host from their weights' host block, or streamed, call by call.
 
-On the host (``"always"``, or ``"auto"`` where :func:`prefers_host` says so), on a CUDA
-device, for transformers' fused experts layout, everything is enqueued on the stream and
-the caller never waits::
+On the host (``"always"``, or ``"auto"`` where its rule says so), on a CUDA device, for
+transformers' fused experts layout, everything is enqueued on streams and the caller never
+waits::
 
-    x, ids, gates -> fp32/int64 on the device -> page-locked staging    copies, stream-ordered
-    host function (cuLaunchHostFunc): the C kernel on the staging and the host block
-    y (fp32, staging) -> the device -> x's dtype                         stream-ordered
+    compute stream: x, ids, gates -> fp32/int64 buffers of ours        -> event
+    job stream:     (waits the event) -> page-locked staging copies
+                    host function (cuLaunchHostFunc): the C kernel on the staging and the
+                    host block; y (fp32) -> the device                 -> event
+    compute stream: the device's share of the picks, if any (split.py)
+                    (waits the event) y + that share -> x's dtype
 
 The stream runs the kernel on a driver thread once the copies before it landed, and the
 copy back waits for it; meanwhile the caller goes on enqueuing the next layers' work (their
@@ -25,33 +28,26 @@ it: a routed wait for each chunk (the picked experts cross the link, or the whol
 prefetched), then the experts module's own ``forward``, whose parameters point at the slot
 during a call.
 
-``"auto"``'s rule, per layer and call, from the call's tokens ``T`` (top-``k`` of ``E``
-experts of ``b`` bytes each)::
-
-    bytes  = E * expected_share(E, k, T) * b      the distinct experts the call picks
-    host   = bytes / host read rate + 2 * T * k * (b / element size) / host FLOP rate
-             + host latency (a round trip and a kernel launch on tiny tensors)
-    stream = bytes / link rate                    (E * b where the chunk moves whole)
-    host computes when host < stream
-
-Decode (few tokens) reads few experts once each, which the host's memory serves faster
-than the link; a prompt's many tokens make the host's arithmetic the cost, so it streams.
-The rates come from :mod:`fx_offload.host_compute.rates` (measured once per machine and
-cached beside the device's rates).
+``"auto"``'s rule, per layer and call shape (:func:`~fx_offload.host_compute.split.
+device_picks`), from the call's tokens, the layer's expert sizes, the bytes of its other
+chunks and the rates of :mod:`fx_offload.host_compute.rates` (measured once per machine and
+cached beside the device's): of each token's ``k`` picks the device takes the first ``m``
+(gathered over the link, or from the expert cache) and the host the rest, ``m`` chosen so
+that the link and the host finish together; ``m = k`` streams the layer (a prompt: the
+host's arithmetic is the cost), ``m = 0`` computes it wholly on the host.
 """
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import weakref
 
 import torch
 from torch import nn
 
-from ..copy_rules import WHOLE_ABOVE, expected_share
 from ..errors import OffloadError
 from ..host_compute import kernels
+from ..host_compute.kernels import job_threads
 from ..host_compute import native
 from ..host_compute import split
 from ..host_compute.rates import host_rates
@@ -75,18 +71,6 @@ def for_state(state) -> "HostExperts | None":
     made as its memory is (``placement.activate``)."""
     mode = state.choice.options.host_compute
     return None if mode == "never" else HostExperts(state, mode)
-
-
-def prefers_host(tokens: int, k: int, experts: int, expert_bytes: int, element_size: int,
-                 link_rate: float, host) -> bool:
-    """``"auto"``'s rule (the module's docstring): host time below stream time.  ``host``:
-    :class:`~fx_offload.host_compute.rates.HostRates`."""
-    share = expected_share(experts, k, max(tokens, 1))
-    picked = experts * share * expert_bytes
-    host_time = picked / host.read_rate + \
-        2 * tokens * k * (expert_bytes / element_size) / host.flop_rate + host.latency
-    streamed = picked if share <= WHOLE_ABOVE else experts * expert_bytes
-    return host_time < streamed / link_rate
 
 
 class _Layer:
@@ -122,25 +106,6 @@ def _fused_silu(module: nn.Module, host: dict, experts: int) -> bool:
         gate_up.shape[1] == 2 * down.shape[2] and gate_up.shape[2] == down.shape[1]
     return all(flags) and silu and shapes and \
         (gate is None or gate.__name__ == "_default_apply_gate")
-
-
-def job_threads() -> int:
-    """Threads of a job the stream runs: ``FX_OFFLOAD_HOST_THREADS`` where set, else torch's
-    pool less a quarter of it.  The job runs while the Python thread enqueues the next
-    layers and the driver's threads serve the copies; a team on every core slows both.
-    Measured on the H200 machine (16 cores, 8 Qwen3-30B-A3B layers, batch 1, ms/token):
-    8 threads 21.3, 12 18.8, 15 19.4, 16 22.4."""
-    value = os.environ.get("FX_OFFLOAD_HOST_THREADS", "").strip()
-    if value:
-        try:
-            if int(value) >= 1:
-                return int(value)
-        except ValueError:
-            pass
-        log.warning("fx_offload: FX_OFFLOAD_HOST_THREADS=%r is no count of threads (a whole "
-                    "number of at least 1); using the default", value)
-    pool = kernels.host_threads()
-    return max(1, pool - pool // 4)
 
 
 class _StreamJobs:
@@ -274,8 +239,8 @@ class HostExperts:
         host (their prefetches then copy nothing), and count anew."""
         self.ran, self._read, self._queued_reads = {}, 0, []
         if self.mode == "auto" and tokens and self._k and self._layers:
-            layer = next(iter(self._layers.values()))
-            self.on_host_now = self._prefers(layer, tokens, self._k)
+            layer, entry = next(iter(self._layers.items()))
+            self.on_host_now = self._plan(entry, layer, tokens, self._k) < self._k
 
     def synchronize(self) -> None:
         """Wait for the host jobs queued on the streams: they read the host blocks (the
@@ -305,7 +270,8 @@ class HostExperts:
         self._k = k
         if state.phase is Phase.RESTORED:
             return _laid_out_as(x, entry.module(x, ids, gates))
-        host = self.mode == "always" or (not capturing() and self._prefers(entry, tokens, k))
+        host = self.mode == "always" or \
+            (not capturing() and self._plan(entry, layer, tokens, k) < k)
         if host:
             self.refuse_capture()
         if not host:
@@ -327,7 +293,9 @@ class HostExperts:
     def _queued(self, entry: _Layer, layer: int, chunks, x, ids, gates) -> torch.Tensor:
         """The host job queued on a stream; under "auto" the picks split with the device
         where that finishes sooner (:mod:`~fx_offload.host_compute.split`)."""
-        m = self._device_picks(entry, layer, chunks, x.shape[0], ids.shape[1])
+        m = self._plan(entry, layer, x.shape[0], ids.shape[1]) if self.mode == "auto" and \
+            getattr(self._state, "routed", None) is not None and \
+            self._state.routed.usable else 0
         routed = getattr(self._state, "routed", None)
         cache = routed.cache if routed is not None else None
         where = cache.where.get(layer) if cache is not None and \
@@ -350,28 +318,25 @@ class HostExperts:
                                         module.down_proj, keep)
         return self._jobs.run(entry, layer, x, ids_host, gates, device_part)
 
-    def _device_picks(self, entry: _Layer, layer: int, chunks, tokens: int, k: int) -> int:
-        """How many of each token's picks the device computes (0 under "always", or where
-        the slots are not the device's)."""
-        routed = getattr(self._state, "routed", None)
-        if self.mode != "auto" or routed is None or not routed.usable:
+    def _plan(self, entry: _Layer, layer: int, tokens: int, k: int) -> int:
+        """``"auto"``'s rule: how many of each token's ``k`` picks the device computes
+        (``k``: the layer streams; :func:`~fx_offload.host_compute.split.device_picks`),
+        per layer and call shape, from the measured rates."""
+        if self.mode == "always":
             return 0
-        rates = self._rates or host_rates(self._state.device)
-        self._rates = rates
         key = (layer, tokens, k)
         m = self._picks.get(key)
         if m is None:
+            if self._rates is None:
+                self._rates = host_rates(self._state.device)
             # the layer's other chunks cross the link meanwhile (attention, norms, router)
+            chunks = {c for c, how in self._state.choice.routing.get(layer, {}).items()
+                      if how == "routed"}
             others = sum(c.end - c.start for c in self._state.choice.layout[layer]
                          if c.index not in chunks)
-
-            def host_seconds(picks: int) -> float:
-                share = expected_share(entry.experts, picks, tokens)
-                return entry.experts * share * entry.expert_bytes / rates.read_rate + \
-                    2 * tokens * picks * (entry.expert_bytes / entry.element_size) / \
-                    rates.flop_rate + rates.latency
-            m = split.device_picks(tokens, k, entry.experts, entry.expert_bytes, others,
-                                   host_seconds, rates.link_rate)
+            m = split.device_picks(tokens, k, entry.experts, entry.expert_bytes,
+                                   entry.element_size, others, self._rates.link_rate,
+                                   self._rates)
             self._picks[key] = m
         return m
 
@@ -415,15 +380,6 @@ class HostExperts:
             entry = _Layer(params[0].owner, params, state.masters[layer], experts)
             self._layers[layer] = entry
         return entry
-
-    def _prefers(self, entry: _Layer, tokens: int, k: int) -> bool:
-        if self.mode == "always":
-            return True
-        if self._rates is None:
-            self._rates = host_rates(self._state.device)
-        host = self._rates
-        return prefers_host(tokens, k, entry.experts, entry.expert_bytes, entry.element_size,
-                            host.link_rate, host)
 
     def last_call(self) -> dict[int, str]:
         """Layer -> where its experts ran in the latest call ("host", "device", or "split
