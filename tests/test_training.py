@@ -427,3 +427,53 @@ def test_hugging_face_trainer_trains_the_adapters_as_without_offloading(tmp_path
     from safetensors.torch import load_file
     saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
     assert len(saved) == len(lora)
+
+
+def _weights(model):
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_memory_budget_sets_a_training_steps_bytes_aside_before_the_weights():
+    """A budget that holds the weights whole holds no training step: its saved activations,
+    the biases' gradients and AdamW state are set aside first (a bound read from the
+    graph), so the planner offloads; the step trains as without offloading. The same model
+    in eval mode fits whole."""
+    from fx_offload.selection import training_memory
+    from helpers import PLANNER_RATES
+    model, x = frozen_mlp()
+    reference = copy.deepcopy(model)
+    options = {"memory_budget": _weights(model), "inner_backend": "aot_eager",
+               **PLANNER_RATES}
+    compiled = torch.compile(model, backend="prefetch_offload", options=options)
+    ref_compiled = torch.compile(reference, backend="aot_eager")
+    steps(compiled, ref_compiled, model, reference, x, n=2)
+    planner = fx_offload.report(model).planner
+    state = sum(p.numel() * (p.element_size() + 8) for p in trained(model).values())
+    # the activations: at least each layer's output (batch x width, fp32), counted once
+    assert planner.training > state + 6 * x.numel() * 4, (planner.training, state)
+    assert planner.budget == _weights(model) - planner.training
+    assert fx_offload.report(model).params, "nothing offloaded"
+    assert "a training step's" in str(planner)
+    assert training_memory.step_bytes(model.eval(), None) == 0
+
+    plain, _ = frozen_mlp()
+    compiled = torch.compile(plain.eval(), backend="prefetch_offload",
+                             options={**options, "memory_budget": _weights(plain)})
+    with torch.no_grad():
+        compiled(x.detach())
+    assert not fx_offload.report(plain).params
+
+
+def test_a_budget_below_weights_and_the_training_step_says_what_to_shrink():
+    from helpers import PLANNER_RATES
+    model, x = frozen_mlp()
+    layer = sum(p.numel() * p.element_size() for p in model.layers[0].parameters())
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"memory_budget": _weights(model) - 4 * layer,
+                                      "inner_backend": "aot_eager", **PLANNER_RATES})
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(Exception, match="BudgetError.*a training step's .*activation "
+                                        "checkpointing make it smaller"):
+        compiled(x).sum().backward()
+    for name, p in model.named_parameters():
+        assert torch.equal(p, frozen[name]), name

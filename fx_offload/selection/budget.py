@@ -9,7 +9,9 @@ device's rates (:mod:`fx_offload.device_rates`):
    ``offload_params``, a subset of its patterns;
 2. keep those whose device memory for weights fits the budget:
    ``resident weights - offloaded bytes + slot buffers`` (a slot is as large as the largest
-   layer it holds);
+   layer it holds), after what else the device must hold is set aside: the KV cache's
+   device bytes, the expert cache the option asks for, and for a model being trained a
+   training step's (:mod:`.training_memory`);
 3. predict each one's forward time at the plan's token counts by simulating the schedule the
    pass builds (:func:`simulate`: compute in order, one copy stream, each layer moved in
    chunks: a chunk's copy starts when the layer leaving the slot has read what it overwrites,
@@ -38,7 +40,7 @@ from ..options import OffloadOptions
 from ..copy_rules import ALIGN, WHOLE_ABOVE, depth_wanted, expected_share
 from ..schedule import Schedule
 from ..text import format_bytes, render_table
-from . import compression
+from . import compression, training_memory
 from .costs import GraphCosts, graph_costs
 from .device_rates import RATE_NAMES, DeviceRates, rates_for
 from .experts import expert_tensors
@@ -251,11 +253,12 @@ class PlannerResult:
     expert_cache: int = 0                # of memory_budget, the expert cache's (its option)
     # each layer's parameter bytes when planned: a plan is kept only for layers alike
     layer_sizes: tuple[int, ...] = ()
+    training: int = 0                    # of memory_budget, a training step's (its graph's)
 
     @property
     def reserved_words(self) -> str:
         """What of the budget is set aside before the weights, in words."""
-        return reserved_words(self.reserved, self.expert_cache)
+        return reserved_words(self.reserved, self.expert_cache, self.training)
 
     def best_for(self, tokens) -> Scored:
         """The plan this budget would get for another workload (``plan_tokens``)."""
@@ -269,7 +272,8 @@ class PlannerResult:
     def __str__(self) -> str:
         cm = self.cost_model
         toks = list(self.plan_tokens)
-        kv = "" if not (self.reserved or self.expert_cache) else f" (after {self.reserved_words})"
+        kv = "" if not (self.reserved or self.expert_cache or self.training) else \
+            f" (after {self.reserved_words})"
         head = [f"planner: memory_budget {format_bytes(self.budget, as_option=True)}{kv} for "
                 f"{format_bytes(self.weights_bytes)} of weights (minimum "
                 f"{format_bytes(self.minimum_bytes)}); {self.considered} plans fit, chosen for "
@@ -441,16 +445,17 @@ def _experts_only(model: nn.Module, stack: LayerStack, options: OffloadOptions,
 
 def plan(model: nn.Module, stack: LayerStack, options: OffloadOptions, costs: GraphCosts,
          rates: DeviceRates, device: torch.device, runner_ups: int = 4,
-         reserved: int = 0) -> PlannerResult:
+         reserved: int = 0, training: int = 0) -> PlannerResult:
     """``reserved``: device bytes of the budget the KV cache takes (fx_offload.kv.host_layers);
-    the bytes the option ``expert_cache`` asks for are set aside too."""
+    ``training``: a training step's (:mod:`.training_memory`); the bytes the option
+    ``expert_cache`` asks for are set aside too."""
     started = time.perf_counter()
-    budget = options.memory_budget - reserved - options.expert_cache_asked
+    budget = options.memory_budget - reserved - options.expert_cache_asked - training
     all_plans, total, minimum = candidates(model, stack, options, device)
     if budget < minimum:
-        least = minimum + reserved + options.expert_cache_asked
-        kv = "" if not (reserved or options.expert_cache_asked) else (
-            f" and {reserved_words(reserved, options.expert_cache_asked, advice=True)}")
+        least = minimum + reserved + options.expert_cache_asked + training
+        kv = "" if not (reserved or options.expert_cache_asked or training) else (
+            f" and {reserved_words(reserved, options.expert_cache_asked, training, True)}")
         raise BudgetError(
             f"option 'memory_budget' ({format_bytes(options.memory_budget, as_option=True)}, "
             f"{options.memory_budget} bytes) "
@@ -474,14 +479,15 @@ def plan(model: nn.Module, stack: LayerStack, options: OffloadOptions, costs: Gr
     result = PlannerResult(budget, total, minimum, tuple(tokens), best[0], best[1:],
                            len(fitting) + (total <= budget), cost_model,
                            time.perf_counter() - started, fitting, reserved,
-                           options.expert_cache_asked, sizes_of(stack))
+                           options.expert_cache_asked, sizes_of(stack), training)
     log.info("fx_offload: %s", result)
     return result
 
 
-def reserved_words(kv_bytes: int, cache_bytes: int, advice: bool = False) -> str:
+def reserved_words(kv_bytes: int, cache_bytes: int, training_bytes: int = 0,
+                   advice: bool = False) -> str:
     """The device bytes of a budget set aside before the weights, in words (``advice``:
-    with how to make the KV cache's smaller)."""
+    with how to make them smaller)."""
     parts = []
     if kv_bytes:
         parts.append(f"the KV cache's {format_bytes(kv_bytes)} on the device" + (
@@ -489,6 +495,11 @@ def reserved_words(kv_bytes: int, cache_bytes: int, advice: bool = False) -> str
             "batch or fewer kv_slots make it smaller)" if advice else ""))
     if cache_bytes:
         parts.append(f"expert_cache's {format_bytes(cache_bytes)}")
+    if training_bytes:
+        parts.append(f"a training step's {format_bytes(training_bytes)} (the activations "
+                     "saved for backward, the trainable parameters' gradients and AdamW "
+                     "state" + ("; a shorter sequence, a smaller batch or activation "
+                                "checkpointing make it smaller" if advice else "") + ")")
     return " and ".join(parts)
 
 
@@ -567,7 +578,8 @@ def plan_for(model: nn.Module, stack: LayerStack, options: OffloadOptions, graph
     costs = graph_costs(gm, gi, {stack.layer_path(i): i for i in range(len(stack.modules))},
                         whole_graph_layer=whole)
     rates = rates_for(device, dtype, {n: getattr(options, n) for n in RATE_NAMES})
-    return plan(model, stack, options, costs, rates, device, reserved=reserved)
+    return plan(model, stack, options, costs, rates, device, reserved=reserved,
+                training=training_memory.step_bytes(model, gm))
 
 
 def carried_over(model: nn.Module, stack: LayerStack, options: OffloadOptions,
@@ -602,7 +614,7 @@ def carried_over(model: nn.Module, stack: LayerStack, options: OffloadOptions,
              "planned again from the first graph's costs", stack.path or "<root>",
              len(modules), count)
     return plan(model, stack, options, costs, planner.cost_model.rates, device,
-                reserved=reserved)
+                reserved=reserved, training=planner.training)
 
 
 def sizes_of(stack: LayerStack) -> tuple[int, ...]:
