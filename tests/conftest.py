@@ -6,6 +6,7 @@ import tempfile
 import pytest
 import torch
 import torch._dynamo
+import torch._inductor.config
 
 
 def pytest_xdist_auto_num_workers(config):
@@ -21,6 +22,11 @@ def pytest_xdist_auto_num_workers(config):
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
+# Inductor compiles its kernels in the worker itself: a pool of compile subprocesses per
+# xdist worker costs more than the few small kernels a test builds (the Inductor tests of
+# test_correctness.py took 60 s with the pool, 31 s without, on 2 cores)
+torch._inductor.config.compile_threads = 1
 
 
 def pytest_collection_modifyitems(config, items):

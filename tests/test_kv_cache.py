@@ -22,7 +22,7 @@ WEIGHTS = dict(group_size=4, num_in_group=1)      # one layer's weights offloade
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
-def pair(device="cpu", inner="aot_eager", **kv):
+def pair(device="cpu", inner="aot_eager", dynamic=False, **kv):
     """(reference with its cache on the device, the same model with kv_cache='host'),
     both compiled by ``compile_forward`` with the same inner backend."""
     torch.manual_seed(0)
@@ -30,8 +30,8 @@ def pair(device="cpu", inner="aot_eager", **kv):
     reference = reference.to(device)
     reference.generation_config.eos_token_id = None
     model = copy.deepcopy(reference)
-    fx_offload.compile_forward(reference, inner_backend=inner, dynamic=True, **WEIGHTS)
-    fx_offload.compile_forward(model, inner_backend=inner, dynamic=True, kv_cache="host",
+    fx_offload.compile_forward(reference, inner_backend=inner, dynamic=dynamic, **WEIGHTS)
+    fx_offload.compile_forward(model, inner_backend=inner, dynamic=dynamic, kv_cache="host",
                                **{"kv_block_size": 16, **kv}, **WEIGHTS)
     return reference, model
 
@@ -61,7 +61,7 @@ def test_tokens_and_cache_equal_the_device_cache(device):
     new tokens, three generates in a row: the tokens and every valid position of every
     layer's keys and values equal the device cache's, bitwise (aot_eager both); report gives
     the host bytes and what a step copies in and writes back."""
-    reference, model = pair(device)
+    reference, model = pair(device, dynamic=True)      # (the other tests: static shapes)
     ids = torch.randint(0, 128, (2, 37), device=device)
     for _ in range(3):
         cache_ref, cache = static_cache(reference, 2, 64), static_cache(model, 2, 64)
@@ -305,7 +305,7 @@ def test_compiling_without_compile_forward_is_refused():
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
     model.generation_config.eos_token_id = None
     model.forward = torch.compile(model.forward, backend=fx_offload.backend(
-        kv_cache="host", inner_backend="aot_eager", **WEIGHTS), dynamic=True)
+        kv_cache="host", inner_backend="aot_eager", **WEIGHTS), dynamic=False)
     ids = torch.randint(0, 128, (1, 6))
     cache = static_cache(model, 1, 16)
     for layer in cache.layers:          # a cache initialized on the device beforehand
@@ -366,7 +366,7 @@ def test_compiled_again_with_other_kv_options_or_without():
         fx_offload.restore(model)
         del model.forward
         torch._dynamo.reset()
-        fx_offload.compile_forward(model, inner_backend="aot_eager", dynamic=True, **kv,
+        fx_offload.compile_forward(model, inner_backend="aot_eager", dynamic=False, **kv,
                                    **WEIGHTS)
         assert torch.equal(generate(model, ids), expected)
         runtime = runtime_of(model)
@@ -398,8 +398,8 @@ def test_beam_search_use_cache_false_and_sliding_layers():
     reference = transformers.Qwen2ForCausalLM(config).eval()
     reference.generation_config.eos_token_id = None
     model = copy.deepcopy(reference)
-    fx_offload.compile_forward(reference, inner_backend="aot_eager", dynamic=True, **WEIGHTS)
-    fx_offload.compile_forward(model, inner_backend="aot_eager", dynamic=True,
+    fx_offload.compile_forward(reference, inner_backend="aot_eager", dynamic=False, **WEIGHTS)
+    fx_offload.compile_forward(model, inner_backend="aot_eager", dynamic=False,
                                kv_cache="host", kv_block_size=16, **WEIGHTS)
     sliding = [i for i, t in enumerate(config.layer_types) if t == "sliding_attention"]
     assert torch.equal(generate(model, ids), generate(reference, ids))
@@ -407,7 +407,7 @@ def test_beam_search_use_cache_false_and_sliding_layers():
     torch.manual_seed(0)
     mistral = transformers.MistralForCausalLM(transformers.MistralConfig(
         **CONFIG, sliding_window=8)).eval()
-    fx_offload.compile_forward(mistral, inner_backend="aot_eager", dynamic=True,
+    fx_offload.compile_forward(mistral, inner_backend="aot_eager", dynamic=False,
                                kv_cache="host", **WEIGHTS)
     with pytest.raises(OffloadError, match="every layer of this cache is a sliding-window"):
         generate(mistral, ids, new=2)
@@ -429,7 +429,7 @@ def host_model(**kv):
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
     model.generation_config.eos_token_id = None
-    return fx_offload.compile_forward(model, inner_backend="aot_eager", dynamic=True,
+    return fx_offload.compile_forward(model, inner_backend="aot_eager", dynamic=False,
                                       kv_cache="host", kv_block_size=16, **kv, **WEIGHTS)
 
 

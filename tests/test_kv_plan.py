@@ -39,9 +39,9 @@ def _models(**options):
     reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
     reference.generation_config.eos_token_id = None
     model = copy.deepcopy(reference)
-    fx_offload.compile_forward(reference, inner_backend="aot_eager", dynamic=True,
+    fx_offload.compile_forward(reference, inner_backend="aot_eager", dynamic=False,
                                group_size=4, num_in_group=1)
-    fx_offload.compile_forward(model, inner_backend="aot_eager", dynamic=True,
+    fx_offload.compile_forward(model, inner_backend="aot_eager", dynamic=False,
                                **(RATES if "memory_budget" in options else {}), **options)
     return reference, model
 
