@@ -27,6 +27,7 @@ if _WORKERS > 1:
 # xdist worker costs more than the few small kernels a test builds (the Inductor tests of
 # test_correctness.py took 60 s with the pool, 31 s without, on 2 cores)
 torch._inductor.config.compile_threads = 1
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")     # the CLI tests' subprocesses
 
 
 def pytest_collection_modifyitems(config, items):
