@@ -302,7 +302,7 @@ def test_encoder_decoder_models_offload_both_stacks(build, stacks):
     assert torch.equal(got, want)
     assert fx_offload.registry.state_for_model(model).stack.paths == stacks
     fx_offload.restore(model)
-    model.forward = torch.compile(model.forward, backend="prefetch_offload", dynamic=True,
+    model.forward = torch.compile(model.forward, backend="prefetch_offload",
                                   options={"inner_backend": "aot_eager"})
     (source,) = inputs.values()
     kwargs = dict(max_new_tokens=6, do_sample=False)

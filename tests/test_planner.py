@@ -21,7 +21,7 @@ from fx_offload.selection.stack import find_layer_stack
 from helpers import PLANNER_RATES as RATES, experts_alone_budget, small_moe
 
 
-def compile_planned(name, budget, build_kwargs=None, inner_backend="eager", dynamic=True,
+def compile_planned(name, budget, build_kwargs=None, inner_backend="eager", dynamic=False,
                     **options):
     model, inputs = models.build(name, **(build_kwargs or {}))
     reference = copy.deepcopy(model)

@@ -76,7 +76,7 @@ def test_greedy_generate_gives_the_same_tokens(name, device):
     model, extra = build(name)
     model = model.eval().to(device)
     reference = copy.deepcopy(model)
-    model.forward = torch.compile(model.forward, backend="prefetch_offload", dynamic=True,
+    model.forward = torch.compile(model.forward, backend="prefetch_offload",
                                   options={"inner_backend": "aot_eager", **extra})
     ids = torch.randint(0, 256, (1, 6), device=device)
     assert_same_greedy_tokens(model, reference, ids)
