@@ -383,3 +383,23 @@ def test_restore_copies_no_cached_row(monkeypatch):
                         lambda self, *a: copied.append(a))
     fx_offload.restore(model)
     assert copied == []
+
+
+def test_picks_computed_on_the_host_are_counted_once_an_expert_as_a_gather_counts_them():
+    """The host's share of a split layer (host_compute): ``count_picks`` adds each expert
+    its ids pick once, sentinels (the device's share) nowhere, so the next refresh weighs
+    them; ``cache_rows`` is the layer's ``where`` once the cache holds rows of it."""
+    model, compiled, reference = _offloaded(4 * 2 * EXPERT)
+    _calls(model, compiled, reference, "cpu", 1)
+    routed = registry.state_for_model(model).routed
+    layer = sorted(routed.cache.counts)[0]
+    counts = routed.cache.counts[layer]
+    before = counts.clone()
+    experts = counts.numel()
+    ids = torch.tensor([[3, experts], [3, 5], [experts, 7]])     # E: the device's picks
+    routed.count_picks(layer, ids)
+    added = counts - before
+    assert added[[3, 5, 7]].tolist() == [1, 1, 1] and int(added.sum()) == 3
+    assert routed.cache_rows(layer) is routed.cache.where[layer]
+    routed.cache._drop(layer)
+    assert routed.cache_rows(layer) is None

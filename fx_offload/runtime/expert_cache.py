@@ -112,17 +112,6 @@ class ExpertCache:
         self.counts[layer].add_(mask[:count])
         return (mask[:count] * (self.where[layer][:count] >= 0)).sum()
 
-    def note_picks(self, layer: int, ids: torch.Tensor) -> None:
-        """Count the experts ``ids`` picks of ``layer`` that no gather sees (those computed
-        on the host, :mod:`~fx_offload.host_compute.split`): the cache learns from them too.
-        Once an expert, as a gather counts (out-of-range ids land on an extra entry)."""
-        counts = self.counts[layer]
-        n = counts.numel()
-        flat = ids.reshape(-1).to(torch.int64)
-        picked = torch.zeros(n + 1, dtype=counts.dtype, device=counts.device)
-        picked.index_fill_(0, torch.where((flat >= 0) & (flat < n), flat, n), 1)
-        counts.add_(picked[:n])
-
     def between_calls(self, masters, versions, routing) -> None:
         """A call begins (outside any CUDA graph, after its look at what the user changed):
         free the rows of layers no gather has read (a CUDA graph captured with them would

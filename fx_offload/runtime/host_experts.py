@@ -174,14 +174,14 @@ class _StreamJobs:
         for name, t, dtype in (("x", x, torch.float32), ("ids", ids, torch.int64),
                                ("gates", gates, torch.float32)):
             there = self.buffer("dev_" + name, t.numel(), dtype, main, device=x.device)
-            ready.append((there.view(t.shape).copy_(t), name, dtype))
+            ready.append((name, there.view(t.shape).copy_(t)))
         y_there = self.buffer("dev_y", T * H, torch.float32, main, device=x.device).view(T, H)
         self.entered.record(main)
         with torch.cuda.stream(side):
             side.wait_event(self.entered)
             staged = []
-            for there, name, dtype in ready:
-                view = self.buffer(name, there.numel(), dtype, side).view(there.shape)
+            for name, there in ready:
+                view = self.buffer(name, there.numel(), there.dtype, side).view(there.shape)
                 view.copy_(there, non_blocking=True)
                 staged.append(view)
             y = self.buffer("y", T * H, torch.float32, side).view(T, H)
@@ -270,8 +270,9 @@ class HostExperts:
         self._k = k
         if state.phase is Phase.RESTORED:
             return _laid_out_as(x, entry.module(x, ids, gates))
-        host = self.mode == "always" or \
-            (not capturing() and self._plan(entry, layer, tokens, k) < k)
+        # (under capture "auto" streams: a graph cannot record the host's part)
+        m = k if capturing() and self.mode == "auto" else self._plan(entry, layer, tokens, k)
+        host = m < k
         if host:
             self.refuse_capture()
         if not host:
@@ -285,21 +286,20 @@ class HostExperts:
             if lib is not None:
                 if self._jobs is None:
                     self._jobs = _StreamJobs(lib, job_threads())
-                out = self._queued(entry, layer, chunks, x, ids, gates)
+                out = self._queued(entry, layer, chunks, x, ids, gates, m)
                 self._queued_reads.append((self._jobs.picked[layer], entry.expert_bytes))
                 return out
         return self._on_host(entry, x, ids, gates)
 
-    def _queued(self, entry: _Layer, layer: int, chunks, x, ids, gates) -> torch.Tensor:
-        """The host job queued on a stream; under "auto" the picks split with the device
-        where that finishes sooner (:mod:`~fx_offload.host_compute.split`)."""
-        m = self._plan(entry, layer, x.shape[0], ids.shape[1]) if self.mode == "auto" and \
-            getattr(self._state, "routed", None) is not None and \
-            self._state.routed.usable else 0
+    def _queued(self, entry: _Layer, layer: int, chunks, x, ids, gates, m: int) -> torch.Tensor:
+        """The host job queued on a stream; where ``m`` (``"auto"``'s rule) or the expert
+        cache give the device picks of its own, they split (:mod:`~fx_offload.host_compute.
+        split`), which needs the routed gather."""
         routed = getattr(self._state, "routed", None)
-        cache = routed.cache if routed is not None else None
-        where = cache.where.get(layer) if cache is not None and \
-            layer in cache.tensors else None
+        if routed is None or not routed.usable:
+            m, where = 0, None
+        else:
+            where = routed.cache_rows(layer)
         if not m and where is None:
             return self._jobs.run(entry, layer, x, ids, gates)
         self.ran[layer] = f"split {m}"
@@ -308,7 +308,7 @@ class HostExperts:
         ids_device = torch.where(keep, ids, sentinel)
         ids_host = torch.where(keep, sentinel, ids)
         if where is not None:       # the cache learns from every pick, the host's too
-            cache.note_picks(layer, ids_host)
+            routed.count_picks(layer, ids_host)
 
         def device_part() -> torch.Tensor:
             for chunk in chunks:

@@ -119,6 +119,20 @@ class RoutedExperts:
         else:
             self.gathered.add_(picked * row)
 
+    def cache_rows(self, layer: int) -> torch.Tensor | None:
+        """``where`` of ``layer`` in the expert cache (expert -> its row, -1 for none), or
+        None where the cache keeps none of its experts."""
+        cache = self.cache
+        return cache.where[layer] if cache is not None and layer in cache.tensors else None
+
+    def count_picks(self, layer: int, ids: torch.Tensor) -> None:
+        """Count for the expert cache the experts ``ids`` picks of ``layer`` that no gather
+        sees (those computed on the host, :mod:`~fx_offload.host_compute.split`), once an
+        expert as a gather counts them."""
+        count = max(self.experts[layer].values())
+        mask = gather.mark(self._masks[count], ids.to(self._masks[count].device))
+        self.cache.counts[layer].add_(mask[:count])
+
     def gather_into(self, layer: int, chunk, ids: torch.Tensor, contents, wait_for) -> None:
         """:meth:`gather` into a slot whose ``contents`` say it holds other bytes: copies
         pending into them are waited for (``wait_for``) first."""
