@@ -230,6 +230,32 @@ def test_per_call_choice_follows_what_the_caller_does_between_calls():
     assert not fixed.at_end and fixed.describe() == "when the next call begins"
 
 
+def test_the_entry_is_not_chosen_where_nothing_runs_before_the_first_offloaded_layer():
+    """A call whose first layer is offloaded waits for its copy at once: a copy begun at the
+    entry is hidden by nothing, so copies that land between calls (a caller that
+    synchronizes, or Hugging Face generate's token handling) keep the end."""
+    from fx_offload.runtime.circular import LANDED_CALLS, RECHECK_EVERY, CircularStart
+    choice = CircularStart("either", entry_hides=False)
+    for _ in range(LANDED_CALLS + RECHECK_EVERY):
+        choice.began_at_end(Landed(True))
+        choice.call_begins()
+        assert choice.at_end and choice.copies_at_end(capturing=False)
+    assert choice.moves == 0
+
+
+def test_the_state_lets_the_entry_hide_a_copy_only_behind_a_resident_layer():
+    for group_size, num_in_group, hides in ((2, 1, True), (1, 1, False)):
+        model, (x,) = models.build("decoder", num_layers=4, batch=1, seq=4)
+        compiled = torch.compile(model, backend="prefetch_offload",
+                                 options=dict(group_size=group_size, num_in_group=num_in_group,
+                                              inner_backend="eager"))
+        with torch.no_grad():
+            compiled(x)
+        state = fx_offload.registry.state_for_model(model)
+        assert (state.layers[0] > 0) == hides and state.circular.entry_hides == hides
+        fx_offload.restore(model)
+
+
 def test_a_call_whose_end_start_stays_idle_leaves_the_refill_to_the_entry():
     """Chosen per call, once the entry is chosen the end's start copies nothing: the call
     ends with the slot's last layer, and the next call's entry copies its first; outputs are

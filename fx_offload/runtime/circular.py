@@ -22,6 +22,13 @@ did not wait for it; the end stays.  Landed at ``LANDED_CALLS`` entries in a row
 waits (or idles long enough that either place hides the copy); the entry takes over, and one
 call in ``RECHECK_EVERY`` tries the end again, in case the caller changed.
 
+The entry is chosen only where something runs before the first offloaded layer (a resident
+layer): its compute is what hides a copy begun at the entry.  Where the call's first layer is
+offloaded, it waits for that copy at once, and a caller that waits for the device pays the
+copy either way (in its wait, or at the next call's start); the end stays, since it also
+hides the copy behind whatever the host does between calls (Hugging Face ``generate``'s
+token handling: the copy lands there, which alone would have looked like a waiting caller).
+
 Correctness never depends on the choice: a wait never trusts the schedule, and the entry
 start copies whatever the slot does not hold.  Inside a CUDA-graph capture the end start
 stays idle, so a captured graph behaves as with the circular prefetch at the entry.
@@ -40,8 +47,10 @@ class CircularStart:
     """The per-call choice of one offloaded model; trivial unless ``circular`` is
     ``"either"``."""
 
-    def __init__(self, circular: str, model_name: str = "model"):
+    def __init__(self, circular: str, model_name: str = "model", entry_hides: bool = True):
         self.circular = circular
+        # False where the call's first layer is offloaded: no compute before its wait
+        self.entry_hides = entry_hides
         self.model_name = model_name
         self.at_end = circular != "entry"   # where the coming call's circular copy starts
         self._end_copy = None       # done event of the latest copy begun at a call's end
@@ -77,7 +86,7 @@ class CircularStart:
             self._landed = 0        # still copying: the caller let it run on
             return
         self._landed += 1
-        if self._landed >= LANDED_CALLS:
+        if self._landed >= LANDED_CALLS and self.entry_hides:
             self.at_end, self._calls_at_entry = False, 0
             self.moves += 1
             log.debug("fx_offload: %s: the copies begun at the end of a call had landed "

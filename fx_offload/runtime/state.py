@@ -105,7 +105,9 @@ class OffloadState:
         self.ownership = Ownership(self.params, self.stack, self.model_ref, self.versions)
         # the refills the call hook begins, worked out once rather than on every call
         self.hook_copies = HookCopies(choice, self.contents)
-        self.circular = CircularStart(self.schedule.circular, self.model_name)
+        # the entry hides a copy only behind a resident layer run before the first offloaded
+        self.circular = CircularStart(self.schedule.circular, self.model_name,
+                                      entry_hides=bool(self.layers) and self.layers[0] > 0)
         self.copies = SlotCopies(choice, self.contents, self.versions, self.circular,
                                  self.hook_copies)
         self.turns = Turns(self.model_name, *weak_callbacks(self))
