@@ -461,3 +461,37 @@ def test_the_read_probe_reads_more_than_a_cache_holds_through_a_job_thread(monke
     assert 1e8 < rate < 1e13
     if fx_offload.host_compute.native.library() is not None:
         assert threads and all(t is not threading.main_thread() for t in threads)
+
+
+def test_a_split_is_weighed_at_the_rates_measured_side_by_side():
+    """Where the host and the link both work, each is counted at its rate measured beside
+    the other (they share the host's memory); a streamed layer has the link alone.  Rates
+    that fall when both run move picks back to the link, and unmeasured shared rates fall
+    back to the rates alone."""
+    from fx_offload.host_compute import split
+    alone = HostRates(read_rate=100e9, flop_rate=1e12, latency=50e-6, link_rate=50e9)
+    assert alone.read_beside_link == 100e9 and alone.link_beside_reads == 50e9
+    shape = dict(tokens=1, k=8, experts=128, expert_bytes=9_437_184, element_size=2,
+                 other_bytes=0, link_rate=50e9)
+    m_alone = split.device_picks(host=alone, **shape)
+    crowded = HostRates(read_rate=100e9, flop_rate=1e12, latency=50e-6, link_rate=50e9,
+                        shared_read_rate=40e9, shared_link_rate=45e9)
+    m_crowded = split.device_picks(host=crowded, **shape)
+    assert m_crowded > m_alone
+    # the rule's choice is the m minimizing the larger time at the shared rates
+    def step(m):
+        link = 0.0 if not m else 128 * split.expected_share(128, m, 1) * 9_437_184 / \
+            (50e9 if m == 8 else 45e9)
+        host = 0.0 if m == 8 else 128 * split.expected_share(128, 8 - m, 1) * 9_437_184 / \
+            40e9 + 2 * (8 - m) * 9_437_184 / 2 / 1e12 + 50e-6
+        return max(link, host)
+    assert step(m_crowded) == pytest.approx(min(step(m) for m in range(9)))
+
+
+@pytest.mark.cuda
+def test_the_shared_probe_reads_while_the_link_copies():
+    from fx_offload.host_compute import rates
+    read, link = rates.shared_rates(torch.device("cuda"), repeats=2)
+    assert 1e8 < read < 1e13 and 1e8 < link < 1e12
+    measured = rates.measure(torch.device("cuda"))
+    assert set(measured) == set(rates.NAMES) and measured["shared_link_rate"] > 0

@@ -632,7 +632,10 @@ def test_the_moe_benchmark_puts_the_gathered_rows_at_the_gather_kernels_rate(cap
     moved = {(routed, 1): (3 * 10**9, 0, 2 * 10**9, 0), (whole, 1): (7 * 10**9, 0, 0, 0),
              (hosted, 1): (10**9, 0, 0, 4 * 10**9)}
     tokens = {key: torch.zeros(1) for key in rows}
-    moe_bench._print_table(rows, tokens, moved, bandwidth=50e9, gathering=40e9, read_rate=80e9)
+    from fx_offload.host_compute.rates import HostRates
+    rates = HostRates(read_rate=90e9, flop_rate=1e12, latency=0.0, link_rate=55e9,
+                      shared_read_rate=80e9, shared_link_rate=50e9)
+    moe_bench._print_table(rows, tokens, moved, bandwidth=50e9, gathering=40e9, rates=rates)
     lines = capsys.readouterr().out.splitlines()
     assert "host GiB x bound x gather" in " ".join(lines[1].split())
     # after the name: batch, prefill, decode, GiB/step, host GiB, x bound, x gather, cached,
@@ -643,7 +646,8 @@ def test_the_moe_benchmark_puts_the_gathered_rows_at_the_gather_kernels_rate(cap
     assert float(got[routed][6]) == pytest.approx(35 / 70, abs=1e-3)
     assert float(got[routed][9]) == pytest.approx(35 / 140, abs=1e-3)
     assert got[whole][5] == got[whole][6] == "1.000"
-    # 1 GB over the link (20 ms) and 4 GB read on the host at 80 GB/s (50 ms): 50 ms
+    # 1 GB over the link (20 ms) and 4 GB read on the host at 80 GB/s beside the link's
+    # copies (50 ms): 50 ms
     assert float(got[hosted][5]) == pytest.approx(30 / 50, abs=1e-3)
     assert math.isnan(bench.gather_bandwidth(torch.device("cpu")))
 

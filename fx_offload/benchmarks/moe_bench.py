@@ -33,8 +33,8 @@ routers and norms, the planner offloads their expert tensors alone).  Needs a GP
 ``--host-compute`` runs the routed rows with each ``host_compute`` value asked for: the
 experts computed on the host's cores read their weights in place (``host GiB``, from
 ``report``), and such a step's bound is the larger of its copies over the link and its host
-reads over the host's read rate (``host_compute``'s own measurement), the two running at
-once.
+reads over the host's read rate, each at its rate measured while the other runs
+(``host_compute``'s own shared rates: both read the host's memory).
 """
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     rows_of += [("routed", "auto", b, None, h) for b in args.memory_budget.split(",") if b
                 for h in hosts]
     default_depth = os.environ.get("FX_OFFLOAD_AHEAD")
-    read_rate = _host_read_rate() if any(h != "never" for h in hosts) else None
+    rates = _host_rates() if any(h != "never" for h in hosts) else None
     for experts, cache, budget, depth, host in rows_of if "fx_offload" in methods else []:
         torch._dynamo.reset()
         _set_env("FX_OFFLOAD_AHEAD", default_depth if depth is None else depth)
@@ -178,17 +178,19 @@ def run(args: argparse.Namespace) -> int:
                                                              steps=True)
             del model
     torch.cuda.empty_cache()
-    _print_table(rows, tokens, moved, bandwidth, gathering, read_rate)
+    _print_table(rows, tokens, moved, bandwidth, gathering, rates)
     return 0
 
 
-def _host_read_rate() -> float:
-    """The rate the host's cores read host memory (bytes/s), as ``host_compute`` measured it
-    (cached per machine)."""
+def _host_rates():
+    """The host's rates as ``host_compute`` measured them (cached per machine)."""
     from ..host_compute.rates import host_rates
-    rate = host_rates(torch.device("cuda")).read_rate
-    print(f"host read rate {rate / 1e9:.1f} GB/s (host_compute's measurement)", flush=True)
-    return rate
+    rates = host_rates(torch.device("cuda"))
+    print(f"host read rate {rates.read_rate / 1e9:.1f} GB/s alone, "
+          f"{rates.read_beside_link / 1e9:.1f} while the link copies (at "
+          f"{rates.link_beside_reads / 1e9:.1f} GB/s; {rates.link_rate / 1e9:.1f} alone): "
+          "host_compute's measurements", flush=True)
+    return rates
 
 
 def _profile(model, prompt, extra, new_tokens: int = 6) -> None:
@@ -217,7 +219,7 @@ def _profile(model, prompt, extra, new_tokens: int = 6) -> None:
           f"{link_gaps(events, after, kernels=('_gather_rows',))}", flush=True)
 
 
-def _print_table(rows, tokens, moved, bandwidth, gathering, read_rate=None) -> None:
+def _print_table(rows, tokens, moved, bandwidth, gathering, rates=None) -> None:
     print(f"\n{'method':88s} {'batch':>5s} {'prefill ms':>10s} {'decode ms/tok':>13s} "
           f"{'GiB/step':>8s} {'host GiB':>8s} {'x bound':>8s} {'x gather':>8s} {'cached':>8s} "
           f"{'x routed':>8s} {'x whole':>8s} {'same tokens':>11s}")
@@ -227,9 +229,9 @@ def _print_table(rows, tokens, moved, bandwidth, gathering, read_rate=None) -> N
             "yes" if torch.equal(tokens[(name, b)], ref) else "NO")
         nbytes, cached, gathered, host = moved.get((name, b), (None, 0, 0, 0))
         # a step's bound: its copies over the link and its host reads over the host's read
-        # rate, both at once, so the larger of the two
-        floor = max(nbytes / bandwidth, host / read_rate if host and read_rate else 0.0) \
-            if nbytes else None
+        # rate, both at once (each at its rate beside the other), so the larger of the two
+        floor = max(nbytes / rates.link_beside_reads, host / rates.read_beside_link) \
+            if nbytes and host and rates else nbytes / bandwidth if nbytes else None
         bound = decode / (floor * 1e3) if floor else float("nan")
         # the gathered rows at the gather kernel's rate, the rest at the copy engine's
         reach = decode / (((nbytes - gathered) / bandwidth + gathered / gathering) * 1e3) \

@@ -14,7 +14,11 @@ JSON file, a key of its own):
   tiny weights;
 * ``link_rate``: bytes/s from page-locked host memory to the device (the device rates'
   ``h2d_bandwidth`` where they are cached, else measured alone: the whole set's probes take
-  gigabytes of device memory, which a call of a model that fills the device does not have).
+  gigabytes of device memory, which a call of a model that fills the device does not have);
+* ``shared_read_rate`` and ``shared_link_rate``: the same two measured at once, the read
+  probe's jobs run back to back while the copy engine copies from page-locked memory.  Both
+  read the host's memory, and a split layer runs both: :mod:`.split` weighs a split with
+  these (0 where there is no link: the rates alone stand in).
 """
 from __future__ import annotations
 
@@ -32,12 +36,15 @@ from . import kernels, native
 
 log = logging.getLogger("fx_offload")
 
-NAMES = ("read_rate", "flop_rate", "latency", "link_rate")
-KEY = "host experts v2"     # (v1 read its probe's weights from the cache: measured again)
+NAMES = ("read_rate", "flop_rate", "latency", "link_rate", "shared_read_rate",
+         "shared_link_rate")
+# (v1 read its probe's weights from the cache; v2 had no shared rates: measured again)
+KEY = "host experts v3"
 # the read probe: bf16 experts of Qwen3-30B-A3B's size (9 MiB each), 8 picked a call of 64
 # (576 MiB: more than any last-level cache); the flop probe's matmul
 PROBE_EXPERTS, PROBE_INNER, PROBE_HIDDEN, PROBE_PICKS = 64, 768, 2048, 8
 FLOP_SIZE = 1024
+SHARED_COPY, SHARED_COPIES = 256 << 20, 8     # the copies the shared probe runs: 2 GiB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +53,18 @@ class HostRates:
     flop_rate: float        # FLOP/s
     latency: float          # seconds per layer and call
     link_rate: float = 0.0  # bytes/s, host to device
+    shared_read_rate: float = 0.0   # bytes/s read while the link copies (0: not measured)
+    shared_link_rate: float = 0.0   # bytes/s copied while the host reads (0: not measured)
+
+    @property
+    def read_beside_link(self) -> float:
+        """The host's read rate while the link copies too."""
+        return self.shared_read_rate or self.read_rate
+
+    @property
+    def link_beside_reads(self) -> float:
+        """The link's rate while the host's cores read too."""
+        return self.shared_link_rate or self.link_rate
 
 
 def host_rates(device: torch.device) -> HostRates:
@@ -84,39 +103,89 @@ def measure(device: torch.device) -> dict[str, float]:
     link = cached.get("h2d_bandwidth") if isinstance(cached, dict) else None
     if not isinstance(link, (int, float)):
         link = device_rates._h2d_bandwidth(device)
-    return {"read_rate": read, "flop_rate": flops, "latency": latency, "link_rate": link}
+    shared_read, shared_link = shared_rates(device) if device.type == "cuda" else (0.0, 0.0)
+    return {"read_rate": read, "flop_rate": flops, "latency": latency, "link_rate": link,
+            "shared_read_rate": shared_read, "shared_link_rate": shared_link}
 
 
 def read_rate(repeats: int = 9) -> float:
     """Bytes/s the host job reads expert weights at one token (the module's docstring)."""
-    E, I, H, k = PROBE_EXPERTS, PROBE_INNER, PROBE_HIDDEN, PROBE_PICKS
-    # the values do not change the kernel's speed: a fill is quicker than random numbers
-    gate_up = torch.empty(E, 2 * I, H, dtype=torch.bfloat16).fill_(0.01)
-    down = torch.empty(E, H, I, dtype=torch.bfloat16).fill_(0.01)
-    per_expert = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
-    gen = torch.Generator().manual_seed(0)
-    picks = [torch.randperm(E, generator=gen)[:k].reshape(1, k) for _ in range(repeats + 1)]
-    x, gates = torch.randn(1, H), torch.full((1, k), 1.0 / k)
-    lib = native.library()
-    seconds: list[float] = []
-    if lib is None:             # torch's path, on this thread
-        for ids in picks:
-            start = time.perf_counter()
-            kernels.routed_experts(x, ids, gates, gate_up, down)
-            seconds.append(time.perf_counter() - start)
-    else:                       # as a queued job runs: its own thread and team
+    probe = _ReadProbe(repeats)
+    return probe.rate(probe.run())
+
+
+def shared_rates(device: torch.device, repeats: int = 9) -> tuple[float, float]:
+    """(read rate, link rate) in bytes/s while both run: the read probe's jobs back to back
+    while ``SHARED_COPIES`` copies of ``SHARED_COPY`` bytes cross from page-locked memory on
+    a stream of their own; the jobs that ran while the copies did are counted."""
+    probe = _ReadProbe(repeats)
+    source = torch.empty(SHARED_COPY, dtype=torch.uint8).pin_memory()
+    target = torch.empty(SHARED_COPY, dtype=torch.uint8, device=device)
+    stream = torch.cuda.Stream(device)
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    target.copy_(source)            # warm-up: the first copy sets the path up
+    torch.cuda.synchronize(device)
+    with torch.cuda.stream(stream):
+        begin.record()
+        for _ in range(SHARED_COPIES):
+            target.copy_(source, non_blocking=True)
+        end.record()
+    seconds = probe.run(until=end.query)
+    end.synchronize()
+    link = SHARED_COPIES * SHARED_COPY / (begin.elapsed_time(end) / 1e3)
+    return probe.rate(seconds), link
+
+
+class _ReadProbe:
+    """The read probe's weights and picks, run as the runtime's queued job runs."""
+
+    def __init__(self, repeats: int):
+        E, I, H, k = PROBE_EXPERTS, PROBE_INNER, PROBE_HIDDEN, PROBE_PICKS
+        # the values do not change the kernel's speed: a fill is quicker than random numbers
+        self.gate_up = torch.empty(E, 2 * I, H, dtype=torch.bfloat16).fill_(0.01)
+        self.down = torch.empty(E, H, I, dtype=torch.bfloat16).fill_(0.01)
+        self.per_expert = (self.gate_up[0].numel() + self.down[0].numel()) * 2
+        gen = torch.Generator().manual_seed(0)
+        self.picks = [torch.randperm(E, generator=gen)[:k].reshape(1, k)
+                      for _ in range(repeats + 1)]
+        self.x, self.gates = torch.randn(1, H), torch.full((1, k), 1.0 / k)
+
+    def rate(self, seconds: list[float]) -> float:
+        return PROBE_PICKS * self.per_expert / statistics.median(seconds[1:])  # [0]: warm-up
+
+    def run(self, until=None) -> list[float]:
+        """Seconds of each job: one per pick set, or (``until`` given) the pick sets over
+        and over until ``until()`` is true (at least two)."""
+        lib = native.library()
+        seconds: list[float] = []
+
+        def sets():
+            i = 0
+            while True:
+                yield self.picks[i % len(self.picks)]
+                i += 1
+                if (until is None and i == len(self.picks)) or \
+                        (until is not None and i >= 2 and until()):
+                    return
+        if lib is None:             # torch's path, on this thread
+            for ids in sets():
+                start = time.perf_counter()
+                kernels.routed_experts(self.x, ids, self.gates, self.gate_up, self.down)
+                seconds.append(time.perf_counter() - start)
+            return seconds
+        E, I, H, k = PROBE_EXPERTS, PROBE_INNER, PROBE_HIDDEN, PROBE_PICKS
         floats, ints = native.scratch_sizes(k, H, I, E)
         scratch = (torch.empty(floats), torch.empty(ints, dtype=torch.int64))
         y, picked, job = torch.empty(1, H), ctypes.c_int64(0), native.ExpertsJob()
 
-        def run() -> None:
-            for ids in picks:
-                native.fill_job(job, gate_up, down, "silu", x, ids, gates, *scratch, y,
-                                picked, kernels.job_threads())
+        def run() -> None:          # as a queued job runs: its own thread and team
+            for ids in sets():
+                native.fill_job(job, self.gate_up, self.down, "silu", self.x, ids,
+                                self.gates, *scratch, y, picked, kernels.job_threads())
                 start = time.perf_counter()
                 lib.fx_experts_run(ctypes.byref(job))
                 seconds.append(time.perf_counter() - start)
         worker = threading.Thread(target=run, name="fx_offload-read-probe")
         worker.start()
         worker.join()
-    return k * per_expert / statistics.median(seconds[1:])      # the first: warm-up
+        return seconds

@@ -19,7 +19,9 @@ per layer and call shape from the measured rates so that both finish together
 (:func:`device_picks`): ``m = k`` streams the layer (a prompt: the host's arithmetic is the
 cost), ``m = 0`` computes it wholly on the host; the expert cache's hits are free extras on
 the device.  The rule counts what else crosses the link for the layer (with every layer
-offloaded, its attention and norms): the link's share is the time it has left.
+offloaded, its attention and norms): the link's share is the time it has left.  Where
+both work (``m < k``), each runs at its rate measured beside the other (both read the
+host's memory: :mod:`.rates`' shared rates); a streamed layer has the link to itself.
 """
 from __future__ import annotations
 
@@ -36,14 +38,15 @@ def device_picks(tokens: int, k: int, experts: int, expert_bytes: int, element_s
     (its streamed non-expert chunks) and the distinct experts the first ``m`` positions
     pick (all ``k``: the layer streams, its chunk whole where most experts are picked);
     the host reads the experts the other positions pick and computes on them.  ``host``:
-    :class:`~fx_offload.host_compute.rates.HostRates`.  0 keeps every pick on the host;
+    :class:`~fx_offload.host_compute.rates.HostRates` (its shared rates where both work;
+    ``link_rate`` is the link's alone).  0 keeps every pick on the host;
     ``k`` streams the layer; a tie goes to the device (the host's part would add a
     round trip for nothing)."""
     def host_seconds(picks: int) -> float:
         if not picks:
             return 0.0
         share = expected_share(experts, picks, tokens)
-        return experts * share * expert_bytes / host.read_rate + \
+        return experts * share * expert_bytes / host.read_beside_link + \
             2 * tokens * picks * (expert_bytes / element_size) / host.flop_rate + host.latency
 
     # where the call's tokens pick most experts, the device's routed wait loads the chunk
@@ -52,7 +55,8 @@ def device_picks(tokens: int, k: int, experts: int, expert_bytes: int, element_s
 
     def link_seconds(m: int) -> float:
         share = 0.0 if not m else 1.0 if whole else expected_share(experts, m, tokens)
-        return (other_bytes + experts * share * expert_bytes) / link_rate
+        rate = link_rate if m == k else (host.shared_link_rate or link_rate)
+        return (other_bytes + experts * share * expert_bytes) / rate
 
     best, best_time = k, link_seconds(k)
     for m in range(k - 1, -1, -1):
