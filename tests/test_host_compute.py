@@ -422,7 +422,9 @@ def test_on_a_gpu_auto_splits_a_layers_picks_between_device_and_host(monkeypatch
     on the device while the host computes the others, on a stream of its own: the model's
     logits, the split reported, the host's share read."""
     from fx_offload.host_compute import split
+    from fx_offload.runtime import host_experts
     monkeypatch.setattr(split, "device_picks", lambda *a, **kw: 1)
+    monkeypatch.setattr(host_experts, "TRY_WITHIN", 0.0)    # the rule's plan alone
     model = small_moe("qwen3_moe").eval().cuda()
     reference = copy.deepcopy(model)
     # the cache holds as many experts of each routed layer (layers 1 and 3)
@@ -495,3 +497,95 @@ def test_the_shared_probe_reads_while_the_link_copies():
     assert 1e8 < read < 1e13 and 1e8 < link < 1e12
     measured = rates.measure(torch.device("cuda"))
     assert set(measured) == set(rates.NAMES) and measured["shared_link_rate"] > 0
+
+
+def test_auto_keeps_the_plan_its_timed_calls_found_fastest():
+    """``"auto"``'s trial: the plans take turns, the first call of each is a warm-up, and
+    after SAMPLES timed calls each the smaller median stays for good."""
+    from fx_offload.host_compute.trial import SAMPLES, Trial
+    trial = Trial([3, 0, 8, 0])
+    assert trial.plans == [3, 0, 8]
+    took = {3: 0.021, 0: 0.019, 8: 0.018}
+    order = []
+    while trial.best is None:
+        plan = trial.next_plan()
+        order.append(plan)
+        trial.timed(plan, took[plan] + (1.0 if order.count(plan) == 1 else 0.0))
+    assert order[:3] == [3, 0, 8] and len(order) == 3 * (SAMPLES + 1)
+    assert trial.best == 8 and trial.next_plan() == 8
+    assert trial.medians() == pytest.approx(took)      # the warm-ups' second left out
+    assert not trial.timed(3, 0.001) and trial.best == 8
+    assert Trial([4]).best == 4                          # nothing to choose from
+
+
+def test_the_call_timer_reads_only_events_that_are_done(monkeypatch):
+    """Each call is timed from an event at its entry to one at its end, read once done and
+    never waited for; a call that did not run its plan is left out; the report's words."""
+    from fx_offload.host_compute import trial as trial_mod
+
+    class Event:
+        now = 0.0
+
+        def __init__(self, enable_timing=False):
+            self.at, self.done = None, False
+
+        def record(self, stream=None):
+            self.at = Event.now
+
+        def query(self):
+            return self.done
+
+        def elapsed_time(self, end):
+            return (end.at - self.at) * 1e3
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    timer = trial_mod.CallTimer("m")
+    took = {2: 0.010, 0: 0.020, 8: 0.030}
+    events = []
+    for call in range(12):
+        plan = timer.begin(1, 8, 2, [1.0, 1.5, 1.9], 2.0, stream=object())
+        Event.now += took[plan]
+        if call == 4:
+            timer.discard()     # its tokens were miscounted: not timed
+        timer.end(stream=object())
+        events.extend(e for p in timer._pending for e in p[2::3])
+        if call % 2:            # the device catches up every other call
+            for e in events:
+                e.done = True
+    assert timer.begin(1, 8, 2, [1.0, 1.5, 1.9], 2.0, stream=object()) == 2
+    trial = timer.trials[(1, 8)]
+    assert trial.best == 2 and trial.medians() == pytest.approx(took)
+    assert timer.summary() == {1: "split 2 10.00 ms, on the host 20.00 ms, streamed "
+                                  "30.00 ms: keeps split 2"}
+    # a plan the rule predicts more than `within` times slower is not tried (a prompt on
+    # the host alone)
+    assert timer.begin(64, 8, 8, [1.0, 5.0, 1.0], 2.0, stream=object()) == 8
+    assert timer.trials[(64, 8)].plans == [8]
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_auto_times_its_plans_and_keeps_one(monkeypatch):
+    """Decode calls of one size take turns with the rule's split, the host alone and
+    streaming (the rule made to call all three close), timed on the device; one stays, the
+    report says which and the medians; logits equal the model's in every call."""
+    from fx_offload.host_compute import split, trial
+    monkeypatch.setattr(split, "device_picks", lambda *a, **kw: 1)
+    monkeypatch.setattr(split, "layer_seconds", lambda m, *a: 1.0)
+    model = small_moe("qwen3_moe").eval().cuda()
+    reference = copy.deepcopy(model)
+    fx_offload.compile_forward(model, dynamic=True, inner_backend="aot_eager",
+                               host_compute="auto")
+    seen = set()
+    with torch.no_grad():
+        for seed in range(2 + 3 * (trial.SAMPLES + 1) + 2):
+            ids = torch.randint(0, 256, (2, 1), device="cuda",
+                                generator=torch.Generator("cuda").manual_seed(seed))
+            got = model(ids, use_cache=False).logits
+            torch.testing.assert_close(got, reference(ids, use_cache=False).logits, **FP32)
+            torch.cuda.synchronize()        # the events are read at the next call
+            seen.add(tuple(sorted(set(fx_offload.report(model).experts_ran.values()))))
+    assert {("split 1",), ("host",), ("device",)} <= seen
+    timer = registry.state_for_model(model).host_experts.timer
+    assert timer.trials[(2, 2)].best in (1, 0, 2)
+    assert "'auto' at 2 token(s) a call: split 1 " in str(fx_offload.report(model))
+    assert ": keeps " in str(fx_offload.report(model))

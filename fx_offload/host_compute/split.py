@@ -34,36 +34,38 @@ from ..copy_rules import WHOLE_ABOVE, expected_share
 def device_picks(tokens: int, k: int, experts: int, expert_bytes: int, element_size: int,
                  other_bytes: int, link_rate: float, host) -> int:
     """``m``, how many of each token's ``k`` picks the device computes: the ``m`` minimizing
-    ``max(link time, host time)`` of a layer.  The link carries the layer's ``other_bytes``
+    :func:`layer_seconds`.  0 keeps every pick on the host; ``k`` streams the layer; a tie
+    goes to the device (the host's part would add a round trip for nothing)."""
+    shape = (tokens, k, experts, expert_bytes, element_size, other_bytes, link_rate, host)
+    best, best_time = k, layer_seconds(k, *shape)
+    for m in range(k - 1, -1, -1):
+        time = layer_seconds(m, *shape)
+        if time < best_time * (1 - 1e-9):
+            best, best_time = m, time
+    return best
+
+
+def layer_seconds(m: int, tokens: int, k: int, experts: int, expert_bytes: int,
+                  element_size: int, other_bytes: int, link_rate: float, host) -> float:
+    """A layer's predicted time with each token's first ``m`` picks on the device: the
+    larger of the link's time and the host's.  The link carries the layer's ``other_bytes``
     (its streamed non-expert chunks) and the distinct experts the first ``m`` positions
     pick (all ``k``: the layer streams, its chunk whole where most experts are picked);
     the host reads the experts the other positions pick and computes on them.  ``host``:
     :class:`~fx_offload.host_compute.rates.HostRates` (its shared rates where both work;
-    ``link_rate`` is the link's alone).  0 keeps every pick on the host;
-    ``k`` streams the layer; a tie goes to the device (the host's part would add a
-    round trip for nothing)."""
-    def host_seconds(picks: int) -> float:
-        if not picks:
-            return 0.0
-        share = expected_share(experts, picks, tokens)
-        return experts * share * expert_bytes / host.read_beside_link + \
-            2 * tokens * picks * (expert_bytes / element_size) / host.flop_rate + host.latency
-
+    ``link_rate`` is the link's alone)."""
+    host_seconds = 0.0
+    if m < k:
+        share = expected_share(experts, k - m, tokens)
+        host_seconds = experts * share * expert_bytes / host.read_beside_link + \
+            2 * tokens * (k - m) * (expert_bytes / element_size) / host.flop_rate + \
+            host.latency
     # where the call's tokens pick most experts, the device's routed wait loads the chunk
     # whole, whatever its share of the picks (it sees every token's ids)
     whole = expected_share(experts, k, tokens) > WHOLE_ABOVE
-
-    def link_seconds(m: int) -> float:
-        share = 0.0 if not m else 1.0 if whole else expected_share(experts, m, tokens)
-        rate = link_rate if m == k else (host.shared_link_rate or link_rate)
-        return (other_bytes + experts * share * expert_bytes) / rate
-
-    best, best_time = k, link_seconds(k)
-    for m in range(k - 1, -1, -1):
-        time = max(link_seconds(m), host_seconds(k - m))
-        if time < best_time * (1 - 1e-9):
-            best, best_time = m, time
-    return best
+    share = 0.0 if not m else 1.0 if whole else expected_share(experts, m, tokens)
+    rate = link_rate if m == k else (host.shared_link_rate or link_rate)
+    return max((other_bytes + experts * share * expert_bytes) / rate, host_seconds)
 
 
 def keep_on_device(ids: torch.Tensor, m: int, where: torch.Tensor | None) -> torch.Tensor:

@@ -62,6 +62,9 @@ class Report:
     # bytes of host memory the latest call's host-computed experts read in place (beside
     # copied_bytes_last_call, what crossed the link)
     host_read_bytes_last_call: int = 0
+    # host_compute="auto": per call size (tokens), the timed calls' medians and what stays
+    # (host_compute.trial), in words
+    host_timing: dict[int, str] = dataclasses.field(default_factory=dict)
 
     @property
     def saved_bytes(self) -> int:
@@ -135,6 +138,8 @@ class Report:
             lines.append(f"  the last call copied {format_bytes(self.copied_bytes_last_call)}")
         if self.experts_ran:
             lines.append(_host_line(self.experts_ran, self.host_read_bytes_last_call))
+            for tokens, timing in self.host_timing.items():
+                lines.append(f"    'auto' at {tokens} token(s) a call: {timing}")
         if self.planner is not None:
             lines.append(str(self.planner))
         if self.kv.get("plan"):
@@ -175,6 +180,13 @@ def _experts_ran(state) -> dict[int, str]:
     ran = host.last_call()
     return {layer: ran.get(layer, "-" if why == "host" else why)
             for layer, why in sorted(state.choice.hosting.items())}
+
+
+def _host_timing(state) -> dict[int, str]:
+    """Call size -> ``host_compute="auto"``'s timed plans there, in words."""
+    host = getattr(state, "host_experts", None)
+    timer = getattr(host, "timer", None)
+    return {} if timer is None else timer.summary()
 
 
 def _copied(state) -> int:
@@ -263,7 +275,8 @@ def _weights_report(model: nn.Module) -> Report:
             (len(state.ahead.ring), state.ahead.nbytes),
             experts_ran=_experts_ran(state),
             host_read_bytes_last_call=0 if getattr(state, "host_experts", None) is None
-            else state.host_experts.read_bytes)
+            else state.host_experts.read_bytes,
+            host_timing=_host_timing(state))
     kept = registry.nothing_offloaded(model)
     if kept is not None:
         return Report(model=kept.model_name, stack=kept.stack.path,

@@ -34,7 +34,10 @@ chunks and the rates of :mod:`fx_offload.host_compute.rates` (measured once per 
 cached beside the device's): of each token's ``k`` picks the device takes the first ``m``
 (gathered over the link, or from the expert cache) and the host the rest, ``m`` chosen so
 that the link and the host finish together; ``m = k`` streams the layer (a prompt: the
-host's arithmetic is the cost), ``m = 0`` computes it wholly on the host.
+host's arithmetic is the cost), ``m = 0`` computes it wholly on the host.  The rule's
+choice is then checked against the clock (:mod:`~fx_offload.host_compute.trial`): at each
+call size the calls take turns with the rule's split, the host alone and streaming, timed
+on the device, and the fastest stays.
 """
 from __future__ import annotations
 
@@ -51,10 +54,15 @@ from ..host_compute.kernels import job_threads
 from ..host_compute import native
 from ..host_compute import split
 from ..host_compute.rates import host_rates
+from ..host_compute.trial import CallTimer
 from .contents import capturing
 from .phase import Phase
 
 log = logging.getLogger("fx_offload")
+
+# "auto" times the host alone and streaming against the rule's split where the rule
+# predicts them at most this much slower (a prompt on the host alone is not tried)
+TRY_WITHIN = 2.0
 
 
 def _laid_out_as(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -222,7 +230,11 @@ class HostExperts:
         self._read = 0              # host memory the latest call's kernels read (waited)
         self._queued_reads: list = []   # (counter, bytes an expert) of its queued jobs
         self._jobs = None           # _StreamJobs, made at the first queued call
-        self._picks: dict[tuple, int] = {}      # (layer, tokens, k) -> that count
+        self._predictions: dict[tuple, tuple] = {}    # (layer, tokens, k) -> _predicted's
+        # "auto": the rule's choice timed against the host alone and streaming, per call
+        # size; the plan of the call in progress (k: stream, 0: host, else the rule's)
+        self.timer = CallTimer(state.model_name) if mode == "auto" else None
+        self._call = None           # (tokens, plan) of the call in progress
 
     def refuse_capture(self) -> None:
         """Under "always", a call inside a CUDA graph capture is refused: at the call's
@@ -238,9 +250,22 @@ class HostExperts:
         """A call of ``tokens`` tokens begins: predict whether its layers compute on the
         host (their prefetches then copy nothing), and count anew."""
         self.ran, self._read, self._queued_reads = {}, 0, []
+        self._call = None
         if self.mode == "auto" and tokens and self._k and self._layers:
             layer, entry = next(iter(self._layers.items()))
-            self.on_host_now = self._plan(entry, layer, tokens, self._k) < self._k
+            plan, *seconds = self._predicted(entry, layer, tokens, self._k)
+            device = self._state.device
+            if device.type == "cuda" and not capturing():
+                plan = self.timer.begin(tokens, self._k, plan, seconds, TRY_WITHIN,
+                                        torch.cuda.current_stream(device))
+                self._call = (tokens, plan)
+            self.on_host_now = plan < self._k
+
+    def end_call(self) -> None:
+        """The model's call ends (outside a capture): the timed call's end event."""
+        if self._call is not None:
+            self.timer.end(torch.cuda.current_stream(self._state.device))
+            self._call = None
 
     def synchronize(self) -> None:
         """Wait for the host jobs queued on the streams: they read the host blocks (the
@@ -319,14 +344,23 @@ class HostExperts:
         return self._jobs.run(entry, layer, x, ids_host, gates, device_part)
 
     def _plan(self, entry: _Layer, layer: int, tokens: int, k: int) -> int:
-        """``"auto"``'s rule: how many of each token's ``k`` picks the device computes
-        (``k``: the layer streams; :func:`~fx_offload.host_compute.split.device_picks`),
-        per layer and call shape, from the measured rates."""
+        """How many of each token's ``k`` picks the device computes: the rule's
+        (:func:`~fx_offload.host_compute.split.device_picks`), or the timer's plan."""
         if self.mode == "always":
             return 0
+        if self._call is not None and self._call[0] != tokens:
+            # the call's first argument miscounted its tokens: this call is not timed
+            self.timer.discard()
+            self._call = None
+        if self._call is not None and self._call[1] in (0, k):
+            return self._call[1]
+        return self._predicted(entry, layer, tokens, k)[0]
+
+    def _predicted(self, entry: _Layer, layer: int, tokens: int, k: int):
+        """(the rule's ``m``, the layer's predicted seconds with ``m``, ``0``, ``k``)."""
         key = (layer, tokens, k)
-        m = self._picks.get(key)
-        if m is None:
+        found = self._predictions.get(key)
+        if found is None:
             if self._rates is None:
                 self._rates = host_rates(self._state.device)
             # the layer's other chunks cross the link meanwhile (attention, norms, router)
@@ -334,11 +368,12 @@ class HostExperts:
                       if how == "routed"}
             others = sum(c.end - c.start for c in self._state.choice.layout[layer]
                          if c.index not in chunks)
-            m = split.device_picks(tokens, k, entry.experts, entry.expert_bytes,
-                                   entry.element_size, others, self._rates.link_rate,
-                                   self._rates)
-            self._picks[key] = m
-        return m
+            shape = (tokens, k, entry.experts, entry.expert_bytes, entry.element_size,
+                     others, self._rates.link_rate, self._rates)
+            m = split.device_picks(*shape)
+            found = (m, *(split.layer_seconds(p, *shape) for p in (m, 0, k)))
+            self._predictions[key] = found
+        return found
 
     def _on_host(self, entry: _Layer, x, ids, gates) -> torch.Tensor:
         xh, idh, gh = (self._stage(t, i) for i, t in enumerate((x, ids, gates)))

@@ -328,6 +328,9 @@ class OffloadState:
                 self._point_at(truth=True)
                 if self._root_call and self.ahead is not None and not _capturing():
                     self.ahead.end_call(self.versions.of)   # crosses while the host works
+                host = getattr(self, "host_experts", None)     # (set by placement)
+                if self._root_call and host is not None and not _capturing():
+                    host.end_call()         # a timed call of host_compute="auto"
             finally:
                 self.versions.memo = None
                 registry.end_call(self)
