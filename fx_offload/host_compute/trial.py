@@ -9,14 +9,18 @@ split at batch 1 took 20.97 ms a token against 18.51 streamed (8 layers of Qwen3
 while at batch 8 it took 58.23 against 89.98.  So the rule proposes and the calls decide::
 
     call:    1      2      3      4      5      6      7      8      9     10 ...
-    plan:    rule   host   stream rule   host   stream rule   host   stream best
-    timed:   (warm-up: compiles, first copies)    yes    yes    yes    yes    yes    yes
+    plan:    rule   rule   rule   host   host   host   stream stream stream best
+    timed:   -      yes    yes    -      yes    yes    -      yes    yes
 
 A call is timed on the device, from an event at its entry to one at its end: the time the
 device spent on it, waits for the host's jobs and for the Python thread's launches
-included.  The events are read once done, never waited for.  Each plan gets ``SAMPLES``
-timed calls after its warm-up; the plan with the smaller median wins for that size of call,
-for good (a new size of call has a trial of its own).  Plans that are the same (the rule
+included.  The events are read once done, never waited for.  Each plan runs for
+``SAMPLES`` timed calls in a row after a warm-up call.  (A first version changed plan
+every call; on the H200 machine its timed decode calls came out about 45 ms longer than
+the decode steps of the plan once kept, the same for every plan: a change of plan has a
+cost of its own, likely the prefetches and slots set up for the plan before, which the
+warm-up call now takes.  Its ranking matched the rows measured apart.)  The plan with the smaller
+median wins for that size of call, for good (a new size of call has a trial of its own).  Plans that are the same (the rule
 says stream, or host alone) are tried once.  Under a CUDA graph capture nothing is timed.  Only plans the rule predicts at most
 ``TRY_WITHIN`` times slower than its own are tried (:mod:`fx_offload.runtime.host_experts`):
 a prompt is never tried on the host alone.
@@ -34,23 +38,24 @@ SAMPLES = 2         # timed calls of each plan after its warm-up
 
 
 class Trial:
-    """The calls of one size: which plan the next one runs, and the winner once known.
+    """The calls of one size: which plan the next one runs (each plan's calls in a row),
+    and the winner once known.
     Plans are ``m`` values (each token's picks computed on the device; ``k``: stream)."""
 
     def __init__(self, plans: list[int]):
         self.plans = list(dict.fromkeys(plans))     # in order, once each
         self.times: dict[int, list[float]] = {m: [] for m in self.plans}
         self.seen: dict[int, int] = {m: 0 for m in self.plans}
-        self.turn = 0
         self.best: int | None = self.plans[0] if len(self.plans) == 1 else None
 
     def next_plan(self) -> int:
         """The plan of the coming call."""
         if self.best is not None:
             return self.best
-        plan = self.plans[self.turn % len(self.plans)]
-        self.turn += 1
-        return plan
+        # each plan in a block of calls, until its timed calls are in (they are read a
+        # call or two late: the block runs on meanwhile, and a call left untimed is
+        # made up for)
+        return next(m for m in self.plans if len(self.times[m]) < SAMPLES)
 
     def timed(self, plan: int, seconds: float) -> bool:
         """A call of ``plan`` took ``seconds`` on the device; True once this settles it."""
