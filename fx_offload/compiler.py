@@ -2,13 +2,18 @@
 hands it, the compile sequence :func:`compile_graph`:
 
 1. inputs: which model and which parameters the placeholders are (``graph_inputs``);
-2. choice: at the model's first compile, what is offloaded (``selection.choose``) and the
-   model's offload state (``runtime``); later compiles of the same model reuse it;
-3. the pass: plan, rewrite and verify the ops (``passes.run_prefetch_pass``);
-4. inner compile: Inductor, ``aot_eager`` or ``eager`` (``inner``);
-5. materialize: only now, at the first compile, move the weights to host masters and point
-   the parameters at their slots, so a failure in steps 1-4 leaves the model untouched;
-6. summary: one INFO line (``TORCH_LOGS=fx_offload``).
+2. choice: at the model's first compile, what is offloaded (``selection.choose``) and a new
+   integer handle for its ops; later compiles of the same model reuse its state's;
+3. the pass: plan, rewrite and verify the ops (``passes.run_prefetch_pass``), from the
+   choice and the handle alone;
+4. state: at the first compile, the model's offload state (``runtime``), which the ops
+   reach through the handle at run time;
+5. inner compile: Inductor, ``aot_eager`` or ``eager`` (``inner``);
+6. materialize: only now, at the first compile, move the weights to host masters and point
+   the parameters at their slots, so a failure in steps 1-5 leaves the model untouched;
+7. summary: one INFO line (``TORCH_LOGS=fx_offload``).
+
+So the phases run one way: selection -> pass -> runtime.
 """
 from __future__ import annotations
 
@@ -94,19 +99,23 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
     if gi.root is None or not gi.params:
         log.debug("fx_offload: graph reads no model parameters; compiled without offloading")
         return compile_inner(gm, example_inputs, options)
-    # 2. choice and state
-    state, first, layer_frame = _state_for_graph(gm, gi, options, not placement_given)
-    if state is None:
+    # 2. the choice, and the state of a model compiled before (a new model's state is
+    # built after the pass: the pass needs only the choice and a handle)
+    state, choice, model, layer_frame = _state_for_graph(gm, gi, options, not placement_given)
+    if choice is None:
         return compile_inner(gm, example_inputs, options)
-    state.turns.stop_if_interrupted()     # a compile in a call that Ctrl-C ended
-    placed_with = getattr(state, "placed_with", None)   # set by fx_offload.place
-    if placed_with and not set(placed_with) & set(given):
-        # place(model, inner_backend=...): used by a compile that sets neither
-        options = dataclasses.replace(options, **placed_with)
-    placed = state.choice.options
+    first = state is None
+    handle = registry.new_handle() if first else state.handle
+    if not first:
+        state.turns.stop_if_interrupted()     # a compile in a call that Ctrl-C ended
+        placed_with = getattr(state, "placed_with", None)   # set by fx_offload.place
+        if placed_with and not set(placed_with) & set(given):
+            # place(model, inner_backend=...): used by a compile that sets neither
+            options = dataclasses.replace(options, **placed_with)
+    placed = choice.options
     check_host_compute_mode(placed.host_compute, options.mode)     # placed with "always"
-    backward = check_grad_mode(gi, state, example_inputs, options, layer_frame)
-    host_compute = placed.host_compute_in(state.device.type, options.mode)
+    backward = check_grad_mode(gi, choice, handle, example_inputs, options, layer_frame)
+    host_compute = placed.host_compute_in(choice.device.type, options.mode)
     if backward is not None and host_compute != "never":
         # the host_experts op has no backward: a training graph streams its experts
         if host_compute == "always":
@@ -116,20 +125,23 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
                 "enabled, trainable parameters): use host_compute='auto' (a training graph "
                 "streams the experts) or call it under torch.no_grad()")
         host_compute = "never"
-    if options.mode == "reduce-overhead":   # its calls may be replays from now on
-        state.hook_copies.under_cuda_graphs = True    # (runtime.hook_copies)
-    state.compiled_with = options           # the inner compiler report() names
     # 3. the pass (a graph of one layer's own frame is reused for every layer: no ops)
     plan = None
     if not layer_frame:
-        plan = run_prefetch_pass(gm, gi, state.choice, state.handle, host_compute)
+        plan = run_prefetch_pass(gm, gi, choice, handle, host_compute)
         if backward is not None:
             backward.set_plan(plan)
-    # 4. inner compile (it may ask Dynamo to trace the frame again: warn once it is done)
+    # 4. the run-time state the ops reach through the handle (runtime.state)
+    if first:
+        state = OffloadState(model, choice, handle)
+    if options.mode == "reduce-overhead":   # its calls may be replays from now on
+        state.hook_copies.under_cuda_graphs = True    # (runtime.hook_copies)
+    state.compiled_with = options           # the inner compiler report() names
+    # 5. inner compile (it may ask Dynamo to trace the frame again: warn once it is done)
     compiled = compile_inner(gm, example_inputs, options, backward)
     if layer_frame:
         _warn_layer_frame(state, gi)
-    # 5. materialize: host blocks, slots, hooks (the parameters keep their storage for the
+    # 6. materialize: host blocks, slots, hooks (the parameters keep their storage for the
     # rest of this call, whose graphs read them as they are, and let it go after the graph
     # that ends the call: the hooks that end a call do not run in the call they were
     # installed in)
@@ -138,7 +150,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
     if plan is not None and state.ownership.handover and \
             state.schedule.ends_call([lp.layer for lp in plan.layers]):
         compiled = _then_settle(compiled, state)
-    # 6. summary
+    # 7. summary
     if plan is not None:
         log.info(
             "fx_offload: %s graph with %d offloaded layer(s) %s (%d wait, %d start%s); model: "
@@ -201,18 +213,18 @@ def _check_same_options(decided, options: OffloadOptions, defaulted: bool = Fals
 
 
 def _state_for_graph(gm, gi: GraphInputs, options: OffloadOptions, defaulted: bool = False):
-    """(state, first compile of the model?, graph is one layer's own frame?); state None
-    where the planner offloads nothing."""
+    """(the model's state, or None where it has none yet; the choice, None where nothing
+    is offloaded; the model; the graph is one layer's own frame?)."""
     state = registry.state_for_model(gi.root)
     if state is not None:
         _check_same_options(state, options, defaulted)
-        return state, False, False
+        return state, state.choice, gi.root, False
     # a graph of one layer's own frame (a graph break in or around it, a user's exception
     # raised inside it) belongs to the model whose stack holds that layer
     holder = registry.state_with_layer(gi.root) if gi.frame_is_root_forward else None
     if holder is not None:
         _check_same_options(holder, options, defaulted)
-        return holder, False, True
+        return holder, holder.choice, holder.model_ref(), True
     owners = {id(o[0]): o for _, p in gi.params.values()
               for o in [registry.owner_of_param(p)] if o is not None}
     if owners:
@@ -226,26 +238,26 @@ def _state_for_graph(gm, gi: GraphInputs, options: OffloadOptions, defaulted: bo
         state = registry.state_for_model(parent)
         if state is not None:
             _check_same_options(state, options, defaulted)
-            return state, False, True
+            return state, state.choice, parent, True
     if parent is None and gi.frame_is_root_forward and not top_level_lists(gi.root):
         enclosing = find_enclosing_model(gi.root)
         if enclosing is not None:       # a norm or embedding of the model, on its own
             log.debug("fx_offload: %s of %s compiled on its own (a graph break around it): "
                       "none of its weights are offloaded", type(gi.root).__name__,
                       type(enclosing).__name__)
-            return None, False, False
+            return None, None, gi.root, False
     model = parent if parent is not None else gi.root
     kept = registry.nothing_offloaded(model)
     if kept is not None and _same_layers(kept, model):
         _check_same_options(kept, options, defaulted)
-        return None, False, False
+        return None, None, model, False
     if kept is not None:        # its layers changed since: planned anew from this graph
         registry.forget_nothing_offloaded(model)
     choice = choose(model, options, graph=(gm, gi), layer_frame=parent is not None)
     if isinstance(choice, NothingOffloaded):
         kept_whole(model, choice, "")
-        return None, True, False
-    return OffloadState(model, choice), True, parent is not None
+        return None, None, model, False
+    return None, choice, model, parent is not None
 
 
 # models warned about (weakly held): a state Dynamo's restart of a trace abandoned has a

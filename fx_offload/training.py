@@ -101,12 +101,12 @@ ENTER = torch.ops.fx_offload.backward_enter.default
 LEAVE = torch.ops.fx_offload.backward_leave.default
 
 
-def check_grad_mode(gi, state, example_inputs, options, layer_frame: bool):
+def check_grad_mode(gi, choice, handle: int, example_inputs, options, layer_frame: bool):
     """With grad enabled: the :class:`BackwardOps` for this graph's compile, or None where
     no backward needs the offloaded weights.  Refused: an offloaded weight that requires
     grad (a slot cannot hold its gradient's update), a graph of one layer's own frame, and
     ``inner_backend="eager"`` (no backward graph to place ops in)."""
-    layer_of = {p.name: layer for layer, ps in state.params.items() for p in ps}
+    layer_of = {p.name: layer for layer, ps in choice.params.items() for p in ps}
     offloaded = set(layer_of)
     _refuse_checkpointing(gi, layer_of)
     if not torch.is_grad_enabled():
@@ -130,7 +130,7 @@ def check_grad_mode(gi, state, example_inputs, options, layer_frame: bool):
             "trains only with inner_backend 'aot_eager' or 'inductor': with 'eager' there is "
             "no backward graph to stream the frozen weights into. Compile with another "
             "inner_backend, or call the model under torch.no_grad()")
-    return BackwardOps(state, gi)
+    return BackwardOps(choice, handle, gi)
 
 
 def _refuse_checkpointing(gi, layer_of: dict[str, int]) -> None:
@@ -177,8 +177,8 @@ class BackwardOps:
     """Places the backward's ops for one Dynamo graph: reads the forward graph's offloaded
     inputs (:meth:`forward`), edits and verifies the backward graph (:meth:`backward`)."""
 
-    def __init__(self, state, gi):
-        self.state, self.handle = state, state.handle
+    def __init__(self, choice, handle: int, gi):
+        self.choice, self.handle = choice, handle
         self.gi = gi
         self.weight_chunks: dict[int, tuple[int, int]] = {}  # input index -> (layer, chunk)
         self.storages: dict = {}            # fake storage -> (layer, chunk)
@@ -223,10 +223,11 @@ class BackwardOps:
         if not weights:
             return
         reads = _reads_by_layer(bw, weights)
-        place_backward_ops(bw, reads, set(weights), self.state.schedule.slot_of, self.handle)
-        chunks = {layer: self.state.choice.layout[layer] for layer in reads}
-        verify_graph(bw, weights, SlotModel(dict(self.state.schedule.slot_of), chunks,
-                                            [None] * self.state.num_slots, None))
+        schedule = self.choice.schedule
+        place_backward_ops(bw, reads, set(weights), schedule.slot_of, self.handle)
+        chunks = {layer: self.choice.layout[layer] for layer in reads}
+        verify_graph(bw, weights, SlotModel(dict(schedule.slot_of), chunks,
+                                            [None] * schedule.num_slots, None))
         log.debug("fx_offload: backward streams layers %s", list(reads))
 
     # ---- the compilers -----------------------------------------------------------------

@@ -313,3 +313,43 @@ def test_every_public_function_taking_a_model_refuses_what_is_not_one():
                     rf"^fx_offload.{name}: expected a model \(an nn.Module, or what "
                     rf"torch.compile returned for one\), got {type(bad).__name__}$")):
                 getattr(fx_offload, name)(bad, *args.get(name, ()))
+
+
+def test_the_pass_runs_from_the_choice_and_a_handle_before_any_state_exists(monkeypatch):
+    """The phases run one way (selection -> pass -> runtime): at a model's first compile the
+    pass gets the choice and a new handle, and the run-time state is built only after it, so
+    a pass that fails leaves no state and the model as it was."""
+    from fx_offload import compiler, registry
+    from fx_offload.runtime.state import OffloadState
+    built, seen = [], []
+    real_init, real_pass = OffloadState.__init__, compiler.run_prefetch_pass
+
+    def init(self, model, choice, handle=None):
+        built.append(handle)
+        real_init(self, model, choice, handle)
+
+    def failing_pass(gm, gi, choice, handle, host_compute):
+        seen.append((choice, handle, list(built)))
+        raise RuntimeError("injected in the pass")
+
+    monkeypatch.setattr(OffloadState, "__init__", init)
+    monkeypatch.setattr(compiler, "run_prefetch_pass", failing_pass)
+    model, (x,) = models.build("decoder", num_layers=4, batch=1, seq=4)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="injected in the pass"), torch.no_grad():
+        torch.compile(model, backend="prefetch_offload",
+                      options=dict(inner_backend="eager"))(x)
+    (choice, handle, built_then), = seen
+    assert choice.layers and isinstance(handle, int) and built_then == []
+    assert built == [] and registry.state_for_model(model) is None
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    # with the pass as it is: one state, named by the handle the pass gave its ops
+    monkeypatch.setattr(compiler, "run_prefetch_pass",
+                        lambda *a: seen.append(a[3]) or real_pass(*a))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend="prefetch_offload", options=dict(inner_backend="eager"))(x)
+    state = registry.state_for_model(model)
+    assert built == [seen[-1]] == [state.handle]
+    fx_offload.restore(model)

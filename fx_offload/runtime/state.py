@@ -86,8 +86,9 @@ class OffloadState:
 
     compiled_with = None    # the options of the latest compile (compiler), for report()
 
-    def __init__(self, model: nn.Module, choice):
-        self.handle = registry.new_handle()
+    def __init__(self, model: nn.Module, choice, handle: int | None = None):
+        # the handle the pass gave the graph's ops (compiler), or a new one (place)
+        self.handle = registry.new_handle() if handle is None else handle
         self.token = registry.new_token()   # names this state in hooks, across processes
         self.model_ref = weakref.ref(model)
         self.choice = choice
