@@ -120,7 +120,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
         # the host_experts op has no backward: a training graph streams its experts
         if host_compute == "always":
             raise OffloadError(
-                f"{state.model_name} was placed with host_compute='always', which computes "
+                f"{choice.model_name} was placed with host_compute='always', which computes "
                 "routed experts on the host in inference only; this graph trains (grad "
                 "enabled, trainable parameters): use host_compute='auto' (a training graph "
                 "streams the experts) or call it under torch.no_grad()")

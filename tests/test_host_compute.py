@@ -563,6 +563,8 @@ def test_the_call_timer_reads_only_events_that_are_done(monkeypatch):
     # the host alone)
     assert timer.begin(64, 8, 8, [1.0, 5.0, 1.0], 2.0, stream=object()) == 8
     assert timer.trials[(64, 8)].plans == [8]
+    assert timer.summary()[64] == ("streamed, the rule's plan (the others predicted over "
+                                   "2x as slow: not tried)")
 
 
 @pytest.mark.cuda

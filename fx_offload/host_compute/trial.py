@@ -85,6 +85,7 @@ class CallTimer:
     def __init__(self, model_name: str = "model"):
         self.model_name = model_name
         self.trials: dict[tuple[int, int], Trial] = {}     # (tokens, k) -> its trial
+        self.within = 2.0           # the factor begin() was given last (for the words)
         self._pending: list = []        # (trial, plan, start event, end event)
         self._start = None              # (trial, plan, start event) of the call in progress
 
@@ -94,6 +95,7 @@ class CallTimer:
         predictions for it, the host alone and streaming; the other two are tried where
         predicted at most ``within`` times slower."""
         self._read_done()
+        self.within = within
         trial = self.trials.get((tokens, k))
         if trial is None:
             plans = [rule] + [p for p, t in zip((0, k), seconds[1:])
@@ -136,6 +138,10 @@ class CallTimer:
         """Call size (tokens) -> its plans' medians and the plan kept, in words."""
         out = {}
         for (tokens, k), trial in sorted(self.trials.items()):
+            if len(trial.plans) == 1:       # nothing else in reach: not timed
+                out[tokens] = (f"{describe(trial.best, k)}, the rule's plan (the others "
+                               f"predicted over {self.within:g}x as slow: not tried)")
+                continue
             kept = (f": keeps {describe(trial.best, k)}" if trial.best is not None
                     else ": still trying")
             out[tokens] = self.describe(tokens, k) + kept
