@@ -34,7 +34,9 @@ routers and norms, the planner offloads their expert tensors alone).  Needs a GP
 experts computed on the host's cores read their weights in place (``host GiB``, from
 ``report``), and such a step's bound is the larger of its copies over the link and its host
 reads over the host's read rate, each at its rate measured while the other runs
-(``host_compute``'s own shared rates: both read the host's memory).
+(``host_compute``'s own shared rates: both read the host's memory).  Before a row's timed
+calls at each batch, ``"auto"`` is let finish timing its plans (its trial) at that batch's
+prompt and decode sizes, so the rows time the plan it keeps.
 """
 from __future__ import annotations
 
@@ -153,6 +155,8 @@ def run(args: argparse.Namespace) -> int:
                 if budget is None else f"fx_offload, memory_budget={budget}, experts={experts!r}"
                 ) + (f", host_compute={host!r}" if host and experts == "routed" else "") + graphs
         for b in batches:
+            if host != "never" and experts == "routed" and not args.cuda_graphs:
+                _settle_trials(model, prompts[b][0])
             rows[(name, b)], tokens[(name, b)] = measure(model, prompts[b], args, extra=extra,
                                                          steps=True)
             moved[(name, b)] = _step_bytes(model)
@@ -180,6 +184,19 @@ def run(args: argparse.Namespace) -> int:
     torch.cuda.empty_cache()
     _print_table(rows, tokens, moved, bandwidth, gathering, rates)
     return 0
+
+
+def _settle_trials(model, prompt) -> None:
+    """Let ``host_compute="auto"`` finish timing its plans at this batch's prompt and decode
+    sizes before the timed calls (:mod:`fx_offload.host_compute.trial`): enough prompts and
+    decode steps for each plan's warm-up and timed calls."""
+    from ..host_compute.trial import SAMPLES
+    calls = 3 * (SAMPLES + 1) + 2
+    with torch.no_grad():
+        model.generate(prompt, max_new_tokens=calls, min_new_tokens=calls, do_sample=False)
+        for _ in range(calls):
+            model.generate(prompt, max_new_tokens=1, do_sample=False)
+    torch.cuda.synchronize()
 
 
 def _host_rates():
