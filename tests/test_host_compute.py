@@ -565,6 +565,10 @@ def test_the_call_timer_reads_only_events_that_are_done(monkeypatch):
     assert timer.trials[(64, 8)].plans == [8]
     assert timer.summary()[64] == ("streamed, the rule's plan (the others predicted over "
                                    "2x as slow: not tried)")
+    # sizes beyond MAX_SIZES run the rule's plan, untimed and unkept
+    monkeypatch.setattr(trial_mod, "MAX_SIZES", 2)
+    assert timer.begin(5, 8, 3, [1.0, 1.0, 1.0], 2.0, stream=object()) == 3
+    assert (5, 8) not in timer.trials and timer._start is None
 
 
 @pytest.mark.cuda

@@ -23,7 +23,8 @@ warm-up call now takes.  Its ranking matched the rows measured apart.)  The plan
 median wins for that size of call, for good (a new size of call has a trial of its own).  Plans that are the same (the rule
 says stream, or host alone) are tried once.  Under a CUDA graph capture nothing is timed.  Only plans the rule predicts at most
 ``TRY_WITHIN`` times slower than its own are tried (:mod:`fx_offload.runtime.host_experts`):
-a prompt is never tried on the host alone.
+a prompt is never tried on the host alone.  At most ``MAX_SIZES`` call sizes get a trial;
+past them a new size runs the rule's plan.
 """
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ import torch
 log = logging.getLogger("fx_offload")
 
 SAMPLES = 2         # timed calls of each plan after its warm-up
+# call sizes tried at most: beyond, a new size runs the rule's plan untimed (a server's
+# prompts of every length would otherwise keep a trial each)
+MAX_SIZES = 64
 
 
 class Trial:
@@ -97,6 +101,9 @@ class CallTimer:
         self._read_done()
         self.within = within
         trial = self.trials.get((tokens, k))
+        if trial is None and len(self.trials) >= MAX_SIZES:
+            self._start = None
+            return rule
         if trial is None:
             plans = [rule] + [p for p, t in zip((0, k), seconds[1:])
                               if t <= within * seconds[0]]
