@@ -421,5 +421,6 @@ class LeaveCall(hooks.OurHook):
     def __call__(self, module, args, output):
         state = registry.state_for_model(module)
         if state is not None:
-            state.leave()
+            # (torch calls it with None where the forward raised)
+            state.leave(completed=output is not None)
         return None

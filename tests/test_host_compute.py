@@ -5,6 +5,7 @@ chunk is not copied, report says where the experts ran and what the host read; "
 with its reason; bad combinations are refused.  CPU here: the "device" is the CPU, and the
 op takes the same path (its staging copies are copies within host memory)."""
 import copy
+import types
 
 import pytest
 import torch
@@ -597,3 +598,34 @@ def test_on_a_gpu_auto_times_its_plans_and_keeps_one(monkeypatch):
     assert timer.trials[(2, 2)].best in (1, 0, 2)
     assert "'auto' at 2 token(s) a call: split 1 " in str(fx_offload.report(model))
     assert ": keeps " in str(fx_offload.report(model))
+
+
+def test_a_call_that_raised_is_not_timed(monkeypatch):
+    """The leave hook runs for a call that raised too (torch gives it no output): that call's
+    time is no plan's, so its start is dropped instead of ended."""
+    from fx_offload.placement import LeaveCall
+    from fx_offload.runtime.host_experts import HostExperts
+    ended = []
+
+    class Timer:
+        def end(self, stream):
+            ended.append("end")
+
+        def discard(self):
+            ended.append("discard")
+
+    host = HostExperts.__new__(HostExperts)
+    host.timer, host._state = Timer(), types.SimpleNamespace(device=torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    for completed in (False, True):
+        host._call = (1, 0)
+        host.end_call(completed)
+        assert host._call is None
+    assert ended == ["discard", "end"]
+    # the hook tells the two apart by the output torch hands it
+    left = []
+    state = types.SimpleNamespace(leave=lambda completed: left.append(completed))
+    monkeypatch.setattr(registry, "state_for_model", lambda module: state)
+    LeaveCall.__call__(object.__new__(LeaveCall), None, (), None)
+    LeaveCall.__call__(object.__new__(LeaveCall), None, (), torch.zeros(1))
+    assert left == [False, True]

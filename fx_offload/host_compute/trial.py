@@ -23,7 +23,9 @@ warm-up call now takes.  Its ranking matched the rows measured apart.)  The plan
 median wins for that size of call, for good (a new size of call has a trial of its own).  Plans that are the same (the rule
 says stream, or host alone) are tried once.  Under a CUDA graph capture nothing is timed.  Only plans the rule predicts at most
 ``TRY_WITHIN`` times slower than its own are tried (:mod:`fx_offload.runtime.host_experts`):
-a prompt is never tried on the host alone.  At most ``MAX_SIZES`` call sizes get a trial;
+a prompt is never tried on the host alone.  A plan is a call's, named by the rule's ``m``
+for its first routed layer: ``0`` and ``k`` hold for every layer, any other value lets each
+layer take its own rule's ``m`` (the layers of one model predict alike).  At most ``MAX_SIZES`` call sizes get a trial;
 past them a new size runs the rule's plan.
 """
 from __future__ import annotations

@@ -261,10 +261,14 @@ class HostExperts:
                 self._call = (tokens, plan)
             self.on_host_now = plan < self._k
 
-    def end_call(self) -> None:
-        """The model's call ends (outside a capture): the timed call's end event."""
+    def end_call(self, completed: bool) -> None:
+        """The model's call ends (outside a capture): the timed call's end event; a call
+        that raised is not timed (its time is no plan's)."""
         if self._call is not None:
-            self.timer.end(torch.cuda.current_stream(self._state.device))
+            if completed:
+                self.timer.end(torch.cuda.current_stream(self._state.device))
+            else:
+                self.timer.discard()
             self._call = None
 
     def synchronize(self) -> None:

@@ -314,9 +314,9 @@ class OffloadState:
             if self.hook_copies.missing(refill, self.buffers.compressed, self.routed):
                 self.copies.hook_refill(leaving, refill)
 
-    def leave(self) -> None:
-        """The call that :meth:`enter` began has ended (or raised): the parameters point at
-        the truth again, and another thread may call."""
+    def leave(self, completed: bool = False) -> None:
+        """The call that :meth:`enter` began has ended (``completed``: it returned) or
+        raised: the parameters point at the truth again, and another thread may call."""
         turns = self.turns
         if turns.holder != threading.get_ident() or turns.kind != "call":
             return                       # an enter that failed, or another thread's call
@@ -331,7 +331,7 @@ class OffloadState:
                     self.ahead.end_call(self.versions.of)   # crosses while the host works
                 host = getattr(self, "host_experts", None)     # (set by placement)
                 if self._root_call and host is not None and not _capturing():
-                    host.end_call()         # a timed call of host_compute="auto"
+                    host.end_call(completed)    # a timed call of host_compute="auto"
             finally:
                 self.versions.memo = None
                 registry.end_call(self)
