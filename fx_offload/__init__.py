@@ -25,7 +25,7 @@ from .options import OffloadOptions, parse_options
 from .placement import place
 from .reporting.explain import Explanation, explain
 from .reporting.report import Report, report
-from .runtime.weights import named_weights, restore, update_weights
+from .runtime.ownership.weights import named_weights, restore, update_weights
 
 __all__ = ["backend", "prefetch_offload", "compile_forward", "place", "empty_weights", "report", "restore", "explain",
            "Explanation",

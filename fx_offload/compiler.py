@@ -135,7 +135,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
     if first:
         state = OffloadState(model, choice, handle)
     if options.mode == "reduce-overhead":   # its calls may be replays from now on
-        state.hook_copies.under_cuda_graphs = True    # (runtime.hook_copies)
+        state.hook_copies.under_cuda_graphs = True    # (runtime.copies.hook_copies)
     state.compiled_with = options           # the inner compiler report() names
     # 5. inner compile (it may ask Dynamo to trace the frame again: warn once it is done)
     compiled = compile_inner(gm, example_inputs, options, backward)

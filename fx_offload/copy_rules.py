@@ -4,13 +4,13 @@ runtime that follows them and the planner that predicts them (``memory_budget``,
 the runtime.
 
 * :data:`ALIGN`: every view of a host block and of a slot starts at a multiple of it
-  (:mod:`fx_offload.runtime.host_memory`), so a layer's bytes are its tensors' bytes rounded
+  (:mod:`fx_offload.runtime.memory.host_memory`), so a layer's bytes are its tensors' bytes rounded
   up to it.
 * :func:`expected_share` and :data:`WHOLE_ABOVE`: a routed MoE layer's experts move whole
   for a call whose tokens are expected to pick more than that share of them, else only the
-  picked rows move (:mod:`fx_offload.runtime.routed`).
+  picked rows move (:mod:`fx_offload.runtime.experts.routed`).
 * :func:`depth_wanted`: how many buffers the ring that fetches routed layers' other weights
-  ahead holds (:mod:`fx_offload.runtime.ahead`).
+  ahead holds (:mod:`fx_offload.runtime.experts.ahead`).
 """
 from __future__ import annotations
 

@@ -26,8 +26,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from .runtime.host_memory import align_for, layout_of
-from .runtime.slots import block_tensors
+from .runtime.memory.host_memory import align_for, layout_of
+from .runtime.memory.slots import block_tensors
 
 log = logging.getLogger("fx_offload")
 

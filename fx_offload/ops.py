@@ -40,7 +40,7 @@ import torch
 from torch import fx
 
 from . import dtensor, registry
-from .runtime import slot_check
+from .runtime.memory import slot_check
 
 
 # Defined with torch.library's low-level API, a Python kernel for every backend: a call goes

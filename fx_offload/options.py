@@ -44,14 +44,14 @@ class OffloadOptions:
     circular_prefetch: str = "auto"     # where each slot's first layer is copied back in
     compress: str = "none"      # "lossless": bf16 weights cross the link compressed
     # where compressed layers' uncompressed weights live: "auto" (in a file in the temporary
-    # folder where that is on a disk), "memory", or a folder (runtime.file_backed)
+    # folder where that is on a disk), "memory", or a folder (runtime.memory.file_backed)
     uncompressed_weights: str = "auto"
     experts: str = "routed"     # an MoE layer's experts: only those its tokens picked move
-    # device bytes for each routed MoE layer's most-picked experts (runtime.expert_cache);
+    # device bytes for each routed MoE layer's most-picked experts (runtime.experts.expert_cache);
     # "auto": what memory_budget's plan leaves of it, none without memory_budget
     expert_cache: int | str = "auto"
     # routed MoE layers' experts computed on the host, their weights read in place
-    # (runtime.host_experts): "auto" where predicted faster per call, "always", "never"
+    # (runtime.experts.host_experts): "auto" where predicted faster per call, "always", "never"
     host_compute: str = "auto"
     # the planner (used instead of group_size/num_in_group/prefetch_step)
     memory_budget: int | None = None
@@ -92,7 +92,7 @@ class OffloadOptions:
         """True when the model's call hook begins the entry refills, ahead of the graph (and
         of Dynamo's guards): wherever they exist.  Under CUDA graphs too: the hook's copies
         run outside the replayed graph, which waits for them through external events
-        (``runtime.contents.Pending.by_hook``), so they overlap the guards and the launch."""
+        (``runtime.memory.contents.Pending.by_hook``), so they overlap the guards and the launch."""
         return self.circular_start != "end"
 
     def host_compute_in(self, device_type: str, mode: str) -> str:
@@ -263,7 +263,7 @@ UNCOMPRESSED_WEIGHTS = ("option 'uncompressed_weights' says where compress='loss
 def _check_uncompressed(value: Any) -> str:
     """``uncompressed_weights``: "auto", "memory" or a folder (a str or a path), returned as
     its absolute path.  That the folder exists is checked where a file is made
-    (``runtime.file_backed.folder_for``): a recompile of a model already offloaded must not
+    (``runtime.memory.file_backed.folder_for``): a recompile of a model already offloaded must not
     fail because the folder went away since."""
     if value in ("auto", "memory"):
         return value

@@ -30,7 +30,7 @@ from .checkpoint import Checkpoint, check_model
 from .errors import OffloadError
 from .options import PLACEMENT_KEYS, OffloadOptions, parse_options
 from .runtime import hooks
-from .runtime.host_experts import for_state
+from .runtime.experts.host_experts import for_state
 from .runtime.phase import Phase
 from .runtime.state import OffloadState, ShapeChanged
 from .selection import NothingOffloaded, budget, choose
@@ -403,7 +403,7 @@ class EnterCall(hooks.OurHook):
 def call_tokens(args, kwargs) -> int | None:
     """Tokens a call of the model carries, as far as its first tensor argument says: an
     integer tensor (token ids) counts its elements, another its elements per last-dimension
-    row.  It only guides how a call's expert tensors are prefetched (runtime.routed)."""
+    row.  It only guides how a call's expert tensors are prefetched (runtime.experts.routed)."""
     for value in list(args) + list(kwargs.values()):
         if isinstance(value, torch.Tensor) and value.dim():
             if value.is_floating_point():

@@ -27,7 +27,7 @@ the circular prefetch) starts at the end, at the entry, or at either, chosen cal
                 end waits for every copy it began.  The model's call hook begins them first
                 (before Dynamo's guards); the graph's start then finds them begun.  Under
                 CUDA graphs the hook's copies run outside the replayed graph, which waits for
-                them through external events (runtime.hook_copies).
+                them through external events (runtime.copies.hook_copies).
     "either"    the graphs hold both starts and the runtime uses one per call: the start at
                 the end copies while the caller is seen not to wait for those copies (they are
                 still running when the next call begins), and stays idle otherwise, leaving

@@ -58,7 +58,7 @@ from . import registry
 from .errors import GradModeError, OffloadError, ScheduleError
 from .ops import START, WAIT
 from .passes.verify import SlotModel, verify_graph
-from .runtime.ownership import ShapeChanged
+from .runtime.ownership.ownership import ShapeChanged
 from .runtime.phase import Phase
 
 log = logging.getLogger("fx_offload")

@@ -9,7 +9,7 @@ from torch import nn
 import fx_offload
 from fx_offload import ops, registry
 from fx_offload.options import parse_options
-from fx_offload.runtime.contents import Pending
+from fx_offload.runtime.memory.contents import Pending
 from fx_offload.selection.budget import simulate
 from fx_offload.schedule import Schedule
 from fx_offload.tools import models
@@ -135,7 +135,7 @@ def test_the_call_hook_begins_the_entry_refills_before_the_graph_runs():
 
 
 def test_inside_a_capture_the_call_hook_leaves_the_entry_refills_to_the_graph(monkeypatch):
-    from fx_offload.runtime import hook_copies
+    from fx_offload.runtime.copies import hook_copies
     model, inputs = models.build("mlp", num_layers=6)
     compiled = torch.compile(model, backend="prefetch_offload",
                              options=dict(group_size=2, inner_backend="aot_eager",
@@ -162,7 +162,7 @@ def test_inside_a_capture_the_call_hook_leaves_the_entry_refills_to_the_graph(mo
 def test_a_placed_model_compiled_for_cuda_graphs_later_is_switched_before_its_calls():
     """Placed with the default options, then compiled with reduce-overhead: from that
     compile on the model's calls may be replays, so the call hook copies every call and an
-    eager call ends joined (runtime.hook_copies)."""
+    eager call ends joined (runtime.copies.hook_copies)."""
     model, (x,) = models.build("mlp", num_layers=6)
     reference = copy.deepcopy(model)
     fx_offload.place(model, "cpu", prefetch_step=2)
@@ -185,7 +185,7 @@ class Landed:
 
 
 def test_per_call_choice_follows_what_the_caller_does_between_calls():
-    from fx_offload.runtime.circular import LANDED_CALLS, RECHECK_EVERY, CircularStart
+    from fx_offload.runtime.copies.circular import LANDED_CALLS, RECHECK_EVERY, CircularStart
     choice = CircularStart("either")
     assert choice.at_end and choice.copies_at_end(capturing=False)
     assert not choice.copies_at_end(capturing=True)      # a capture behaves as at the entry
@@ -234,7 +234,7 @@ def test_the_entry_is_not_chosen_where_nothing_runs_before_the_first_offloaded_l
     """A call whose first layer is offloaded waits for its copy at once: a copy begun at the
     entry is hidden by nothing, so copies that land between calls (a caller that
     synchronizes, or Hugging Face generate's token handling) keep the end."""
-    from fx_offload.runtime.circular import LANDED_CALLS, RECHECK_EVERY, CircularStart
+    from fx_offload.runtime.copies.circular import LANDED_CALLS, RECHECK_EVERY, CircularStart
     choice = CircularStart("either", entry_hides=False)
     for _ in range(LANDED_CALLS + RECHECK_EVERY):
         choice.began_at_end(Landed(True))

@@ -1,5 +1,5 @@
 """compress="lossless" keeps a compressed layer's uncompressed weights in a file (option
-``uncompressed_weights``, fx_offload.runtime.file_backed): host memory holds only the
+``uncompressed_weights``, fx_offload.runtime.memory.file_backed): host memory holds only the
 compressed copies, the parameters view the file, and every guarantee on the weights holds."""
 import copy
 import io
@@ -12,7 +12,7 @@ import torch
 import fx_offload
 from fx_offload import registry
 from fx_offload.errors import OffloadError
-from fx_offload.runtime import file_backed
+from fx_offload.runtime.memory import file_backed
 from fx_offload.tools import models
 from helpers import bf16_decoder
 

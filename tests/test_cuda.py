@@ -11,7 +11,7 @@ import torch
 
 import fx_offload
 from helpers import assert_same_greedy_tokens
-from fx_offload.runtime.slots import SlotBuffers
+from fx_offload.runtime.memory.slots import SlotBuffers
 from fx_offload.tools import models
 from fx_offload.benchmarks.profiling import overlap_from_events
 
@@ -199,7 +199,7 @@ def test_circular_prefetch_chosen_per_call_follows_the_loop():
     the end's copy still running and keep it at the end; a loop that synchronizes after every
     call finds it landed and moves it to the entry.  Outputs equal the model's throughout, no
     layer is loaded synchronously, and each refill is copied once per call."""
-    from fx_offload.runtime.circular import LANDED_CALLS
+    from fx_offload.runtime.copies.circular import LANDED_CALLS
     kw = dict(hidden=2048, heads=16, kv_heads=8, inner=5632, vocab=1024)
     model, (ids,) = models.build("decoder", num_layers=6, batch=1, seq=16, **kw)
     model, ids = model.to("cuda"), ids.cuda()
@@ -317,7 +317,7 @@ def test_copies_overlap_compute_in_a_profiler_trace():
 
 def test_pageable_fallback_warns_once_and_stays_correct(monkeypatch, caplog):
     import logging
-    from fx_offload.runtime import host_memory
+    from fx_offload.runtime.memory import host_memory
 
     def refuse(*args, **kwargs):
         raise RuntimeError("no pinning here")

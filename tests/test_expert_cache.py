@@ -11,7 +11,7 @@ import torch
 import fx_offload
 from fx_offload import registry
 from fx_offload.errors import OffloadError
-from fx_offload.runtime import expert_cache
+from fx_offload.runtime.experts import expert_cache
 from fx_offload.tools import models
 from helpers import small_moe
 

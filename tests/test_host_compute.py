@@ -269,7 +269,7 @@ def test_on_a_gpu_the_stream_runs_the_host_kernel_and_the_caller_never_waits(mon
 def test_a_job_still_queued_is_waited_for_before_the_host_blocks_change(monkeypatch):
     """The state's synchronize (before update_weights, restore, freeing) waits for host
     jobs a stream still holds: they read the host blocks."""
-    from fx_offload.runtime import host_experts
+    from fx_offload.runtime.experts import host_experts
     model, (x,) = models.build("moe", num_layers=4, routed=True, batch=1, seq=1)
     fx_offload.place(model, "cpu", group_size=2, num_in_group=1, **ALWAYS)
     state = registry.state_for_model(model)
@@ -288,7 +288,7 @@ def test_a_job_still_queued_is_waited_for_before_the_host_blocks_change(monkeypa
 
 def test_the_host_jobs_threads_leave_a_quarter_of_the_pool_or_follow_the_variable(
         monkeypatch, caplog):
-    from fx_offload.runtime.host_experts import job_threads
+    from fx_offload.runtime.experts.host_experts import job_threads
     pool = torch.get_num_threads()
     monkeypatch.delenv("FX_OFFLOAD_HOST_THREADS", raising=False)
     assert job_threads() == max(1, pool - pool // 4)
@@ -423,7 +423,7 @@ def test_on_a_gpu_auto_splits_a_layers_picks_between_device_and_host(monkeypatch
     on the device while the host computes the others, on a stream of its own: the model's
     logits, the split reported, the host's share read."""
     from fx_offload.host_compute import split
-    from fx_offload.runtime import host_experts
+    from fx_offload.runtime.experts import host_experts
     monkeypatch.setattr(split, "device_picks", lambda *a, **kw: 1)
     monkeypatch.setattr(host_experts, "TRY_WITHIN", 0.0)    # the rule's plan alone
     model = small_moe("qwen3_moe").eval().cuda()
@@ -604,7 +604,7 @@ def test_a_call_that_raised_is_not_timed(monkeypatch):
     """The leave hook runs for a call that raised too (torch gives it no output): that call's
     time is no plan's, so its start is dropped instead of ended."""
     from fx_offload.placement import LeaveCall
-    from fx_offload.runtime.host_experts import HostExperts
+    from fx_offload.runtime.experts.host_experts import HostExperts
     ended = []
 
     class Timer:

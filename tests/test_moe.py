@@ -13,7 +13,7 @@ import fx_offload
 from fx_offload import registry
 from fx_offload.errors import OffloadError
 from fx_offload.passes import plan as plan_module, routing
-from fx_offload.runtime import gather
+from fx_offload.runtime.experts import gather
 from fx_offload.tools import models
 from helpers import PLANNER_RATES, SMALL_HF as SMALL, experts_alone_budget, small_moe as build
 
@@ -272,11 +272,11 @@ def test_routed_experts_inside_cuda_graphs():
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_other_chunks_fetched_ahead_give_the_same_outputs_and_bytes(mode, monkeypatch):
     """Every layer offloaded over one slot: the routed layers' other chunks run ahead
-    through the ring (runtime.ahead), and every call's logits equal the model's, while a
+    through the ring (runtime.experts.ahead), and every call's logits equal the model's, while a
     call moves exactly the bytes it moves without the ring (each layer's other chunks once,
     plus the rows it gathered), in replayed CUDA graphs too, decode and prompt calls
     interleaved; and weights changed between calls reach the next call."""
-    from fx_offload.runtime import ahead as ahead_module
+    from fx_offload.runtime.experts import ahead as ahead_module
     model = build("qwen3_moe", "batched_mm").eval().cuda()
     reference = copy.deepcopy(model)
     options = {"group_size": 1, "num_in_group": 1, "mode": mode}
@@ -329,7 +329,7 @@ def test_a_bad_ahead_count_warns_and_keeps_the_default(value, depth, monkeypatch
     """docs/errors.md row 74: FX_OFFLOAD_AHEAD takes a count (0: off); anything else gets a
     warning naming it, and the default depth."""
     import logging
-    from fx_offload.runtime import ahead
+    from fx_offload.runtime.experts import ahead
     monkeypatch.setenv("FX_OFFLOAD_AHEAD", value)
     with caplog.at_level(logging.WARNING, "fx_offload"):
         got = ahead.depth_wanted(47)
@@ -343,7 +343,7 @@ def test_a_bad_ahead_count_warns_and_keeps_the_default(value, depth, monkeypatch
 def test_the_ring_grows_with_the_routed_layers_it_fetches(layers, depth, monkeypatch):
     """Unset, the ring's depth is a fifth of the routed layers it fetches ahead, between
     four (measured best at 8 layers) and eight (at 48)."""
-    from fx_offload.runtime import ahead
+    from fx_offload.runtime.experts import ahead
     monkeypatch.delenv("FX_OFFLOAD_AHEAD", raising=False)
     assert ahead.depth_wanted(layers) == depth
 
@@ -353,7 +353,7 @@ def test_host_memory_the_device_cannot_read_moves_experts_whole(caplog):
     from the host: routed chunks are prefetched whole, with one warning."""
     import logging
     import types
-    from fx_offload.runtime.routed import RoutedExperts
+    from fx_offload.runtime.experts.routed import RoutedExperts
     choice = types.SimpleNamespace(routing={1: {1: "routed"}}, experts={1: {"w": 8}},
                                    device=torch.device("meta"), model_name="M")
     with caplog.at_level(logging.WARNING, "fx_offload"):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import fx_offload
-from fx_offload.runtime.slots import SlotBuffers
+from fx_offload.runtime.memory.slots import SlotBuffers
 from fx_offload.tools import models
 
 OPTIONS = {"group_size": 2, "num_in_group": 1, "prefetch_step": 1, "inner_backend": "aot_eager"}
@@ -160,8 +160,8 @@ def _change(kind, model, reference):
 def test_calls_that_change_nothing_skip_the_look_and_a_change_is_still_taken_up(kind,
                                                                               monkeypatch):
     """Each call begins with a look at every offloaded parameter; a fingerprint skips it
-    while nothing changed (runtime/fingerprint.py).  Every kind of change made after such a
-    skipped call is still seen."""
+    while nothing changed (runtime/ownership/fingerprint.py).  Every kind of change made
+    after such a skipped call is still seen."""
     from fx_offload.selection.params import OffloadedParam
     model, compiled, reference, x = offloaded(calls=3)
     looks = []
@@ -244,7 +244,7 @@ def test_ctrl_c_between_two_tensors_of_a_slot_copy_leaves_the_next_call_right():
     (before, the next call read the slot as holding the old layer: an output off by 1.05)."""
     import signal
     import sys
-    from fx_offload.runtime.slots import SlotBuffers
+    from fx_offload.runtime.memory.slots import SlotBuffers
     model, compiled, reference, x = offloaded()
     with torch.no_grad():
         want = reference(x)
@@ -1035,7 +1035,7 @@ def test_what_a_capture_that_raised_recorded_as_landed_is_forgotten_as_the_next_
     the next call (which may be a retried capture) forgets it and copies again; if it ended,
     its join makes it landed for good.  (The capture itself needs a GPU: ``test_cuda.py``.)"""
     from fx_offload.layout import Chunk
-    from fx_offload.runtime.contents import SlotContents, landed
+    from fx_offload.runtime.memory.contents import SlotContents, landed
     layout = {0: [Chunk(0, 0, 64, ("a",))], 2: [Chunk(0, 0, 64, ("a",))]}
     contents = SlotContents(layout, {0: 0, 2: 0}, 1)
     chunk = layout[0][0]

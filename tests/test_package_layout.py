@@ -19,9 +19,9 @@ MAX_FUNCTION_LINES = 120
 LONG_CLASSES = {
     "fx_offload.kv.runtime.HostKV": "one host KV cache's slots, streams and per-step copies: "
                                     "every method orders the same three streams",
-    "fx_offload.runtime.host_experts.HostExperts": "one model's host_experts ops: each call's "
-                                                   "plan, where each layer ran, its queued "
-                                                   "jobs and what they read",
+    "fx_offload.runtime.experts.host_experts.HostExperts":
+        "one model's host_experts ops: each call's plan, where each layer ran, its queued jobs "
+        "and what they read",
     "fx_offload.runtime.state.OffloadState": "one model's run-time state: its life "
                                              "(materialize, restore, detach) and a call's "
                                              "steps in their one order, over its parts",

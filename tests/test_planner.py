@@ -470,11 +470,11 @@ def test_a_budget_that_keeps_the_moe_layers_other_weights_offloads_only_their_ex
 
 def test_plans_of_routed_layers_count_the_ring_that_fetches_their_other_weights_ahead():
     """On a GPU a routed MoE layer's other weights run ahead through a ring of device
-    buffers (runtime.ahead): every plan's device memory counts it, one buffer per layer
+    buffers (runtime.experts.ahead): every plan's device memory counts it, one buffer per layer
     ahead (at most the ring's depth) and one more, none for plans of the expert tensors alone, none
     where the experts move whole, and none on the CPU."""
-    from fx_offload.runtime import ahead
-    from fx_offload.runtime.host_memory import ALIGN
+    from fx_offload.runtime.experts import ahead
+    from fx_offload.runtime.memory.host_memory import ALIGN
     model = small_moe("qwen3_moe").eval()
     stack = find_layer_stack(model, None)
 

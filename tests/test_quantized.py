@@ -443,7 +443,7 @@ def test_a_call_reads_each_layers_versions_once_however_many_chunks(monkeypatch)
     layer reading them walks every inner tensor.  Inside a call they are read once per layer
     (nothing writes the weights while the graph runs), and a write between calls is still
     taken up: the memo begins afresh with each call."""
-    from fx_offload.runtime.versions import ParamVersions
+    from fx_offload.runtime.ownership.versions import ParamVersions
     model, x = quantized("int8")
     reference = copy.deepcopy(model)
     other, _ = quantized("int8", seed=3)

@@ -1,4 +1,4 @@
-"""The ring that fetches routed MoE layers' other chunks ahead (``runtime/ahead.py``), checked
+"""The ring that fetches routed MoE layers' other chunks ahead (``runtime/experts/ahead.py``), checked
 for its stream order on the CPU: CUDA's streams and events are replaced by a simulator that
 runs every queued copy only once what it was ordered after has run, in a random order
 otherwise, so that a copy ordered after too little reads or overwrites the wrong bytes.  It
@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from fx_offload.runtime import ahead
+from fx_offload.runtime.experts import ahead
 
 SIZE = 64           # bytes of a layer's other chunk
 
@@ -368,7 +368,7 @@ def test_replays_and_eager_calls_between_them_read_their_own_layers(sim, seed, w
                                                                     slots):
     """A captured call replayed again and again, eager calls (a shape not captured) between
     the replays in a random pattern: every read of a slot finds its layer.  In a user's
-    graph around the whole call the ring is not used (runtime.ahead: its replays run none
+    graph around the whole call the ring is not used (runtime.experts.ahead: its replays run none
     of the hooks); with fills in it, eager calls between its replays read other layers."""
     sim.rng.seed(seed)
     ring, buffers, copy_stream = make_ring(9, 4, slots)

@@ -1,5 +1,5 @@
 """FX_OFFLOAD_CHECK_SLOTS=1: every wait compares the slot with the host copy of its weights
-(fx_offload.runtime.slot_check); a planted wrong copy is caught and named, and the model
+(fx_offload.runtime.memory.slot_check); a planted wrong copy is caught and named, and the model
 keeps working once it is gone."""
 import copy
 
@@ -8,9 +8,10 @@ import torch
 
 import fx_offload
 from fx_offload import registry
-from fx_offload.runtime import gather, slot_check
-from fx_offload.runtime.slot_check import SlotCheckError
-from fx_offload.runtime.slots import SlotBuffers
+from fx_offload.runtime.experts import gather
+from fx_offload.runtime.memory import slot_check
+from fx_offload.runtime.memory.slot_check import SlotCheckError
+from fx_offload.runtime.memory.slots import SlotBuffers
 from fx_offload.tools import models
 
 

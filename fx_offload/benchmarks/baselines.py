@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..runtime.host_memory import HostBlock
+from ..runtime.memory.host_memory import HostBlock
 
 
 class HookPrefetcher:

@@ -23,7 +23,7 @@ import torch
 
 from .. import backend, report
 from ..options import parse_size
-from ..runtime.slots import SlotBuffers
+from ..runtime.memory.slots import SlotBuffers
 from ..schedule import Schedule
 from ..selection.budget import CHUNKS_PREDICTED, simulate, weights_bytes
 from .baselines import HookPrefetcher, accelerate_offload
@@ -167,7 +167,7 @@ def h2d_bandwidth(device, nbytes: int = 1 << 28, rounds: int = 3) -> float:
 
 def gather_bandwidth(device, rows: int = 64, row_bytes: int = 6 << 20, picked: int = 25,
                      rounds: int = 3) -> float:
-    """Bytes per second that the routed-expert gather (:mod:`fx_offload.runtime.gather`)
+    """Bytes per second that the routed-expert gather (:mod:`fx_offload.runtime.experts.gather`)
     reads from a host block page-locked as the offloaded weights are, ``picked`` of ``rows``
     rows of ``row_bytes`` (the default: Qwen3-30B-A3B's ``gate_up_proj`` rows), measured
     now: the best of ``rounds`` rounds, each the median of five gathers.  The SMs drive
@@ -175,8 +175,8 @@ def gather_bandwidth(device, rows: int = 64, row_bytes: int = 6 << 20, picked: i
     memory more slowly than the copy engine does (47-51 GB/s against 54-55,
     docs/notes/2026-11-27-moe-ring-ahead.md); NaN where the gather cannot run (no GPU, no
     Triton)."""
-    from ..runtime import gather
-    from ..runtime.host_memory import HostBlock
+    from ..runtime.experts import gather
+    from ..runtime.memory.host_memory import HostBlock
     if device.type != "cuda" or gather.triton is None:
         return float("nan")
     words = row_bytes // 4

@@ -29,7 +29,7 @@ import torch
 
 from ..layout import Chunk
 from ..codecs import ans, lossless
-from ..runtime.compressed import CompressedBlock, StagedCopies
+from ..runtime.memory.compressed import CompressedBlock, StagedCopies
 from .bench import h2d_bandwidth
 
 

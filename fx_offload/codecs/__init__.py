@@ -1,7 +1,7 @@
 """The lossless codecs of ``compress="lossless"``: fx_offload's own (:mod:`.lossless`, which
 decodes on the GPU and on the CPU) and nvCOMP's ANS (:mod:`.ans`, a GPU with nvCOMP
 installed).  The runtime encodes each offloaded chunk's bf16 words once and decodes them
-into the slot at every copy (:mod:`fx_offload.runtime.compressed`); the planner samples a
+into the slot at every copy (:mod:`fx_offload.runtime.memory.compressed`); the planner samples a
 codec's ratio (:mod:`fx_offload.selection.compression`).  Both import this package, never
 each other."""
 from __future__ import annotations

@@ -13,20 +13,21 @@ while at batch 8 it took 58.23 against 89.98.  So the rule proposes and the call
     timed:   -      yes    yes    -      yes    yes    -      yes    yes
 
 A call is timed on the device, from an event at its entry to one at its end: the time the
-device spent on it, waits for the host's jobs and for the Python thread's launches
-included.  The events are read once done, never waited for.  Each plan runs for
-``SAMPLES`` timed calls in a row after a warm-up call.  (A first version changed plan
-every call; on the H200 machine its timed decode calls came out about 45 ms longer than
-the decode steps of the plan once kept, the same for every plan: a change of plan has a
-cost of its own, likely the prefetches and slots set up for the plan before, which the
-warm-up call now takes.  Its ranking matched the rows measured apart.)  The plan with the smaller
-median wins for that size of call, for good (a new size of call has a trial of its own).  Plans that are the same (the rule
-says stream, or host alone) are tried once.  Under a CUDA graph capture nothing is timed.  Only plans the rule predicts at most
-``TRY_WITHIN`` times slower than its own are tried (:mod:`fx_offload.runtime.host_experts`):
-a prompt is never tried on the host alone.  A plan is a call's, named by the rule's ``m``
-for its first routed layer: ``0`` and ``k`` hold for every layer, any other value lets each
-layer take its own rule's ``m`` (the layers of one model predict alike).  At most ``MAX_SIZES`` call sizes get a trial;
-past them a new size runs the rule's plan.
+device spent on it, waits for the host's jobs and for the Python thread's launches included.
+The events are read once done, never waited for. Each plan runs for ``SAMPLES`` timed calls
+in a row after a warm-up call. (A first version changed plan every call; on the H200 machine
+its timed decode calls came out about 45 ms longer than the decode steps of the plan once
+kept, the same for every plan: a change of plan has a cost of its own, likely the prefetches
+and slots set up for the plan before, which the warm-up call now takes. Its ranking matched
+the rows measured apart.) The plan with the smaller median wins for that size of call, for
+good (a new size of call has a trial of its own). Plans that are the same (the rule says
+stream, or host alone) are tried once. Under a CUDA graph capture nothing is timed. Only
+plans the rule predicts at most ``TRY_WITHIN`` times slower than its own are tried
+(:mod:`fx_offload.runtime.experts.host_experts`): a prompt is never tried on the host alone.
+A plan is a call's, named by the rule's ``m`` for its first routed layer: ``0`` and ``k``
+hold for every layer, any other value lets each layer take its own rule's ``m`` (the layers
+of one model predict alike). At most ``MAX_SIZES`` call sizes get a trial; past them a new
+size runs the rule's plan.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ nodes traced inside its experts module (``nn_module_stack``; transformers'
     ...  grouped_mm(x_g, w_L.mT, offs) ...  ->  y = host_experts(x, ids, gates, h, L, [c])
     y = ...                                     ...  (the layer's other chunks: as before)
 
-Its kernel (:mod:`fx_offload.runtime.host_experts`) either copies ``x``, ``ids`` and
+Its kernel (:mod:`fx_offload.runtime.experts.host_experts`) either copies ``x``, ``ids`` and
 ``gates`` to the host, computes the experts there from the expert tensors' host block (read
 in place: the weights are no input of the graph's op) and copies the result back, or streams:
 the routed wait the graph had, then the experts module's own forward on the slot.  So the

@@ -52,7 +52,7 @@ class Report:
     # kv_cache="host": kv.summary() (host and slot bytes; the latest call's cache and what
     # a decode step at its length moves, kept until the next call)
     kv: dict = dataclasses.field(default_factory=dict)
-    # routed MoE layers' other weights fetched ahead (runtime.ahead): (buffers, their
+    # routed MoE layers' other weights fetched ahead (runtime.experts.ahead): (buffers, their
     # device bytes, counted in buffer_bytes); None where there is no such ring
     ahead: tuple[int, int] | None = None
     # host_compute: routed MoE layer -> where its experts ran in the latest call ("host",
@@ -210,7 +210,7 @@ def _expert_cache(state) -> tuple[int, int, int, int] | None:
 
 def experts_moved(choice, routed=None) -> dict[int, str]:
     """Layer -> how its expert tensors move, in words (with ``routed``, the state's
-    :class:`~fx_offload.runtime.routed.RoutedExperts`: how many the latest call gathered,
+    :class:`~fx_offload.runtime.experts.routed.RoutedExperts`: how many the latest call gathered,
     and how many of them its expert cache held)."""
     found = {}
     last = routed.gathered_last_call() if routed is not None and choice.experts else {}

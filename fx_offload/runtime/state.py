@@ -56,20 +56,22 @@ import torch
 from torch import nn
 
 from .. import layout, registry
-from . import expert_cache, hooks, slot_check
-from .circular import CircularStart
-from .slot_copies import SlotCopies
-from .contents import SlotContents
-from .contents import capturing as _capturing
-from .hook_copies import HookCopies
-from .in_call import WritesInCall
+from . import hooks
+from .experts import expert_cache
+from .memory import slot_check
+from .copies.circular import CircularStart
+from .copies.slot_copies import SlotCopies
+from .memory.contents import SlotContents
+from .memory.contents import capturing as _capturing
+from .copies.hook_copies import HookCopies
+from .ownership.in_call import WritesInCall
 from .interrupts import GUARD
-from .ownership import Hold, Ownership, Restored, ShapeChanged, weak_callbacks
+from .ownership.ownership import Hold, Ownership, Restored, ShapeChanged, weak_callbacks
 from .phase import Phase
-from .routed import RoutedExperts
-from .slots import SlotBuffers
+from .experts.routed import RoutedExperts
+from .memory.slots import SlotBuffers
 from .turns import Turns
-from .versions import ParamVersions
+from .ownership.versions import ParamVersions
 
 log = logging.getLogger("fx_offload")
 

@@ -148,7 +148,8 @@ class CostModel:
         self.copy_fraction, self.decode_rate = copy_fraction, decode_rate
         self.num_layers, self.overlapped, self.chunks = num_layers, overlapped, chunks
         # where the circular prefetch starts (fx_offload.schedule); chosen per call, it is at
-        # the end for the calls the simulation models (back to back, fx_offload.runtime.circular)
+        # the end for the calls the simulation models (back to back,
+        # fx_offload.runtime.copies.circular)
         self.circular = "end" if circular == "either" else circular
         self._cache: dict[float, tuple[float, list[float], float]] = {}
 
@@ -182,7 +183,7 @@ class CostModel:
     def moved_bytes(self, layer: int, nbytes: int, tokens: float) -> float:
         """Bytes a call of ``tokens`` tokens moves of ``layer``'s ``nbytes`` offloaded ones:
         all of them, or, for routed experts, the expected share its tokens pick (whole above
-        the share at which the runtime prefetches them whole: runtime.routed)."""
+        the share at which the runtime prefetches them whole: runtime.experts.routed)."""
         found = self.routed.get(layer)
         if found is None:
             return nbytes
@@ -398,7 +399,7 @@ def candidates(model: nn.Module, stack: LayerStack, options: OffloadOptions,
 
 def _routed_others(params, options: OffloadOptions, device: torch.device) -> dict[int, int]:
     """Layer -> offloaded bytes of its weights other than its expert tensors, for layers
-    whose experts may be routed (what :mod:`fx_offload.runtime.ahead` fetches ahead)."""
+    whose experts may be routed (what :mod:`fx_offload.runtime.experts.ahead` fetches ahead)."""
     if options.experts != "routed" or torch.device(device).type != "cuda" \
             or options.compress == "lossless":      # compressed layers take no ring
         return {}

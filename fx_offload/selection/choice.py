@@ -30,20 +30,20 @@ class Choice:
     # capture waits for the hook's copies through external events)
     hook_starts_entry: bool = False
     # compiled for CUDA graphs (reduce-overhead): the hooks' circular refills always copy,
-    # so every capture finds one to wait for (fx_offload.runtime.hook_copies)
+    # so every capture finds one to wait for (fx_offload.runtime.copies.hook_copies)
     under_cuda_graphs: bool = False
     # layer -> its copy chunks, arranged once at the first graph (fx_offload.layout.arrange),
     # which also puts each layer's params in the order of its host block
     layout: dict = dataclasses.field(default_factory=dict)
     # "lossless": each chunk of bf16 weights crosses the link compressed (codecs.lossless)
     compress: str = "none"
-    # where compressed layers' uncompressed weights live (runtime.file_backed)
+    # where compressed layers' uncompressed weights live (runtime.memory.file_backed)
     uncompressed_weights: str = "auto"
     # layer -> {suffix: number of experts} of its expert tensors, under experts="routed"
     # (selection.experts); the pass routes a chunk of them where a graph reads only the rows
     # its router picked, and records here why it did not where it could not
     experts: dict = dataclasses.field(default_factory=dict)
-    # device bytes that keep each routed layer's most-picked experts (runtime.expert_cache)
+    # device bytes that keep each routed layer's most-picked experts (runtime.experts.expert_cache)
     expert_cache: int = 0
     # filled by the pass: layer -> {chunk: "routed"} or {chunk: why it moves whole}
     routing: dict = dataclasses.field(default_factory=dict)

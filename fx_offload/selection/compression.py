@@ -3,7 +3,7 @@ bytes a copy moves, sampled from the model's own weights, and the decode's rate.
 
 A copy of a compressed layer takes ``max(moved bytes / H2D bandwidth, raw bytes / decode
 rate)``: the link and the decode run on their own streams, one chunk apart
-(:mod:`fx_offload.runtime.compressed`, decoding with :mod:`fx_offload.codecs`).
+(:mod:`fx_offload.runtime.memory.compressed`, decoding with :mod:`fx_offload.codecs`).
 """
 from __future__ import annotations
 

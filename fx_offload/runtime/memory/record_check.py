@@ -12,7 +12,7 @@ weights (on the CPU, :func:`.lossless.check` verifies a record before its decode
                             slot chunk := 0xFFFF words       the call computes with NaN
                             flags[c] := 1                    page-locked, written through its
                           tally[k] := 0                      device address
-    next call       flags set -> OffloadError naming the chunk (runtime.ownership)
+    next call       flags set -> OffloadError naming the chunk (runtime.ownership.ownership)
 
 A corrupt record thus makes the call that copies it compute with NaN (for a bf16 weight, 0xFFFF
 is a NaN), and every later call raise until the record is encoded again (new weights for its

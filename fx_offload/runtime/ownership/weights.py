@@ -14,10 +14,10 @@ from typing import Iterator, Mapping
 import torch
 from torch import nn
 
-from .. import dtensor, registry, subclass
-from . import hooks
-from ..errors import OffloadError
-from .phase import Phase
+from ... import dtensor, registry, subclass
+from .. import hooks
+from ...errors import OffloadError
+from ..phase import Phase
 
 
 def _not_offloaded(model: nn.Module, where: str) -> OffloadError:

@@ -23,9 +23,9 @@ import os
 
 import torch
 
-from ..errors import OffloadError
+from ...errors import OffloadError
 from .contents import capturing
-from .phase import Phase
+from ..phase import Phase
 
 log = logging.getLogger("fx_offload")
 

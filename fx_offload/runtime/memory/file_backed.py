@@ -23,8 +23,8 @@ import tempfile
 
 import torch
 
-from ..errors import OffloadError
-from ..options import UNCOMPRESSED_WEIGHTS
+from ...errors import OffloadError
+from ...options import UNCOMPRESSED_WEIGHTS
 
 log = logging.getLogger("fx_offload")
 

@@ -44,8 +44,8 @@ import logging
 
 import torch
 
-from ..copy_rules import depth_wanted
-from .contents import capturing
+from ...copy_rules import depth_wanted
+from ..memory.contents import capturing
 
 log = logging.getLogger("fx_offload")
 

@@ -18,10 +18,10 @@ import logging
 
 import torch
 
-from ..schedule import Schedule
-from .ahead import copy_chunk, join_copies
-from .contents import Pending, landed
-from .contents import capturing as _capturing
+from ...schedule import Schedule
+from ..experts.ahead import copy_chunk, join_copies
+from ..memory.contents import Pending, landed
+from ..memory.contents import capturing as _capturing
 
 log = logging.getLogger("fx_offload")
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .contents import capturing
+from ..memory.contents import capturing
 
 
 class HookCopies:

@@ -48,15 +48,15 @@ import weakref
 import torch
 from torch import nn
 
-from ..errors import OffloadError
-from ..host_compute import kernels
-from ..host_compute.kernels import job_threads
-from ..host_compute import native
-from ..host_compute import split
-from ..host_compute.rates import host_rates
-from ..host_compute.trial import CallTimer
-from .contents import capturing
-from .phase import Phase
+from ...errors import OffloadError
+from ...host_compute import kernels
+from ...host_compute.kernels import job_threads
+from ...host_compute import native
+from ...host_compute import split
+from ...host_compute.rates import host_rates
+from ...host_compute.trial import CallTimer
+from ..memory.contents import capturing
+from ..phase import Phase
 
 log = logging.getLogger("fx_offload")
 

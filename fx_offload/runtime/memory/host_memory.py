@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from ..copy_rules import ALIGN
+from ...copy_rules import ALIGN
 
 log = logging.getLogger("fx_offload")
 ALIGN_CPU = 64                    # bytes; a CPU run only needs each view's dtype aligned

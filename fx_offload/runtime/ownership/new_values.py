@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .host_memory import HostBlock, viewed_elsewhere
+from ..memory.host_memory import HostBlock, viewed_elsewhere
 
 
 def taken(masters: dict[str, torch.Tensor], block: HostBlock | None,

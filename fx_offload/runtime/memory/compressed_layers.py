@@ -17,8 +17,8 @@ import logging
 
 import torch
 
-from ..text import format_bytes
-from ..codecs import lossless
+from ...text import format_bytes
+from ...codecs import lossless
 from . import file_backed
 from .compressed import CompressedBlock, StagedCopies
 
@@ -34,7 +34,7 @@ class CompressedLayers:
         self.layout, self.device, self.params = choice.layout, choice.device, choice.params
         self.experts, self.model_name = choice.experts, choice.model_name
         self.compressed: dict = {}          # layer -> CompressedBlock
-        # compressed layers' uncompressed weights: in files there (runtime.file_backed),
+        # compressed layers' uncompressed weights: in files there (runtime.memory.file_backed),
         # looked up when the first layer could go
         self.raw_folder = file_backed.LATER if enabled else None
         self.uncompressed_weights = choice.uncompressed_weights

@@ -32,8 +32,8 @@ import logging
 
 import torch
 
-from ..errors import OffloadError
-from ..codecs import codec_for, lossless
+from ...errors import OffloadError
+from ...codecs import codec_for, lossless
 from . import record_check
 from .host_memory import HostBlock
 
@@ -223,7 +223,7 @@ class StagedCopies:
         # the fork, then follows the decode stream if it is in this capture too (the
         # synchronization that begins every capture finished the decodes before it, and
         # under CUDA graphs no decode is begun outside the graph: the call hook leaves a
-        # compressed layer's entry refill to the graph, runtime.hook_copies).  After
+        # compressed layer's entry refill to the graph, runtime.copies.hook_copies).  After
         # a capture, a replay may still be decoding from the buffer: the fork, recorded on
         # the stream the replay runs on, comes after it.
         last = self._free_in_capture[k]

@@ -32,8 +32,8 @@ import logging
 
 import torch
 
-from ..errors import OffloadError
-from ..text import format_bytes
+from ...errors import OffloadError
+from ...text import format_bytes
 
 log = logging.getLogger("fx_offload")
 FIRST_REFRESHES = (4, 8, 16, 32, 64)    # calls after which the cached experts are chosen

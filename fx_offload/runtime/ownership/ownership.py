@@ -16,7 +16,7 @@ import weakref
 
 import torch
 
-from ..errors import OffloadError
+from ...errors import OffloadError
 from .fingerprint import Fingerprint
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from .. import dtensor
+from ... import dtensor
 
 log = logging.getLogger("fx_offload")
 

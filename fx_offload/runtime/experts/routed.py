@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from ..copy_rules import WHOLE_ABOVE, expected_share
+from ...copy_rules import WHOLE_ABOVE, expected_share
 from . import gather
 from .expert_cache import ExpertCache
 

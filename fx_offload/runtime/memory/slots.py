@@ -28,10 +28,10 @@ import os
 
 import torch
 
-from .ahead import AheadCopies
+from ..experts.ahead import AheadCopies
 from .compressed_layers import CompressedLayers
 from .host_memory import HostBlock, align_for, layout_of, views_into
-from .new_values import taken
+from ..ownership.new_values import taken
 
 log = logging.getLogger("fx_offload")
 
