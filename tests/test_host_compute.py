@@ -422,10 +422,9 @@ def test_on_a_gpu_auto_splits_a_layers_picks_between_device_and_host(monkeypatch
     """Under "auto", each token's first pick (and the cached experts: 4 of 16 a layer) run
     on the device while the host computes the others, on a stream of its own: the model's
     logits, the split reported, the host's share read."""
-    from fx_offload.host_compute import split
-    from fx_offload.runtime.experts import host_experts
+    from fx_offload.host_compute import split, trial
     monkeypatch.setattr(split, "device_picks", lambda *a, **kw: 1)
-    monkeypatch.setattr(host_experts, "TRY_WITHIN", 0.0)    # the rule's plan alone
+    monkeypatch.setattr(trial, "TRY_WITHIN", 0.0)    # the rule's plan alone
     model = small_moe("qwen3_moe").eval().cuda()
     reference = copy.deepcopy(model)
     # the cache holds as many experts of each routed layer (layers 1 and 3)
@@ -546,7 +545,7 @@ def test_the_call_timer_reads_only_events_that_are_done(monkeypatch):
     took = {2: 0.010, 0: 0.020, 8: 0.030}
     events = []
     for call in range(12):
-        plan = timer.begin(1, 8, 2, [1.0, 1.5, 1.9], 2.0, stream=object())
+        plan = timer.begin(1, 8, 2, [1.0, 1.5, 1.9], stream=object())
         Event.now += took[plan]
         if call == 4:
             timer.discard()     # its tokens were miscounted: not timed
@@ -555,20 +554,20 @@ def test_the_call_timer_reads_only_events_that_are_done(monkeypatch):
         if call % 2:            # the device catches up every other call
             for e in events:
                 e.done = True
-    assert timer.begin(1, 8, 2, [1.0, 1.5, 1.9], 2.0, stream=object()) == 2
+    assert timer.begin(1, 8, 2, [1.0, 1.5, 1.9], stream=object()) == 2
     trial = timer.trials[(1, 8)]
     assert trial.best == 2 and trial.medians() == pytest.approx(took)
     assert timer.summary() == {1: "split 2 10.00 ms, on the host 20.00 ms, streamed "
                                   "30.00 ms: keeps split 2"}
-    # a plan the rule predicts more than `within` times slower is not tried (a prompt on
+    # a plan the rule predicts more than TRY_WITHIN times slower is not tried (a prompt on
     # the host alone)
-    assert timer.begin(64, 8, 8, [1.0, 5.0, 1.0], 2.0, stream=object()) == 8
+    assert timer.begin(64, 8, 8, [1.0, 5.0, 1.0], stream=object()) == 8
     assert timer.trials[(64, 8)].plans == [8]
     assert timer.summary()[64] == ("streamed, the rule's plan (the others predicted over "
                                    "2x as slow: not tried)")
     # sizes beyond MAX_SIZES run the rule's plan, untimed and unkept
     monkeypatch.setattr(trial_mod, "MAX_SIZES", 2)
-    assert timer.begin(5, 8, 3, [1.0, 1.0, 1.0], 2.0, stream=object()) == 3
+    assert timer.begin(5, 8, 3, [1.0, 1.0, 1.0], stream=object()) == 3
     assert (5, 8) not in timer.trials and timer._start is None
 
 

@@ -173,8 +173,8 @@ class _ReadProbe:
                 kernels.routed_experts(self.x, ids, self.gates, self.gate_up, self.down)
                 seconds.append(time.perf_counter() - start)
             return seconds
-        E, I, H, k = PROBE_EXPERTS, PROBE_INNER, PROBE_HIDDEN, PROBE_PICKS
-        floats, ints = native.scratch_sizes(k, H, I, E)
+        floats, ints = native.scratch_sizes(PROBE_PICKS, PROBE_HIDDEN, PROBE_INNER,
+                                            PROBE_EXPERTS)
         scratch = (torch.empty(floats), torch.empty(ints, dtype=torch.int64))
         y, picked, job = torch.empty(1, H), ctypes.c_int64(0), native.ExpertsJob()
 

@@ -22,8 +22,8 @@ and slots set up for the plan before, which the warm-up call now takes. Its rank
 the rows measured apart.) The plan with the smaller median wins for that size of call, for
 good (a new size of call has a trial of its own). Plans that are the same (the rule says
 stream, or host alone) are tried once. Under a CUDA graph capture nothing is timed. Only
-plans the rule predicts at most ``TRY_WITHIN`` times slower than its own are tried
-(:mod:`fx_offload.runtime.experts.host_experts`): a prompt is never tried on the host alone.
+plans the rule predicts at most ``TRY_WITHIN`` times slower than its own are tried: a
+prompt is never tried on the host alone.
 A plan is a call's, named by the rule's ``m`` for its first routed layer: ``0`` and ``k``
 hold for every layer, any other value lets each layer take its own rule's ``m`` (the layers
 of one model predict alike). At most ``MAX_SIZES`` call sizes get a trial; past them a new
@@ -42,6 +42,9 @@ SAMPLES = 2         # timed calls of each plan after its warm-up
 # call sizes tried at most: beyond, a new size runs the rule's plan untimed (a server's
 # prompts of every length would otherwise keep a trial each)
 MAX_SIZES = 64
+# the host alone and streaming are tried against the rule's plan where the rule predicts them
+# at most this much slower (a prompt on the host alone is not tried)
+TRY_WITHIN = 2.0
 
 
 class Trial:
@@ -92,24 +95,24 @@ class CallTimer:
     def __init__(self, model_name: str = "model"):
         self.model_name = model_name
         self.trials: dict[tuple[int, int], Trial] = {}     # (tokens, k) -> its trial
-        self.within = 2.0           # the factor begin() was given last (for the words)
-        self._pending: list = []        # (trial, plan, start event, end event)
-        self._start = None              # (trial, plan, start event) of the call in progress
+        # (trial, plan, start event, k, tokens[, end event]) of the call in progress, and of
+        # the calls ended but not yet read
+        self._start = None
+        self._pending: list = []
 
-    def begin(self, tokens: int, k: int, rule: int, seconds, within: float, stream) -> int:
+    def begin(self, tokens: int, k: int, rule: int, seconds, stream) -> int:
         """A call of ``tokens`` tokens begins: its plan, and an event at its entry while
         its size is on trial.  ``rule``: the rule's plan; ``seconds``: the rule's
         predictions for it, the host alone and streaming; the other two are tried where
-        predicted at most ``within`` times slower."""
+        predicted at most ``TRY_WITHIN`` times slower."""
         self._read_done()
-        self.within = within
         trial = self.trials.get((tokens, k))
         if trial is None and len(self.trials) >= MAX_SIZES:
             self._start = None
             return rule
         if trial is None:
             plans = [rule] + [p for p, t in zip((0, k), seconds[1:])
-                              if t <= within * seconds[0]]
+                              if t <= TRY_WITHIN * seconds[0]]
             trial = self.trials[(tokens, k)] = Trial(plans)
         plan = trial.next_plan()
         self._start = None
@@ -150,7 +153,7 @@ class CallTimer:
         for (tokens, k), trial in sorted(self.trials.items()):
             if len(trial.plans) == 1:       # nothing else in reach: not timed
                 out[tokens] = (f"{describe(trial.best, k)}, the rule's plan (the others "
-                               f"predicted over {self.within:g}x as slow: not tried)")
+                               f"predicted over {TRY_WITHIN:g}x as slow: not tried)")
                 continue
             kept = (f": keeps {describe(trial.best, k)}" if trial.best is not None
                     else ": still trying")

@@ -60,9 +60,6 @@ from ..phase import Phase
 
 log = logging.getLogger("fx_offload")
 
-# "auto" times the host alone and streaming against the rule's split where the rule
-# predicts them at most this much slower (a prompt on the host alone is not tried)
-TRY_WITHIN = 2.0
 
 
 def _laid_out_as(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -256,7 +253,7 @@ class HostExperts:
             plan, *seconds = self._predicted(entry, layer, tokens, self._k)
             device = self._state.device
             if device.type == "cuda" and not capturing():
-                plan = self.timer.begin(tokens, self._k, plan, seconds, TRY_WITHIN,
+                plan = self.timer.begin(tokens, self._k, plan, seconds,
                                         torch.cuda.current_stream(device))
                 self._call = (tokens, plan)
             self.on_host_now = plan < self._k
