@@ -176,7 +176,7 @@ class _ReadProbe:
         floats, ints = native.scratch_sizes(PROBE_PICKS, PROBE_HIDDEN, PROBE_INNER,
                                             PROBE_EXPERTS)
         scratch = (torch.empty(floats), torch.empty(ints, dtype=torch.int64))
-        y, picked, job = torch.empty(1, H), ctypes.c_int64(0), native.ExpertsJob()
+        y, picked, job = torch.empty(1, PROBE_HIDDEN), ctypes.c_int64(0), native.ExpertsJob()
 
         def run() -> None:          # as a queued job runs: its own thread and team
             for ids in sets():
