@@ -9,10 +9,11 @@ Paths (``path=``; ``None`` picks per shape, see :func:`pick`):
 ``loops``
     a C kernel built for this CPU on first use (:mod:`.native`): one parallel region per
     matmul over blocks of rows of every routed expert together; each weight is read once,
-    widened to fp32 in registers and meets every token routed to its expert there.
-``loops-prefetch``
-    ``loops`` asking for the weights 1 KiB ahead of the row being read (software prefetch),
-    to compare with the hardware's prefetching alone.
+    widened to fp32 in registers and meets every token routed to its expert there.  It asks
+    for the weights 4 KiB ahead of the row being read (software prefetch, see
+    ``native.PREFETCH``).
+``loops-hardware``
+    ``loops`` without the software prefetch: the hardware's prefetcher alone, to compare.
 ``upcast``
     each distinct expert's weights converted to fp32, then torch's fp32 matmuls (MKL).
     Exact fp32 accumulation, but the conversion writes and reads the expert again.
@@ -58,10 +59,10 @@ WHERE = "fx_offload.host_compute"
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu,
                "gelu_tanh": lambda v: F.gelu(v, approximate="tanh"), "relu": F.relu}
-EXPERT_PATHS = ("upcast", "native", "loops", "loops-prefetch", "inductor")
-LINEAR_PATHS = ("upcast", "native", "loops", "loops-prefetch")
+EXPERT_PATHS = ("upcast", "native", "loops", "loops-hardware", "inductor")
+LINEAR_PATHS = ("upcast", "native", "loops", "loops-hardware")
 # the 'loops' kernels and the bytes ahead of the weights they ask the memory for
-LOOPS = {"loops": 0, "loops-prefetch": 1024}
+LOOPS = {"loops": _native.PREFETCH, "loops-hardware": 0}
 
 
 def host_threads() -> int:
@@ -73,10 +74,12 @@ def host_threads() -> int:
 
 def job_threads() -> int:
     """Threads of a job the stream runs: ``FX_OFFLOAD_HOST_THREADS`` where set, else torch's
-    pool less a quarter of it.  The job runs while the Python thread enqueues the next
-    layers and the driver's threads serve the copies; a team on every core slows both.
-    Measured on the H200 machine (16 cores, 8 Qwen3-30B-A3B layers, batch 1, ms/token):
-    8 threads 21.3, 12 18.8, 15 19.4, 16 22.4."""
+    pool less an eighth of it (at least one fewer).  The job runs while the Python thread
+    enqueues the next layers and the driver's threads serve the copies; a team on every core
+    slows all three.  Measured on the H200 machine (16 cores), 8 Qwen3-30B-A3B layers at
+    batch 1: 8 threads 21.3 ms/token, 12 18.8, 15 19.4, 16 22.4; the kernel alone as a
+    stream job, 1 / 8 tokens: 12 threads 65 / 67 GB/s, 14 77 / 82 (16 threads, with a 1 KiB
+    prefetch: 49 / 54 where 14 read 66 / 69)."""
     value = os.environ.get("FX_OFFLOAD_HOST_THREADS", "").strip()
     if value:
         try:
@@ -87,7 +90,7 @@ def job_threads() -> int:
         log.warning("fx_offload: FX_OFFLOAD_HOST_THREADS=%r is no count of threads (a whole "
                     "number of at least 1); using the default", value)
     pool = host_threads()
-    return max(1, pool - pool // 4)
+    return max(1, pool - max(1, pool // 8))
 
 
 def physical_cores() -> int:

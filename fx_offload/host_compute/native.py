@@ -72,9 +72,12 @@ INL float one_w(const int wt, const char* w, int64_t i) {
    between chunks.  Rows of X a multiple of 4 KiB apart (a hidden size of 4096) would share
    L1 sets and evict one another, so a chunk of several rows is first copied to a buffer whose
    rows are 64 bytes off that.  PREFETCH (bytes, 0: none) asks for the weights that far ahead
-   of the row being read. */
+   of the row being read, PFLOC the cache level it asks them into (3: every level). */
 #ifndef PREFETCH
 #define PREFETCH 0
+#endif
+#ifndef PFLOC
+#define PFLOC 3
 #endif
 INL void dots_m(const int wt, const int m, const char* w, int64_t nr, int64_t n, const float* X,
                 int64_t ldx, float* out) {
@@ -104,8 +107,8 @@ INL void dots_m(const int wt, const int m, const char* w, int64_t nr, int64_t n,
                 #pragma GCC unroll 8
                 for (int t = 0; t < m; ++t) { acc0[t] = part[r][t]; acc1[t] = part[r + 1][t]; }
                 for (int64_t i = c; i < end; i += VL) {
-                    if (PREFETCH) { __builtin_prefetch(row0 + i * size + PREFETCH);
-                                    __builtin_prefetch(row1 + i * size + PREFETCH); }
+                    if (PREFETCH) { __builtin_prefetch(row0 + i * size + PREFETCH, 0, PFLOC);
+                                    __builtin_prefetch(row1 + i * size + PREFETCH, 0, PFLOC); }
                     vf w0 = load_w(wt, row0, i), w1 = load_w(wt, row1, i);
                     #pragma GCC unroll 8
                     for (int t = 0; t < m; ++t) {
@@ -122,7 +125,7 @@ INL void dots_m(const int wt, const int m, const char* w, int64_t nr, int64_t n,
             #pragma GCC unroll 8
             for (int t = 0; t < m; ++t) acc[t] = part[r][t];
             for (int64_t i = c; i < end; i += VL) {
-                if (PREFETCH) __builtin_prefetch(row + i * size + PREFETCH);
+                if (PREFETCH) __builtin_prefetch(row + i * size + PREFETCH, 0, PFLOC);
                 vf wv = load_w(wt, row, i);
                 #pragma GCC unroll 8
                 for (int t = 0; t < m; ++t) {
@@ -288,11 +291,19 @@ FLAGS = ["-O3", "-march=native", "-ffast-math", "-Wno-psabi", "-fopenmp", "-fPIC
 WEIGHT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
 
+# Bytes ahead of the row being read that the kernel asks the memory for.  A gate/up row of a
+# 2048-wide bf16 expert is one 4 KiB page, and the hardware's prefetcher starts again at every
+# page; asking a page ahead keeps each core's reads in flight across it.  Measured on the
+# H200 machine's host (16 cores; 8 of 128 Qwen3-30B-A3B experts a call from 4.5 GiB, a stream
+# job of 14 threads, GB/s, 1 / 8 tokens): none 61 / 60, 1 KiB 55 / 73, 2 KiB 70 / 76,
+# 4 KiB 77 / 82; the non-temporal hint was slower at every distance (41-59).
+PREFETCH = 4096
+
 _lock = threading.Lock()
 _state: dict = {}
 
 
-def library(prefetch: int = 0):
+def library(prefetch: int = PREFETCH):
     """The compiled kernel (a ``ctypes.CDLL``), or ``None`` where it cannot be built;
     ``prefetch`` bytes ahead of the weights being read (0: leave it to the hardware)."""
     if prefetch not in _state:
