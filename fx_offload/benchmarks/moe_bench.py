@@ -190,8 +190,8 @@ def _settle_trials(model, prompt) -> None:
     """Let ``host_compute="auto"`` finish timing its plans at this batch's prompt and decode
     sizes before the timed calls (:mod:`fx_offload.host_compute.trial`): enough prompts and
     decode steps for each plan's warm-up and timed calls."""
-    from ..host_compute.trial import SAMPLES
-    calls = 3 * (SAMPLES + 1) + 2
+    from ..host_compute.trial import ROUNDS
+    calls = ROUNDS * 3 * 2 + 4          # each plan's blocks, and calls read late
     with torch.no_grad():
         model.generate(prompt, max_new_tokens=calls, min_new_tokens=calls, do_sample=False)
         for _ in range(calls):

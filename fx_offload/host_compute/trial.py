@@ -6,39 +6,50 @@ link's, the host's reads and arithmetic, a round trip.  A decode step has costs 
 not see: a layer's host job waits for that layer's attention and the next layer waits for
 the job, the Python thread's launches, the job's wake-up.  On the H200 machine the rule's
 split at batch 1 took 20.97 ms a token against 18.51 streamed (8 layers of Qwen3-30B-A3B),
-while at batch 8 it took 58.23 against 89.98.  So the rule proposes and the calls decide::
+while at batch 8 it took 58.23 against 89.98.  So the rule proposes and the calls decide,
+in ``ROUNDS`` rounds of blocks, a block being one plan's warm-up call and its timed call::
 
-    call:    1      2      3      4      5      6      7      8      9     10 ...
-    plan:    rule   rule   rule   host   host   host   stream stream stream best
-    timed:   -      yes    yes    -      yes    yes    -      yes    yes
+    call:    1      2      3      4      5      6      7      8      9 ... 12   13 ...
+    plan:    rule   rule   host   host   stream stream rule   rule   ...  stream best
+    timed:   -      yes    -      yes    -      yes    -      yes    ...  yes
 
 A call is timed on the device, from an event at its entry to one at its end: the time the
 device spent on it, waits for the host's jobs and for the Python thread's launches included.
-The events are read once done, never waited for. Each plan runs for ``SAMPLES`` timed calls
-in a row after a warm-up call. (A first version changed plan every call; on the H200 machine
-its timed decode calls came out about 45 ms longer than the decode steps of the plan once
-kept, the same for every plan: a change of plan has a cost of its own, likely the prefetches
-and slots set up for the plan before, which the warm-up call now takes. Its ranking matched
-the rows measured apart.) The plan with the smaller median wins for that size of call, for
-good (a new size of call has a trial of its own). Plans that are the same (the rule says
-stream, or host alone) are tried once. Under a CUDA graph capture nothing is timed. Only
-plans the rule predicts at most ``TRY_WITHIN`` times slower than its own are tried: a
-prompt is never tried on the host alone.
+The events are read once done, never waited for (a block runs on until its timed call is
+read; the calls past it are not counted). The plan whose fastest timed call was fastest
+wins for that size of call, for good (a new size of call has a trial of its own).
+
+Why blocks: a change of plan has a cost of its own (on the H200 machine, a first version
+that changed plan every call timed every plan's calls about 45 ms longer than its decode
+steps once kept: the prefetches and slots set up for the plan before), which the warm-up
+call takes.  Why rounds and the fastest call: a plan's first calls can be slow for reasons
+of their own (buffers made at first use, the host's pages first read), and with one block
+each the plan tried first paid them: on the H200 machine the split at batch 8 timed 358 ms
+a call against 114 on the host alone, where its decode steps once kept took 58 ms against
+66. A second block of each plan, after the others, gives every plan a call clear of that.
+Plans that are the same (the rule says stream, or host alone) are tried once. Under a CUDA
+graph capture nothing is timed. Only plans the rule predicts at most ``TRY_WITHIN`` times
+slower than its own are tried: a prompt is never tried on the host alone.
 A plan is a call's, named by the rule's ``m`` for its first routed layer: ``0`` and ``k``
 hold for every layer, any other value lets each layer take its own rule's ``m`` (the layers
 of one model predict alike). At most ``MAX_SIZES`` call sizes get a trial; past them a new
 size runs the rule's plan.
+
+A call during which Dynamo compiled a graph is not timed: the device waits for the compile
+(seconds), which says nothing of the plan. Under ``dynamic=True`` the second decode step
+compiles again (the first size seen is compiled static), and on the H200 machine that
+compile landed in the rule's timed calls: 11.6 s a call, so the split lost to streaming.
 """
 from __future__ import annotations
 
 import logging
-import statistics
 
 import torch
+from torch._dynamo.utils import counters
 
 log = logging.getLogger("fx_offload")
 
-SAMPLES = 2         # timed calls of each plan after its warm-up
+ROUNDS = 2          # blocks of each plan (a warm-up call, then a timed one), plan after plan
 # call sizes tried at most: beyond, a new size runs the rule's plan untimed (a server's
 # prompts of every length would otherwise keep a trial each)
 MAX_SIZES = 64
@@ -48,41 +59,54 @@ TRY_WITHIN = 2.0
 
 
 class Trial:
-    """The calls of one size: which plan the next one runs (each plan's calls in a row),
-    and the winner once known.
+    """The calls of one size: which plan the next one runs (in blocks, see the module's
+    docstring), and the winner once known.
     Plans are ``m`` values (each token's picks computed on the device; ``k``: stream)."""
 
     def __init__(self, plans: list[int]):
         self.plans = list(dict.fromkeys(plans))     # in order, once each
         self.times: dict[int, list[float]] = {m: [] for m in self.plans}
-        self.seen: dict[int, int] = {m: 0 for m in self.plans}
         self.best: int | None = self.plans[0] if len(self.plans) == 1 else None
+        self.round = 1          # timed calls each plan has once this round is done
+        self.block = 0          # the block in progress, and the calls of it read so far
+        self._block_plan: int | None = None
+        self._read = 0
 
-    def next_plan(self) -> int:
-        """The plan of the coming call."""
+    def next_plan(self) -> tuple[int, int]:
+        """The plan of the coming call, and the block it belongs to (-1 once settled)."""
         if self.best is not None:
-            return self.best
-        # each plan in a block of calls, until its timed calls are in (they are read a
-        # call or two late: the block runs on meanwhile, and a call left untimed is
-        # made up for)
-        return next(m for m in self.plans if len(self.times[m]) < SAMPLES)
+            return self.best, -1
+        plan = next(m for m in self.plans if len(self.times[m]) < self.round)
+        if plan != self._block_plan:
+            self._block_plan, self.block, self._read = plan, self.block + 1, 0
+        return plan, self.block
 
-    def timed(self, plan: int, seconds: float) -> bool:
-        """A call of ``plan`` took ``seconds`` on the device; True once this settles it."""
-        if self.best is not None or plan not in self.times:
+    def timed(self, plan: int, block: int, seconds: float) -> bool:
+        """A call of ``plan`` begun in ``block`` took ``seconds`` on the device; True once
+        this settles the trial."""
+        if self.best is not None or block != self.block or plan != self._block_plan:
+            return False                # a call of a block already done
+        self._read += 1
+        if self._read == 1 or len(self.times[plan]) >= self.round:
+            return False                # the block's warm-up, or a call past its timed one
+        self.times[plan].append(seconds)
+        if any(len(t) < self.round for t in self.times.values()):
             return False
-        self.seen[plan] += 1
-        if self.seen[plan] == 1:         # its warm-up
+        if self.round < ROUNDS:
+            self.round += 1
             return False
-        if len(self.times[plan]) < SAMPLES:
-            self.times[plan].append(seconds)
-        if all(len(t) >= SAMPLES for t in self.times.values()):
-            self.best = min(self.plans, key=lambda m: statistics.median(self.times[m]))
-            return True
-        return False
+        self.best = min(self.plans, key=lambda m: min(self.times[m]))
+        return True
 
-    def medians(self) -> dict[int, float]:
-        return {m: statistics.median(t) for m, t in self.times.items() if t}
+    def fastest(self) -> dict[int, float]:
+        """Each plan's fastest timed call so far, in seconds."""
+        return {m: min(t) for m, t in self.times.items() if t}
+
+
+def graphs_compiled() -> int:
+    """Graphs Dynamo has compiled in this process (reset with Dynamo: compared, not
+    subtracted)."""
+    return counters["stats"]["unique_graphs"]
 
 
 def describe(plan: int, k: int) -> str:
@@ -95,9 +119,10 @@ class CallTimer:
     def __init__(self, model_name: str = "model"):
         self.model_name = model_name
         self.trials: dict[tuple[int, int], Trial] = {}     # (tokens, k) -> its trial
-        # (trial, plan, start event, k, tokens[, end event]) of the call in progress, and of
-        # the calls ended but not yet read
+        # (trial, plan, block, start event, k, tokens[, end event]) of the call in progress,
+        # and of the calls ended but not yet read; the graphs compiled when the call began
         self._start = None
+        self._compiled = 0
         self._pending: list = []
 
     def begin(self, tokens: int, k: int, rule: int, seconds, stream) -> int:
@@ -114,12 +139,13 @@ class CallTimer:
             plans = [rule] + [p for p, t in zip((0, k), seconds[1:])
                               if t <= TRY_WITHIN * seconds[0]]
             trial = self.trials[(tokens, k)] = Trial(plans)
-        plan = trial.next_plan()
+        plan, block = trial.next_plan()
         self._start = None
         if trial.best is None:
             start = torch.cuda.Event(enable_timing=True)
             start.record(stream)
-            self._start = (trial, plan, start, k, tokens)
+            self._start = (trial, plan, block, start, k, tokens)
+            self._compiled = graphs_compiled()
         return plan
 
     def discard(self) -> None:
@@ -127,8 +153,11 @@ class CallTimer:
         self._start = None
 
     def end(self, stream) -> None:
-        """The call ends: an event at its end."""
+        """The call ends: an event at its end (none where a graph was compiled during it)."""
         if self._start is None:
+            return
+        if graphs_compiled() != self._compiled:
+            self._start = None
             return
         end = torch.cuda.Event(enable_timing=True)
         end.record(stream)
@@ -137,18 +166,19 @@ class CallTimer:
 
     def _read_done(self) -> None:
         still = []
-        for trial, plan, start, k, tokens, end in self._pending:
+        for call in self._pending:
+            trial, plan, block, start, k, tokens, end = call
             if not end.query():
-                still.append((trial, plan, start, k, tokens, end))
+                still.append(call)
                 continue
-            if trial.timed(plan, start.elapsed_time(end) / 1e3):
+            if trial.timed(plan, block, start.elapsed_time(end) / 1e3):
                 log.info("fx_offload: %s: host_compute='auto' at %d token(s) a call: %s; "
                          "keeps %s", self.model_name, tokens, self.describe(tokens, k),
                          describe(trial.best, k))
         self._pending = still
 
     def summary(self) -> dict[int, str]:
-        """Call size (tokens) -> its plans' medians and the plan kept, in words."""
+        """Call size (tokens) -> its plans' fastest timed calls and the plan kept, in words."""
         out = {}
         for (tokens, k), trial in sorted(self.trials.items()):
             if len(trial.plans) == 1:       # nothing else in reach: not timed
@@ -165,5 +195,5 @@ class CallTimer:
         if trial is None:
             return "not tried"
         times = ", ".join(f"{describe(m, k)} {t * 1e3:.2f} ms" for m, t in
-                          trial.medians().items())
+                          trial.fastest().items())
         return times or "not timed yet"
