@@ -5,9 +5,11 @@ hands it, the compile sequence :func:`compile_graph`:
 2. choice: at the model's first compile, what is offloaded (``selection.choose``) and a new
    integer handle for its ops; later compiles of the same model reuse its state's;
 3. the pass: plan, rewrite and verify the ops (``passes.run_prefetch_pass``), from the
-   choice and the handle alone;
-4. state: at the first compile, the model's offload state (``runtime``), which the ops
-   reach through the handle at run time;
+   choice and the handle alone; what it learns from the graph (the copy chunks, the
+   routing) goes into the model's ``learned.Learned``, never into the choice;
+4. state: at the first compile, the model's offload state (``runtime``), built from the
+   choice, the handle and what the pass learned, which the ops reach through the handle
+   at run time;
 5. inner compile: Inductor, ``aot_eager`` or ``eager`` (``inner``);
 6. materialize: only now, at the first compile, move the weights to host masters and point
    the parameters at their slots, so a failure in steps 1-5 leaves the model untouched;
@@ -29,6 +31,7 @@ from .errors import OffloadError
 from .graph_inputs import GraphInputs, read_graph_inputs
 from .inner import compile_inner
 from .kv import run_kv_pass
+from .learned import Learned
 from .options import PLACEMENT_KEYS, OffloadOptions, check_host_compute_mode, parse_options
 from .passes.prefetch import run_prefetch_pass
 from .placement import activate, kept_whole
@@ -106,6 +109,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
         return compile_inner(gm, example_inputs, options)
     first = state is None
     handle = registry.new_handle() if first else state.handle
+    learned = Learned() if first else state.learned     # what the pass finds in the graphs
     if not first:
         state.turns.stop_if_interrupted()     # a compile in a call that Ctrl-C ended
         placed_with = getattr(state, "placed_with", None)   # set by fx_offload.place
@@ -114,7 +118,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
             options = dataclasses.replace(options, **placed_with)
     placed = choice.options
     check_host_compute_mode(placed.host_compute, options.mode)     # placed with "always"
-    backward = check_grad_mode(gi, choice, handle, example_inputs, options, layer_frame)
+    backward = check_grad_mode(gi, choice, learned, handle, example_inputs, options,
+                               layer_frame)
     host_compute = placed.host_compute_in(choice.device.type, options.mode)
     if backward is not None and host_compute != "never":
         # the host_experts op has no backward: a training graph streams its experts
@@ -128,12 +133,12 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
     # 3. the pass (a graph of one layer's own frame is reused for every layer: no ops)
     plan = None
     if not layer_frame:
-        plan = run_prefetch_pass(gm, gi, choice, handle, host_compute)
+        plan = run_prefetch_pass(gm, gi, choice, learned, handle, host_compute)
         if backward is not None:
             backward.set_plan(plan)
     # 4. the run-time state the ops reach through the handle (runtime.state)
     if first:
-        state = OffloadState(model, choice, handle)
+        state = OffloadState(model, choice, handle, learned)
     if options.mode == "reduce-overhead":   # its calls may be replays from now on
         state.hook_copies.under_cuda_graphs = True    # (runtime.copies.hook_copies)
     state.compiled_with = options           # the inner compiler report() names

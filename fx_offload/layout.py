@@ -51,14 +51,16 @@ class Chunk:
         return self.start < other.end and other.start < self.end
 
 
-def arrange(choice, graph=None, like=None) -> dict[int, list[Chunk]]:
-    """The chunks of every offloaded layer of ``choice``, arranged on the first call: each
-    layer's parameter list (``choice.params[layer]``, whose order is its host block's) is
-    put in first-read order, from ``graph`` (``(gm, graph_inputs)``) when given.  ``like``
-    (:func:`chunk_names` of another layout: a copy of an offloaded model offloaded again)
-    gives the chunks outright, where it names the same parameters."""
-    if choice.layout:
-        return choice.layout
+def arrange(choice, learned, graph=None, like=None) -> dict[int, list[Chunk]]:
+    """The chunks of every offloaded layer of ``choice``, arranged once into
+    ``learned.layout`` (:class:`~fx_offload.learned.Learned`): each layer's parameter list
+    (``choice.params[layer]``, whose order is its host block's) is put in first-read order,
+    from ``graph`` (``(gm, graph_inputs)``) when given.  ``like`` (:func:`chunk_names` of
+    another layout: a copy of an offloaded model offloaded again) gives the chunks outright,
+    where it names the same parameters."""
+    chunks = learned.layout
+    if chunks:
+        return chunks
     align = align_for(choice.device)
     key = (choice.model_name, choice.options.placement_key())
     if like is None and graph is None:
@@ -67,25 +69,25 @@ def arrange(choice, graph=None, like=None) -> dict[int, list[Chunk]]:
         for layer, ps in choice.params.items():
             groups = [list(chunk) for chunk in like[layer]]
             _put_in_order(ps, groups)
-            choice.layout[layer] = _split(ps, groups, align, len(groups), exact=True)
-        return choice.layout
+            chunks[layer] = _split(ps, groups, align, len(groups), exact=True)
+        return chunks
     firsts = _first_reads(choice, graph) if graph is not None else {}
-    learned: dict[frozenset, list[list[str]]] = {}
+    found: dict[frozenset, list[list[str]]] = {}
     for layer, ps in choice.params.items():
         groups = _groups_from_graph(ps, firsts)
         if groups is not None:
-            learned.setdefault(frozenset(p.suffix for p in ps), groups)
+            found.setdefault(frozenset(p.suffix for p in ps), groups)
     for layer, ps in choice.params.items():
         names = frozenset(p.suffix for p in ps)
-        groups = learned.get(names) or _groups_without_graph(ps)
+        groups = found.get(names) or _groups_without_graph(ps)
         _put_in_order(ps, groups)
-        choice.layout[layer] = _split(ps, groups, align, choice.options.copy_chunks,
-                                      alone=frozenset(choice.experts.get(layer, ())))
+        chunks[layer] = _split(ps, groups, align, choice.options.copy_chunks,
+                               alone=frozenset(choice.experts.get(layer, ())))
     if graph is not None:
-        _FROM_GRAPHS[key] = chunk_names(choice.layout)
+        _FROM_GRAPHS[key] = chunk_names(chunks)
     log.debug("fx_offload: copy chunks per layer %s",
-              {layer: len(chunks) for layer, chunks in choice.layout.items()})
-    return choice.layout
+              {layer: len(c) for layer, c in chunks.items()})
+    return chunks
 
 
 def _names_alike(like, params) -> bool:

@@ -28,6 +28,7 @@ from torch import nn
 from . import kv, layout, registry
 from .checkpoint import Checkpoint, check_model
 from .errors import OffloadError
+from .learned import Learned
 from .options import PLACEMENT_KEYS, OffloadOptions, parse_options
 from .runtime import hooks
 from .runtime.experts.host_experts import for_state
@@ -239,7 +240,7 @@ def activate(state: OffloadState, model: nn.Module, hand_over: bool, fill=None,
     hooks.strip_hooks(model, keep=kept)
     if not kept:
         spec = (state.choice.options, str(state.device),
-                layout.chunk_names(state.choice.layout), state.choice.planner)
+                layout.chunk_names(state.learned.layout), state.choice.planner)
         kept = [model.register_forward_pre_hook(EnterCall(*spec), with_kwargs=True),
                 model.register_forward_hook(LeaveCall(), always_call=True)]
     state.hooks = kept + hooks.install_layer_hooks(state)
@@ -322,8 +323,9 @@ def _offload_again(model: nn.Module, options: OffloadOptions, device: str,
         return None
     # the chunks the model had: a graph compiled for it (Dynamo shares one among copies)
     # then fits this state's slots
-    layout.arrange(choice, like=chunks)
-    state = OffloadState(model, choice)
+    learned = Learned()
+    layout.arrange(choice, learned, like=chunks)
+    state = OffloadState(model, choice, learned=learned)
     activate(state, model, hand_over=True, keep_call_hooks=True)
     offloaded = {id(p.param) for ps in choice.params.values() for p in ps}
     _move_the_rest(model, offloaded, choice.device)

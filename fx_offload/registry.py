@@ -162,9 +162,9 @@ def state_for_op(handle: int):
             return state_for_handle(handle)
         _warn_shared_graph(compiled_for)
         return _Restored()
-    schedule, chunks = ((compiled_for.schedule, compiled_for.choice.layout)
+    schedule, chunks = ((compiled_for.schedule, compiled_for.learned.layout)
                         if compiled_for is not None else _RESTORED.get(handle, (None, None)))
-    if schedule == active.schedule and chunks == active.choice.layout:
+    if schedule == active.schedule and chunks == active.learned.layout:
         return active
     if schedule is not None and set(active.layers) <= set(schedule.layers):
         return _OnDemand(active)    # every layer it offloads has a wait in this graph
@@ -357,7 +357,7 @@ def unregister(state, model: nn.Module | None) -> None:
     with _LOCK:
         _HANDLES.pop(state.handle, None)
         _BY_TOKEN.pop(state.token, None)
-        _RESTORED[state.handle] = (state.schedule, dict(state.choice.layout))
+        _RESTORED[state.handle] = (state.schedule, dict(state.learned.layout))
         if model is not None and _BY_MODEL.get(model) is state:
             del _BY_MODEL[model]
         for ps in state.params.values():

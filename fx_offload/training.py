@@ -101,7 +101,8 @@ ENTER = torch.ops.fx_offload.backward_enter.default
 LEAVE = torch.ops.fx_offload.backward_leave.default
 
 
-def check_grad_mode(gi, choice, handle: int, example_inputs, options, layer_frame: bool):
+def check_grad_mode(gi, choice, learned, handle: int, example_inputs, options,
+                    layer_frame: bool):
     """With grad enabled: the :class:`BackwardOps` for this graph's compile, or None where
     no backward needs the offloaded weights.  Refused: an offloaded weight that requires
     grad (a slot cannot hold its gradient's update), a graph of one layer's own frame, and
@@ -130,7 +131,7 @@ def check_grad_mode(gi, choice, handle: int, example_inputs, options, layer_fram
             "trains only with inner_backend 'aot_eager' or 'inductor': with 'eager' there is "
             "no backward graph to stream the frozen weights into. Compile with another "
             "inner_backend, or call the model under torch.no_grad()")
-    return BackwardOps(choice, handle, gi)
+    return BackwardOps(choice, learned, handle, gi)
 
 
 def _refuse_checkpointing(gi, layer_of: dict[str, int]) -> None:
@@ -177,8 +178,9 @@ class BackwardOps:
     """Places the backward's ops for one Dynamo graph: reads the forward graph's offloaded
     inputs (:meth:`forward`), edits and verifies the backward graph (:meth:`backward`)."""
 
-    def __init__(self, choice, handle: int, gi):
-        self.choice, self.handle = choice, handle
+    def __init__(self, choice, learned, handle: int, gi):
+        # learned: the model's Learned, whose layout the forward's pass arranged
+        self.choice, self.learned, self.handle = choice, learned, handle
         self.gi = gi
         self.weight_chunks: dict[int, tuple[int, int]] = {}  # input index -> (layer, chunk)
         self.storages: dict = {}            # fake storage -> (layer, chunk)
@@ -225,7 +227,7 @@ class BackwardOps:
         reads = _reads_by_layer(bw, weights)
         schedule = self.choice.schedule
         place_backward_ops(bw, reads, set(weights), schedule.slot_of, self.handle)
-        chunks = {layer: self.choice.layout[layer] for layer in reads}
+        chunks = {layer: self.learned.layout[layer] for layer in reads}
         verify_graph(bw, weights, SlotModel(dict(schedule.slot_of), chunks,
                                             [None] * schedule.num_slots, None))
         log.debug("fx_offload: backward streams layers %s", list(reads))

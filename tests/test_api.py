@@ -318,17 +318,18 @@ def test_every_public_function_taking_a_model_refuses_what_is_not_one():
 def test_the_pass_runs_from_the_choice_and_a_handle_before_any_state_exists(monkeypatch):
     """The phases run one way (selection -> pass -> runtime): at a model's first compile the
     pass gets the choice and a new handle, and the run-time state is built only after it, so
-    a pass that fails leaves no state and the model as it was."""
+    a pass that fails leaves no state and the model as it was.  What the pass learns from
+    the graph goes to the state, never into the choice."""
     from fx_offload import compiler, registry
     from fx_offload.runtime.state import OffloadState
     built, seen = [], []
     real_init, real_pass = OffloadState.__init__, compiler.run_prefetch_pass
 
-    def init(self, model, choice, handle=None):
+    def init(self, model, choice, handle=None, learned=None):
         built.append(handle)
-        real_init(self, model, choice, handle)
+        real_init(self, model, choice, handle, learned)
 
-    def failing_pass(gm, gi, choice, handle, host_compute):
+    def failing_pass(gm, gi, choice, learned, handle, host_compute):
         seen.append((choice, handle, list(built)))
         raise RuntimeError("injected in the pass")
 
@@ -346,10 +347,14 @@ def test_the_pass_runs_from_the_choice_and_a_handle_before_any_state_exists(monk
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     # with the pass as it is: one state, named by the handle the pass gave its ops
     monkeypatch.setattr(compiler, "run_prefetch_pass",
-                        lambda *a: seen.append(a[3]) or real_pass(*a))
+                        lambda *a: seen.append(a[3:5]) or real_pass(*a))
     torch._dynamo.reset()
     with torch.no_grad():
         torch.compile(model, backend="prefetch_offload", options=dict(inner_backend="eager"))(x)
     state = registry.state_for_model(model)
-    assert built == [seen[-1]] == [state.handle]
+    learned, handle = seen[-1]
+    assert built == [handle] == [state.handle]
+    # what the pass learned (the chunks) is the state's, and the choice holds none of it
+    assert state.learned is learned and set(learned.layout) == set(state.layers)
+    assert not hasattr(state.choice, "layout") and not hasattr(state.choice, "routing")
     fx_offload.restore(model)

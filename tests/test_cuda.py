@@ -104,7 +104,7 @@ def test_reduce_overhead_cudagraph_trees(dtype, circular, monkeypatch):
     # of a slot it shares, once (a slot's only layer stays in it)
     rep = fx_offload.report(model)
     moved = sum(c.end - c.start for layer in rep.layers if rep.refill_of[layer] is not None
-                for c in state.choice.layout[layer])
+                for c in state.learned.layout[layer])
     assert moved and rep.copied_bytes_last_call == moved, (rep.copied_bytes_last_call, moved)
 
 

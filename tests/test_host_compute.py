@@ -126,7 +126,7 @@ def test_never_and_auto_on_a_cpu_leave_the_graphs_unchanged(value):
     torch._dynamo.reset()
     other = explain(model, *inputs, group_size=2, num_in_group=1, host_compute=value)
     assert [r.text() for r in other.graphs] == [r.text() for r in plain.graphs]
-    assert other.choice.hosting == {}
+    assert other.learned.hosting == {}
 
 
 def test_a_region_that_is_not_clean_streams_and_says_why():
@@ -178,7 +178,7 @@ def test_the_verifier_refuses_a_refill_over_the_experts_before_their_op():
     from fx_offload.passes.verify import slot_model_for, verify_graph
     with pytest.raises(ScheduleError, match="computes layer 1's experts .* refill of another"):
         verify_graph(gm, {w: (t[0], t[2]) for w, t in record.weight_tags.items()},
-                     slot_model_for(e.choice.schedule, e.choice.layout, [1, 3]))
+                     slot_model_for(e.choice.schedule, e.learned.layout, [1, 3]))
 
 
 def test_auto_prefers_the_host_for_decode_and_the_link_for_a_prompt():

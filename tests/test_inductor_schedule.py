@@ -55,7 +55,7 @@ def compile_and_read_code(name, options, layers):
     (example_inputs,) = seen_inputs
     (code,) = codes
     names = {id(p): n for n, p in model.named_parameters()}
-    layout = fx_offload.registry.state_for_model(model).choice.layout
+    layout = fx_offload.registry.state_for_model(model).learned.layout
     layer_of_input = {}         # input index -> (layer, chunk); chunk None: not offloaded
     for i, value in enumerate(example_inputs):
         match = re.match(r"layers\.(\d+)\.(.*)", names.get(id(value), ""))

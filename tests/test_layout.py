@@ -4,6 +4,7 @@ import torch
 
 import fx_offload
 from fx_offload import layout
+from fx_offload.learned import Learned
 from fx_offload.selection import choose
 from fx_offload.options import parse_options
 from fx_offload.tools import models
@@ -18,21 +19,21 @@ def test_chunks_follow_the_graph_and_tile_each_layer():
     model, inputs = models.build("decoder", num_layers=4)
     e = fx_offload.explain(model, *inputs, group_size=2)
     for layer in e.choice.layers:
-        chunks = e.choice.layout[layer]
+        chunks = e.learned.layout[layer]
         names = [s for c in chunks for s in c.suffixes]
         # the norm before attention is read first, the down projection last
         assert names[0] == "input_layernorm.weight" and names[-1] == "mlp.down_proj.weight"
         assert [p.suffix for p in e.choice.params[layer]] == names     # the block's order
         _tiles(chunks, sum(c.end - c.start for c in chunks))
         assert 2 <= len(chunks) <= 8
-    one = fx_offload.explain(model, *inputs, group_size=2, copy_chunks=1).choice.layout
+    one = fx_offload.explain(model, *inputs, group_size=2, copy_chunks=1).learned.layout
     assert all(len(chunks) == 1 for chunks in one.values())
 
 
 def test_without_a_graph_small_parameters_go_first():
     model, inputs = models.build("decoder", num_layers=4)
     choice = choose(model, parse_options({"group_size": 2, "copy_chunks": 4}))
-    chunks = layout.arrange(choice)[1]
+    chunks = layout.arrange(choice, Learned())[1]
     first = chunks[0].suffixes
     assert first[:2] == ("input_layernorm.weight", "post_attention_layernorm.weight")
     assert len(chunks) <= 4

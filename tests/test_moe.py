@@ -150,10 +150,10 @@ def test_a_missing_expert_copy_changes_the_output(monkeypatch):
     assert not all(_builtin_calls(model, x.shape, before=drop))
 
 
-def _route_everything(layer, weights, names, members, choice):
+def _route_everything(layer, weights, names, members, choice, learned):
     """A planted planner bug: every chunk of expert tensors routed, whatever reads them."""
     ids, _ = routing._router_ids(members, 8)
-    chunks = {c.index for c in choice.layout[layer]
+    chunks = {c.index for c in learned.layout[layer]
               if all(s in choice.experts[layer] for s in c.suffixes)}
     return {c: ids for c in chunks}
 
@@ -354,10 +354,10 @@ def test_host_memory_the_device_cannot_read_moves_experts_whole(caplog):
     import logging
     import types
     from fx_offload.runtime.experts.routed import RoutedExperts
-    choice = types.SimpleNamespace(routing={1: {1: "routed"}}, experts={1: {"w": 8}},
-                                   device=torch.device("meta"), model_name="M")
+    choice = types.SimpleNamespace(experts={1: {"w": 8}}, device=torch.device("meta"),
+                                   model_name="M")
     with caplog.at_level(logging.WARNING, "fx_offload"):
-        routed = RoutedExperts(choice, types.SimpleNamespace(pinned=False))
+        routed = RoutedExperts(choice, {1: {1: "routed"}}, types.SimpleNamespace(pinned=False))
     assert "not page-locked" in caplog.text
     chunk = types.SimpleNamespace(index=1, suffixes=("w",))
     routed.share = 0.1

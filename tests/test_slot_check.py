@@ -111,8 +111,8 @@ def test_ids_outside_the_experts_pick_no_row(compared):
     with torch.no_grad():
         compiled(x)
     state = registry.state_for_model(model)
-    layer = next(layer for layer, chunks in state.choice.routing.items() if chunks)
-    chunk = next(i for i, how in state.choice.routing[layer].items() if how == "routed")
+    layer = next(layer for layer, chunks in state.learned.routing.items() if chunks)
+    chunk = next(i for i, how in state.learned.routing[layer].items() if how == "routed")
     other = next(o for o in state.layers
                  if o != layer and state.schedule.slot_of[o] == state.schedule.slot_of[layer])
     state.enter(root=False)

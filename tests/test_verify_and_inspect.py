@@ -33,7 +33,7 @@ def explained(name="mlp", num_layers=6, **options):
 
 def verify(e, record):
     verify_graph(record.after, {w: (t[0], t[2]) for w, t in record.weight_tags.items()},
-                 slot_model_for(e.choice.schedule, e.choice.layout,
+                 slot_model_for(e.choice.schedule, e.learned.layout,
                                 [lp.layer for lp in record.plan.layers]))
 
 
@@ -54,7 +54,7 @@ def test_verifier_passes_the_real_schedules():
 
 def test_each_layer_moves_in_chunks_waited_and_started_at_their_reads():
     e, record = explained(group_size=2)
-    assert [[c.suffixes for c in e.choice.layout[layer]] for layer in (1, 3)] == [
+    assert [[c.suffixes for c in e.learned.layout[layer]] for layer in (1, 3)] == [
         [("fc1.weight", "fc1.bias"), ("fc2.weight", "fc2.bias")]] * 2
     order = {n: i for i, n in enumerate(record.after.graph.nodes)}
     for layer in (1, 3, 5):
@@ -68,7 +68,7 @@ def test_each_layer_moves_in_chunks_waited_and_started_at_their_reads():
         (wait1,) = op_nodes(record.after, ops.WAIT, layer, chunk=1)
         assert order[starts[0]] < order[wait1] < order[starts[1]]
     e1, record1 = explained(group_size=2, copy_chunks=1)
-    assert [len(e1.choice.layout[layer]) for layer in (1, 3, 5)] == [1, 1, 1]
+    assert [len(e1.learned.layout[layer]) for layer in (1, 3, 5)] == [1, 1, 1]
     assert len(op_nodes(record1.after, ops.START, 1)) == 1
 
 

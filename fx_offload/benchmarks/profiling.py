@@ -76,7 +76,7 @@ def copies_alone(model, chunked: bool = True, repeats: int = 3) -> float:
     blocks = {layer: state.buffers.block_of(layer) for layer in layers}
     pieces = [(blocks[layer], c.start, c.end) if chunked else (blocks[layer], 0,
                                                                 blocks[layer].numel())
-              for layer in layers for c in (state.choice.layout[layer] if chunked else [None])]
+              for layer in layers for c in (state.learned.layout[layer] if chunked else [None])]
     scratch = torch.empty(max(b.numel() for b in blocks.values()), dtype=torch.uint8,
                           device=state.device)
     stream = torch.cuda.Stream(state.device)

@@ -24,7 +24,7 @@ one activation shaped like its output (``x``), one shaped like the ids (``gates`
 routed chunks' weights and nothing else (other weights, a graph input); its nodes are read
 outside it only through that one output (sizes computed from outside values alone stay in
 the graph: the tracer shares them); it writes nothing outside it.  Otherwise the layer
-streams as before and ``choice.hosting`` records why (``report`` and ``explain`` show it).
+streams as before and ``learned.hosting`` records why (``report`` and ``explain`` show it).
 """
 from __future__ import annotations
 
@@ -37,23 +37,24 @@ from .picks import _written
 from .plan import GraphPlan, LayerPlan
 
 
-def host_regions(gm: fx.GraphModule, gi: GraphInputs, plan: GraphPlan, choice) -> int:
+def host_regions(gm: fx.GraphModule, gi: GraphInputs, plan: GraphPlan, choice,
+                 learned) -> int:
     """Replace each routed layer's experts in ``gm`` by one ``host_experts`` op where the
-    region is clean; records per layer in ``choice.hosting``; returns how many it replaced
+    region is clean; records per layer in ``learned.hosting``; returns how many it replaced
     (the graph is then to be planned again)."""
     replaced = 0
     for lp in plan.layers:
         if not lp.routed:
-            why = [w for w in choice.routing.get(lp.layer, {}).values() if w != "routed"]
+            why = [w for w in learned.routing.get(lp.layer, {}).values() if w != "routed"]
             if why:         # an MoE layer whose experts move whole: said, not silent
-                choice.hosting[lp.layer] = f"streamed: its experts are not routed ({why[0]})"
+                learned.hosting[lp.layer] = f"streamed: its experts are not routed ({why[0]})"
             continue
-        found = _region(lp, gi, choice)
+        found = _region(lp, gi, choice, learned.layout)
         if isinstance(found, str):
-            choice.hosting[lp.layer] = f"streamed: {found}"
+            learned.hosting[lp.layer] = f"streamed: {found}"
             continue
         _replace(gm.graph, lp, plan.handle, *found)
-        choice.hosting[lp.layer] = "host"
+        learned.hosting[lp.layer] = "host"
         replaced += 1
     if replaced:
         gm.graph.lint()
@@ -61,14 +62,14 @@ def host_regions(gm: fx.GraphModule, gi: GraphInputs, plan: GraphPlan, choice) -
     return replaced
 
 
-def _region(lp: LayerPlan, gi: GraphInputs, choice):
+def _region(lp: LayerPlan, gi: GraphInputs, choice, layout):
     """(region nodes, output, x, ids, gates) of ``lp``'s experts module, or why not."""
     chunks = sorted(lp.routed)
     routers = {lp.routed[c] for c in chunks}
     if len(routers) != 1:
         return "its expert tensors are routed by more than one top-k"
     ids = routers.pop()
-    suffixes = {s for c in chunks for s in choice.layout[lp.layer][c].suffixes}
+    suffixes = {s for c in chunks for s in layout[lp.layer][c].suffixes}
     owners = {p.suffix.rpartition(".")[0] for p in choice.params[lp.layer]
               if p.suffix in suffixes}
     if len(owners) != 1:

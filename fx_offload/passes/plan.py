@@ -108,13 +108,16 @@ class GraphPlan:
         return {w: (lp.layer, chunk) for lp in self.layers for w, chunk in lp.weights.items()}
 
 
-def plan_graph(gm: fx.GraphModule, gi: GraphInputs, choice: Choice, handle: int) -> GraphPlan:
+def plan_graph(gm: fx.GraphModule, gi: GraphInputs, choice: Choice, learned,
+               handle: int) -> GraphPlan:
     """Where the ops for ``choice``'s offloaded layers go in ``gm`` (the state's ``handle``
-    names them); edits nothing.  ``choice.layout`` (the chunks) must be arranged."""
+    names them); edits nothing but ``learned.routing`` (:class:`~fx_offload.learned.
+    Learned`), whose ``layout`` (the chunks) must be arranged."""
+    layout = learned.layout
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     chunk_of: dict[str, tuple[int, int]] = {}       # parameter name -> (layer, chunk)
     for layer, ps in choice.params.items():
-        index = chunk_of_suffix(choice.layout[layer])
+        index = chunk_of_suffix(layout[layer])
         for p in ps:
             chunk_of[p.name] = (layer, index[p.suffix])
     weights: dict[int, dict[fx.Node, int]] = {}
@@ -137,11 +140,12 @@ def plan_graph(gm: fx.GraphModule, gi: GraphInputs, choice: Choice, handle: int)
     param_nodes = {node: name for node, (name, _) in gi.params.items()}    # -> its name
     plans = []
     for layer in sorted(weights):
-        plan = _plan_layer(layer, weights[layer], nodes_of[layer], order, choice,
+        plan = _plan_layer(layer, weights[layer], nodes_of[layer], order, choice, layout,
                            param_nodes, input_storages, weight_storages)
         if plan is not None:
-            plan.routed = route(layer, weights[layer], param_nodes, plan.members, choice)
-            _starts_into_link_gaps(plan, order, choice)
+            plan.routed = route(layer, weights[layer], param_nodes, plan.members, choice,
+                                learned)
+            _starts_into_link_gaps(plan, order, choice, layout)
             plans.append(plan)
 
     _check_not_interleaved(plans, order, choice)
@@ -231,8 +235,8 @@ def _cover(users, candidates, externals, order) -> list[fx.Node]:
     return sorted(chosen, key=order.__getitem__)
 
 
-def _plan_layer(layer, weights: dict[fx.Node, int], layer_nodes, order, choice, param_nodes,
-                input_storages, weight_storages) -> LayerPlan | None:
+def _plan_layer(layer, weights: dict[fx.Node, int], layer_nodes, order, choice, layout,
+                param_nodes, input_storages, weight_storages) -> LayerPlan | None:
     name = choice.stack.layer_path(layer)
     users = sorted({u for w in weights for u in w.users}, key=order.__getitem__)
     # a layer whose routed experts are a host_experts op (host_regions) is planned even
@@ -280,8 +284,8 @@ def _plan_layer(layer, weights: dict[fx.Node, int], layer_nodes, order, choice, 
                 f"offloaded layer {name} has no output of its own (each output "
                 "aliases a graph input), so its start_prefetch cannot be ordered after it")
         readers = {chunk: _slot_readers(ws, members, order) for chunk, ws in by_chunk.items()}
-        mine = choice.layout[layer]
-        for target in choice.layout[refill]:
+        mine = layout[layer]
+        for target in layout[refill]:
             overwritten = [r for c in mine if c.overlaps(target) for r in readers.get(c.index, ())]
             starts.append(_chunk_start(target.index, overwritten, order, frozen, last_node,
                                        start_acts, start_reads))
@@ -294,7 +298,7 @@ _METADATA = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool, torc
              torch.device, torch.Size)
 
 
-def _starts_into_link_gaps(lp: LayerPlan, order, choice: Choice) -> None:
+def _starts_into_link_gaps(lp: LayerPlan, order, choice: Choice, layout) -> None:
     """Put the refill's starts that come before ``lp``'s first routed wait behind its routed
     waits instead: the first half of their bytes behind the first, the rest behind the last.
 
@@ -310,7 +314,7 @@ def _starts_into_link_gaps(lp: LayerPlan, order, choice: Choice) -> None:
     if lp.refill is None or not gaps:
         return
     early = [s for s in lp.starts if order[s.after] < order[waits[0].first_use]]
-    size = {c.index: c.end - c.start for c in choice.layout[lp.refill]}
+    size = {c.index: c.end - c.start for c in layout[lp.refill]}
     half, moved = sum(size[s.chunk] for s in early) / 2, 0
     for start in early:
         start.behind = gaps[0] if moved < half else gaps[-1]

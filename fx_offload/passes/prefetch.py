@@ -29,17 +29,20 @@ from .verify import slot_model_for, verify_graph
 log = logging.getLogger("fx_offload")
 
 
-def run_prefetch_pass(gm: fx.GraphModule, gi: GraphInputs, choice: Choice,
+def run_prefetch_pass(gm: fx.GraphModule, gi: GraphInputs, choice: Choice, learned,
                       handle: int, host_compute: str = "never") -> GraphPlan:
     """Insert the ops for ``choice``'s offloaded layers into ``gm`` (named by the offload
-    state's ``handle``) and verify the result; returns the plan that was applied.
-    ``host_compute`` other than "never": routed experts become ``host_experts`` ops."""
+    state's ``handle``) and verify the result; returns the plan that was applied.  What it
+    learns from the graph goes into ``learned`` (:class:`~fx_offload.learned.Learned`, the
+    model's: its layout arranged from the model's first graph, the routing and hosting of
+    each graph).  ``host_compute`` other than "never": routed experts become
+    ``host_experts`` ops."""
     _trace_graph("fx_offload_before", gm)
     started = time.perf_counter()
-    chunks = arrange(choice, (gm, gi))       # the model's first graph fixes the layout
-    plan = plan_graph(gm, gi, choice, handle)
-    if host_compute != "never" and host_regions(gm, gi, plan, choice):
-        plan = plan_graph(gm, gi, choice, handle)
+    chunks = arrange(choice, learned, (gm, gi))     # the model's first graph fixes it
+    plan = plan_graph(gm, gi, choice, learned, handle)
+    if host_compute != "never" and host_regions(gm, gi, plan, choice, learned):
+        plan = plan_graph(gm, gi, choice, learned, handle)
     apply_plan(gm, plan)
     verify_graph(gm, plan.weight_chunks(),
                  slot_model_for(choice.schedule, chunks, [lp.layer for lp in plan.layers]))

@@ -19,7 +19,7 @@ routed when, in this graph:
 
 Anything else (a dense product over every expert, weighted by zero gates; rows taken by
 ids remapped through a table) would read rows no copy filled, so the chunk then moves
-whole, and :func:`route` records why in ``choice.routing`` (``report`` and ``explain``
+whole, and :func:`route` records why in ``learned.routing`` (``report`` and ``explain``
 show it).  The verifier re-checks the same rule on the rewritten graph
 (:func:`unrouted_read`).
 """
@@ -46,17 +46,17 @@ _METADATA = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool, torc
 
 
 def route(layer: int, weights: dict[fx.Node, int], names: dict[fx.Node, str],
-          members: list[fx.Node], choice) -> dict[int, fx.Node]:
+          members: list[fx.Node], choice, learned) -> dict[int, fx.Node]:
     """Chunk -> the ids node of its ``wait_routed``, for ``layer``'s chunks of expert tensors
-    this graph reads only through its router's picks; records in ``choice.routing[layer]``
+    this graph reads only through its router's picks; records in ``learned.routing[layer]``
     each such chunk's outcome ("routed" or why not)."""
     experts = choice.experts.get(layer)
     if not experts:
         return {}
     prefix = choice.stack.layer_path(layer) + "."
-    outcome = choice.routing.setdefault(layer, {})
+    outcome = learned.routing.setdefault(layer, {})
     routed, routers = {}, {}        # expert count -> (ids, why not, nodes computed from ids)
-    for chunk in choice.layout[layer]:
+    for chunk in learned.layout[layer]:
         counts = {experts.get(s) for s in chunk.suffixes}
         if None in counts or len(counts) != 1:
             continue            # not made of expert tensors alone

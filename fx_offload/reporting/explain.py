@@ -14,6 +14,7 @@ from torch import fx, nn
 from .. import layout, registry
 from ..errors import OffloadError
 from ..graph_inputs import read_graph_inputs
+from ..learned import Learned
 from ..options import parse_options
 from ..passes.prefetch import run_prefetch_pass
 from ..passes.rewrite import drop_waits_of
@@ -59,6 +60,7 @@ class Explanation:
     options: str
     choice: Choice | NothingOffloaded       # what would be offloaded, and how
     graphs: list[GraphRecord]
+    learned: Learned = dataclasses.field(default_factory=Learned)    # what the pass found
 
     def plan_rows(self) -> list[tuple[str, ...]]:
         choice = self.choice
@@ -104,17 +106,17 @@ class Explanation:
         # layers cut alike (the usual case) share one line
         alike: dict[str, list[int]] = {}
         for layer in choice.layers:
-            alike.setdefault(f"chunks: {layout.describe(choice.layout[layer])}"
-                             if layer in choice.layout else
+            alike.setdefault(f"chunks: {layout.describe(self.learned.layout[layer])}"
+                             if layer in self.learned.layout else
                              ", ".join(p.suffix for p in choice.params[layer]), []).append(layer)
         params = [f"{'layers' if len(layers) > 1 else 'layer'} {format_numbers(layers)}"
                   f"{'' if what.startswith('chunks') else ':'} {what}"
                   for what, layers in alike.items()]
         planner = [] if choice.planner is None else ["", str(choice.planner)]
-        hosting = [] if not choice.hosting else [
+        hosting = [] if not self.learned.hosting else [
             "experts (host_compute): " + "; ".join(
                 f"layer {layer}: " + ("a host_experts op" if why == "host" else why)
-                for layer, why in sorted(choice.hosting.items()))]
+                for layer, why in sorted(self.learned.hosting.items()))]
         return "\n".join(head + [""] + render_table(self.plan_rows()) + [""] + params
                          + hosting + planner) + "\n"
 
@@ -164,7 +166,10 @@ def explain(model: nn.Module, *example_inputs, aten: bool = False, dynamic: bool
     existing = registry.state_for_model(model)
     if existing is not None and existing.choice.options.placement_key() == opts.placement_key():
         choice, handle = existing.choice, existing.handle
+        # the model's chunks (arranged once); routing and hosting found here stay here
+        learned = Learned(layout=dict(existing.learned.layout))
     else:
+        learned = Learned()
         # the planner needs the first graph's costs: it chooses in the backend below
         choice = None if opts.planned else choose(model, opts, check_owners=existing is None)
         handle = registry.new_handle()      # names the ops; they never run here
@@ -193,8 +198,8 @@ def explain(model: nn.Module, *example_inputs, aten: bool = False, dynamic: bool
             records.append(GraphRecord(index, gm, after, None, {}, note=note,
                                        input_names=names))
             return gm.forward
-        plan = run_prefetch_pass(after, gi, choice, handle, choice.options.host_compute_in(
-            choice.device.type, opts.mode))
+        plan = run_prefetch_pass(after, gi, choice, learned, handle,
+                                 choice.options.host_compute_in(choice.device.type, opts.mode))
         tags = {w: (lp.layer, lp.slot, chunk) for lp in plan.layers
                 for w, chunk in lp.weights.items()}
         record = GraphRecord(index, gm, after, plan, tags, input_names=names,
@@ -210,4 +215,5 @@ def explain(model: nn.Module, *example_inputs, aten: bool = False, dynamic: bool
     if choice is None:
         raise OffloadError(f"no graph of {type(model).__name__} read its parameters, so the "
                            "planner had nothing to weigh", where="fx_offload.explain")
-    return Explanation(type(model).__name__, opts.describe(placement_only=True), choice, records)
+    return Explanation(type(model).__name__, opts.describe(placement_only=True), choice, records,
+                       learned)

@@ -179,7 +179,7 @@ def _experts_ran(state) -> dict[int, str]:
         return {}
     ran = host.last_call()
     return {layer: ran.get(layer, "-" if why == "host" else why)
-            for layer, why in sorted(state.choice.hosting.items())}
+            for layer, why in sorted(state.learned.hosting.items())}
 
 
 def _host_timing(state) -> dict[int, str]:
@@ -208,14 +208,15 @@ def _expert_cache(state) -> tuple[int, int, int, int] | None:
     return cache.rows, cache.nbytes, int(routed.cached_bytes), cache.held_now()
 
 
-def experts_moved(choice, routed=None) -> dict[int, str]:
-    """Layer -> how its expert tensors move, in words (with ``routed``, the state's
+def experts_moved(choice, routing, routed=None) -> dict[int, str]:
+    """Layer -> how its expert tensors move, in words, from ``routing`` (what the pass
+    found: :class:`~fx_offload.learned.Learned`) (with ``routed``, the state's
     :class:`~fx_offload.runtime.experts.routed.RoutedExperts`: how many the latest call gathered,
     and how many of them its expert cache held)."""
     found = {}
     last = routed.gathered_last_call() if routed is not None and choice.experts else {}
     for layer, tensors in choice.experts.items():
-        outcome = choice.routing.get(layer)
+        outcome = routing.get(layer)
         count = max(tensors.values())
         if not outcome:
             found[layer] = f"{count} experts; routed if a graph reads them by its router"
@@ -269,7 +270,7 @@ def _weights_report(model: nn.Module) -> Report:
             codec=packed.codec_names() if packed else "",
             uncompressed_in_file_bytes=packed.in_file_bytes if packed else 0,
             copied_bytes_last_call=_copied(state),
-            experts=experts_moved(choice, getattr(state, "routed", None)),
+            experts=experts_moved(choice, state.learned.routing, getattr(state, "routed", None)),
             expert_cache=_expert_cache(state),
             ahead=None if getattr(state, "ahead", None) is None else
             (len(state.ahead.ring), state.ahead.nbytes),

@@ -56,6 +56,7 @@ import torch
 from torch import nn
 
 from .. import layout, registry
+from ..learned import Learned
 from . import hooks
 from .experts import expert_cache
 from .memory import slot_check
@@ -88,30 +89,36 @@ class OffloadState:
 
     compiled_with = None    # the options of the latest compile (compiler), for report()
 
-    def __init__(self, model: nn.Module, choice, handle: int | None = None):
-        # the handle the pass gave the graph's ops (compiler), or a new one (place)
+    def __init__(self, model: nn.Module, choice, handle: int | None = None,
+                 learned: Learned | None = None):
+        # the handle the pass gave the graph's ops (compiler), or a new one (place); what
+        # the pass learned from the graphs (a model placed before any graph: its layout is
+        # arranged at materialization)
         self.handle = registry.new_handle() if handle is None else handle
         self.token = registry.new_token()   # names this state in hooks, across processes
         self.model_ref = weakref.ref(model)
         self.choice = choice
+        self.learned = Learned() if learned is None else learned
         self.model_name = choice.model_name
         self.stack, self.params = choice.stack, choice.params
         self.schedule, self.device = choice.schedule, choice.device
         self.layers: list[int] = list(self.schedule.layers)
         self.num_slots = self.schedule.num_slots
         self.buffers: SlotBuffers | None = None
-        self.contents = SlotContents(choice.layout, self.schedule.slot_of, self.num_slots)
+        self.contents = SlotContents(self.learned.layout, self.schedule.slot_of,
+                                     self.num_slots)
         self.phase, self.hooks = Phase.PLANNED, []   # (.phase: the moves it may make)
         self.check_slots = slot_check.enabled()     # read once per call (ops.wait_prefetch)
         self.versions = ParamVersions(self.params)
         self.writes = WritesInCall(self.versions)
         self.ownership = Ownership(self.params, self.stack, self.model_ref, self.versions)
         # the refills the call hook begins, worked out once rather than on every call
-        self.hook_copies = HookCopies(choice, self.contents)
+        self.hook_copies = HookCopies(choice, self.learned.layout, self.contents)
         # the entry hides a copy only behind a resident layer run before the first offloaded
         self.circular = CircularStart(self.schedule.circular, self.model_name,
                                       entry_hides=bool(self.layers) and self.layers[0] > 0)
-        self.copies = SlotCopies(choice, self.contents, self.versions, self.circular,
+        self.copies = SlotCopies(choice, self.learned.layout, self.contents, self.versions,
+                                 self.circular,
                                  self.hook_copies)
         self.turns = Turns(self.model_name, *weak_callbacks(self))
         self._root_call = False             # the call in progress is the model's
@@ -171,10 +178,11 @@ class OffloadState:
             return
         take = functools.partial(_hold_masters, self.params, placed)
         handover = {p.name: (p.ptrs(), p.versions()) for ps in self.params.values() for p in ps}
-        layout.arrange(self.choice)     # a model placed before any graph: arranged now
+        layout.arrange(self.choice, self.learned)   # placed before any graph: arranged now
         cache = expert_cache.make(self.choice)     # before anything touches a parameter
-        buffers = SlotBuffers(self.choice, take if hand_over else None, fill)
-        self.routed = RoutedExperts(self.choice, buffers, cache)
+        buffers = SlotBuffers(self.choice, self.learned.layout, take if hand_over else None,
+                              fill)
+        self.routed = RoutedExperts(self.choice, self.learned.routing, buffers, cache)
         self.copies.bind(buffers, self.routed)
         self.buffers = buffers
         _make_twins(self.params, buffers.masters)

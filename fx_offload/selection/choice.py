@@ -1,7 +1,8 @@
 """The decision selection hands to the pass and the runtime: :class:`Choice` (what is
 offloaded and how), or :class:`NothingOffloaded` where the planner keeps every weight on the
 device.  Built only by :func:`fx_offload.selection.decide.choose`; read by the pass, the
-runtime (which know no option names) and the reports."""
+runtime (which know no option names) and the reports.  What the pass learns from the
+graphs (the copy chunks, the routing) is not written here: :mod:`fx_offload.learned`."""
 from __future__ import annotations
 
 import dataclasses
@@ -32,24 +33,16 @@ class Choice:
     # compiled for CUDA graphs (reduce-overhead): the hooks' circular refills always copy,
     # so every capture finds one to wait for (fx_offload.runtime.copies.hook_copies)
     under_cuda_graphs: bool = False
-    # layer -> its copy chunks, arranged once at the first graph (fx_offload.layout.arrange),
-    # which also puts each layer's params in the order of its host block
-    layout: dict = dataclasses.field(default_factory=dict)
     # "lossless": each chunk of bf16 weights crosses the link compressed (codecs.lossless)
     compress: str = "none"
     # where compressed layers' uncompressed weights live (runtime.memory.file_backed)
     uncompressed_weights: str = "auto"
     # layer -> {suffix: number of experts} of its expert tensors, under experts="routed"
     # (selection.experts); the pass routes a chunk of them where a graph reads only the rows
-    # its router picked, and records here why it did not where it could not
+    # its router picked (what it found is fx_offload.learned.Learned.routing)
     experts: dict = dataclasses.field(default_factory=dict)
     # device bytes that keep each routed layer's most-picked experts (runtime.experts.expert_cache)
     expert_cache: int = 0
-    # filled by the pass: layer -> {chunk: "routed"} or {chunk: why it moves whole}
-    routing: dict = dataclasses.field(default_factory=dict)
-    # filled by the pass under host_compute: layer -> "host" (its routed experts are one
-    # host_experts op in some graph) or why they stream (passes.host_regions)
-    hosting: dict = dataclasses.field(default_factory=dict)
 
     @property
     def layers(self) -> list[int]:

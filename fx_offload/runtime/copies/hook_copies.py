@@ -29,8 +29,8 @@ from ..memory.contents import capturing
 class HookCopies:
     """Entry refills begun by the call hook."""
 
-    def __init__(self, choice, contents):
-        self.contents, self.layout = contents, choice.layout
+    def __init__(self, choice, layout, contents):
+        self.contents, self.layout = contents, layout
         self.refills = choice.schedule.entry_refills() if choice.hook_starts_entry else []
         self.events: dict[tuple[int, int], tuple] = {}
         # calls may be CUDA-graph replays: offloaded with reduce-overhead (also a copy

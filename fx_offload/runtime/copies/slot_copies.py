@@ -29,8 +29,8 @@ log = logging.getLogger("fx_offload")
 class SlotCopies:
     """Waits, starts and loads of one model's slots."""
 
-    def __init__(self, choice, contents, versions, circular, hook_copies):
-        self.layout, self.device = choice.layout, choice.device
+    def __init__(self, choice, layout, contents, versions, circular, hook_copies):
+        self.layout, self.device = layout, choice.device
         self.layers = list(choice.schedule.layers)
         self.contents, self.versions = contents, versions
         self.circular, self.hook_copies = circular, hook_copies

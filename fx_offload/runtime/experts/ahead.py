@@ -281,6 +281,6 @@ def _sequence(choice, buffers) -> list:
         experts = choice.experts.get(layer)
         if not experts or layer not in refilled or layer in buffers.compressed:
             continue
-        found += [(layer, c) for c in choice.layout[layer]
+        found += [(layer, c) for c in buffers.layout[layer]
                   if not any(s in experts for s in c.suffixes)]
     return found

@@ -283,9 +283,9 @@ class HostExperts:
     def skips(self, layer: int, chunk) -> bool:
         """The prefetch of ``layer``'s ``chunk`` copies nothing: its experts are predicted
         to run on the host in this call."""
-        choice = self._state.choice
-        return self.on_host_now and choice.hosting.get(layer) == "host" and \
-            choice.routing.get(layer, {}).get(chunk.index) == "routed"
+        learned = self._state.learned
+        return self.on_host_now and learned.hosting.get(layer) == "host" and \
+            learned.routing.get(layer, {}).get(chunk.index) == "routed"
 
     def run(self, layer: int, chunks, x: torch.Tensor, ids: torch.Tensor,
             gates: torch.Tensor) -> torch.Tensor:
@@ -365,9 +365,9 @@ class HostExperts:
             if self._rates is None:
                 self._rates = host_rates(self._state.device)
             # the layer's other chunks cross the link meanwhile (attention, norms, router)
-            chunks = {c for c, how in self._state.choice.routing.get(layer, {}).items()
+            chunks = {c for c, how in self._state.learned.routing.get(layer, {}).items()
                       if how == "routed"}
-            others = sum(c.end - c.start for c in self._state.choice.layout[layer]
+            others = sum(c.end - c.start for c in self._state.learned.layout[layer]
                          if c.index not in chunks)
             shape = (tokens, k, entry.experts, entry.expert_bytes, entry.element_size,
                      others, self._rates.link_rate, self._rates)
@@ -410,7 +410,7 @@ class HostExperts:
         entry = self._layers.get(layer)
         if entry is None:
             state = self._state
-            suffixes = {s for c in chunks for s in state.choice.layout[layer][c].suffixes}
+            suffixes = {s for c in chunks for s in state.learned.layout[layer][c].suffixes}
             params = [p for p in state.params[layer] if p.suffix in suffixes]
             experts = state.choice.experts[layer][params[0].suffix]
             entry = _Layer(params[0].owner, params, state.masters[layer], experts)

@@ -34,8 +34,9 @@ class RoutedExperts:
     """The routed chunks of one model, the device-side copies of their picked rows, and the
     per-call choice between gathering and whole-chunk prefetch."""
 
-    def __init__(self, choice, buffers, cache: ExpertCache | None = None):
-        self.routing, self.experts = choice.routing, choice.experts
+    def __init__(self, choice, routing, buffers, cache: ExpertCache | None = None):
+        # routing: layer -> {chunk: "routed" or why not}, as the pass found it (Learned)
+        self.routing, self.experts = routing, choice.experts
         self.buffers = buffers
         self.share: float | None = None     # of the latest call's routed waits
         self.picks: tuple[int, int] | None = None   # (experts, top-k) of the latest one

@@ -29,9 +29,9 @@ class CompressedLayers:
     """Compressed copies of the offloaded layers (``enabled``: ``compress="lossless"``);
     ``blocks``: the slot buffers' layer -> host block, filled as they make them."""
 
-    def __init__(self, choice, blocks: dict, align: int, enabled: bool):
+    def __init__(self, choice, layout, blocks: dict, align: int, enabled: bool):
         self.blocks, self.align, self.enabled = blocks, align, enabled
-        self.layout, self.device, self.params = choice.layout, choice.device, choice.params
+        self.layout, self.device, self.params = layout, choice.device, choice.params
         self.experts, self.model_name = choice.experts, choice.model_name
         self.compressed: dict = {}          # layer -> CompressedBlock
         # compressed layers' uncompressed weights: in files there (runtime.memory.file_backed),

@@ -44,8 +44,9 @@ class SlotBuffers:
     # measurement that chose it: docs/notes/2026-11-22-dense-decoder-grid.md).
     packed = os.environ.get("FX_OFFLOAD_PACKED", "1") != "0"
 
-    def __init__(self, choice, hand_over=None, fill=None):
-        """``hand_over(layer, masters)``: called as each layer's block is filled.
+    def __init__(self, choice, layout, hand_over=None, fill=None):
+        """``layout``: layer -> its copy chunks (:mod:`fx_offload.layout`).
+        ``hand_over(layer, masters)``: called as each layer's block is filled.
         ``fill(layer, views)``: writes a layer's values into its new block (read from a
         checkpoint) instead of copying them from the parameters, which may be on the meta
         device."""
@@ -63,9 +64,10 @@ class SlotBuffers:
         self.views = {layer: views_into(self.flat[slot_of[layer]], layouts[layer][0])
                       for layer in self.params}
         self.masters: dict[int, dict[str, torch.Tensor]] = {}
-        self.layout, self.model_name = choice.layout, choice.model_name
+        self.layout, self.model_name = layout, choice.model_name
         self.compress = choice.compress == "lossless" and self.packed
-        self.compression = CompressedLayers(choice, self._blocks, self.align, self.compress)
+        self.compression = CompressedLayers(choice, layout, self._blocks, self.align,
+                                            self.compress)
         self.ahead = AheadCopies.make(choice, self)     # before any parameter is handed over
         for layer, ps in self.params.items():
             self.masters[layer] = self._make_masters(layer, ps, fill)
