@@ -914,3 +914,26 @@ def test_grouped_matmuls_route_only_groups_counted_from_the_picks(offsets, extra
             assert routed is None or torch.equal(got, want), seed
     for text in fx_offload.report(model).experts.values():
         assert text.startswith("routed" if routed else "whole: "), text
+
+
+def test_a_routed_moe_generates_on_one_static_cache_in_two_graphs():
+    """``generate`` of a routed MoE compiled with static shapes, every call on a static cache
+    of one length (the moe benchmark's ``--static-cache``, which a 48-layer row needs to
+    compile in minutes): calls of different lengths reuse one graph for the prompt and one
+    for the decode steps, and give the tokens of the model without offloading."""
+    from fx_offload.benchmarks.moe_bench import _static_cache
+    from torch._dynamo.utils import counters
+    model = build("qwen3_moe").eval()
+    reference = copy.deepcopy(model)
+    _static_cache(model, 6 + 9)
+    _static_cache(reference, 6 + 9)
+    torch._dynamo.reset()
+    fx_offload.compile_forward(model, dynamic=False, group_size=2, num_in_group=1,
+                               experts="routed", inner_backend="aot_eager")
+    ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for new in (9, 1, 4):
+            kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
+            assert torch.equal(model.generate(ids, **kw), reference.generate(ids, **kw))
+    assert counters["stats"]["unique_graphs"] == 2
+    assert registry.state_for_model(model).stats["prefetches"] > 0

@@ -2,7 +2,8 @@
 with Qwen3-30B-A3B layer shapes (hidden 2048, 128 experts of 768, top-8; random bf16 weights),
 timed side by side in one process:
 
-* resident, its ``forward`` compiled with Inductor (``dynamic=True``);
+* resident, its ``forward`` compiled with Inductor (``dynamic=True``; static shapes and a
+  static cache with ``--static-cache``);
 * fx_offload through :func:`fx_offload.compile_forward`, every layer offloaded,
   ``experts="whole"`` (every expert crosses the link every call) and ``experts="routed"``
   (the default: only the experts the call's tokens picked);
@@ -51,6 +52,11 @@ from .. import backend, compile_forward, registry, report
 from .bench import gather_bandwidth, h2d_bandwidth
 from .common import add_generate_arguments, build_random, graphs_route as _graphs
 from .generate_bench import measure
+from ..host_compute.trial import ROUNDS
+
+# generate calls (and the decode steps of the first) that let "auto" time each plan's blocks
+# at a batch's sizes, with calls read late
+_SETTLE_CALLS = ROUNDS * 3 * 2 + 4
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,6 +83,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-compute", default="",
                         help="comma-separated host_compute values (never, auto, always) of the "
                              "routed rows, a row each; empty: the library's default alone")
+    parser.add_argument("--static-cache", action="store_true",
+                        help="compile with static shapes (dynamic=False) and generate with a "
+                             "static cache sized for the longest generate: two graphs a batch "
+                             "size (the prompt, the decode steps) instead of four, about six "
+                             "times less to compile (what a 48-layer row needs)")
     parser.add_argument("--profile", action="store_true",
                         help="after each fx_offload row's timing, profile the decode steps of "
                              "one generate and print how busy the link was (copies and the "
@@ -106,8 +117,13 @@ def run(args: argparse.Namespace) -> int:
           f"{bandwidth / 1e9:.1f} GB/s, expert gather from host {gathering / 1e9:.1f} GB/s",
           flush=True)
 
+    dynamic = not args.static_cache
+
     def build():
-        return build_random(Qwen3MoeForCausalLM, config)
+        model = build_random(Qwen3MoeForCausalLM, config)
+        if args.static_cache:
+            _static_cache(model, args.prompt + max(args.new_tokens, _SETTLE_CALLS))
+        return model
 
     # a prompt to warm up on and one per timed generate: no row decodes a sequence it saw
     # (an expert cache would learn its experts exactly)
@@ -121,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         model = build()
         extra = _graphs(None) if args.cuda_graphs else {}
         if not args.cuda_graphs:
-            model.forward = torch.compile(model.forward, dynamic=True)
+            model.forward = torch.compile(model.forward, dynamic=dynamic)
         for b in batches:
             rows[(f"resident (Inductor{graphs})", b)], tokens[("resident", b)] = \
                 measure(model, prompts[b], args, extra=extra, steps=True)
@@ -148,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
             options["host_compute"] = host
         extra = _graphs(backend(**options)) if args.cuda_graphs else {}
         if not args.cuda_graphs:
-            compile_forward(model, dynamic=True, **options)
+            compile_forward(model, dynamic=dynamic, **options)
         name = (f"fx_offload, {args.layers} layers, {args.prefetch_step} slots, "
                 f"experts={experts!r}" + (f", cache {cache}" if cache != "0" else "")
                 + (f", ahead {depth}" if depth is not None else "")
@@ -190,13 +206,21 @@ def _settle_trials(model, prompt) -> None:
     """Let ``host_compute="auto"`` finish timing its plans at this batch's prompt and decode
     sizes before the timed calls (:mod:`fx_offload.host_compute.trial`): enough prompts and
     decode steps for each plan's warm-up and timed calls."""
-    from ..host_compute.trial import ROUNDS
-    calls = ROUNDS * 3 * 2 + 4          # each plan's blocks, and calls read late
+    calls = _SETTLE_CALLS
     with torch.no_grad():
         model.generate(prompt, max_new_tokens=calls, min_new_tokens=calls, do_sample=False)
         for _ in range(calls):
             model.generate(prompt, max_new_tokens=1, do_sample=False)
     torch.cuda.synchronize()
+
+
+def _static_cache(model, longest: int) -> None:
+    """Every ``generate`` of ``model`` on a static cache of one length, ``longest`` tokens
+    (the prompt and the most new tokens any call asks for), so its shapes never change: a
+    call with fewer tokens reuses the compiled graphs.  (Where transformers has no
+    ``max_cache_len``, its cache grows to the longest call seen, recompiling once.)"""
+    model.generation_config.cache_implementation = "static"
+    model.generation_config.max_cache_len = longest
 
 
 def _host_rates():
