@@ -296,7 +296,7 @@ ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
 # page; asking a page ahead keeps each core's reads in flight across it.  Measured on the
 # H200 machine's host (16 cores; 8 of 128 Qwen3-30B-A3B experts a call from 4.5 GiB, a stream
 # job of 14 threads, GB/s, 1 / 8 tokens): none 61 / 60, 1 KiB 55 / 73, 2 KiB 70 / 76,
-# 4 KiB 77 / 82; the non-temporal hint was slower at every distance (41-59).
+# 4 KiB 77 / 82; the non-temporal hint was slower at every distance (41-56).
 PREFETCH = 4096
 
 _lock = threading.Lock()
