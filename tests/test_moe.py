@@ -928,6 +928,7 @@ def test_a_routed_moe_generates_on_one_static_cache_in_two_graphs():
     _static_cache(model, 6 + 9)
     _static_cache(reference, 6 + 9)
     torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]        # (the process's count)
     fx_offload.compile_forward(model, dynamic=False, group_size=2, num_in_group=1,
                                experts="routed", inner_backend="aot_eager")
     ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(0))
@@ -935,5 +936,5 @@ def test_a_routed_moe_generates_on_one_static_cache_in_two_graphs():
         for new in (9, 1, 4):
             kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
             assert torch.equal(model.generate(ids, **kw), reference.generate(ids, **kw))
-    assert counters["stats"]["unique_graphs"] == 2
+    assert counters["stats"]["unique_graphs"] - before == 2
     assert registry.state_for_model(model).stats["prefetches"] > 0
