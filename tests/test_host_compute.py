@@ -532,6 +532,12 @@ def test_auto_keeps_the_plan_its_timed_calls_found_fastest():
     assert late.times == {2: [0.5], 8: []}
     late.timed(8, block + 1, 9.0)                        # the new block's warm-up
     assert late.times == {2: [0.5], 8: []}
+    # the last plan of a round: a call past its timed one, read in the same pass (the round
+    # has just moved on), is not its next round's time; that comes from a block of its own
+    late.timed(8, block + 1, 0.7)
+    late.timed(8, block + 1, 0.6)
+    assert late.times == {2: [0.5], 8: [0.7]} and late.round == 2
+    assert late.next_plan() == (2, block + 2)
 
 
 def test_the_call_timer_reads_only_events_that_are_done(monkeypatch):

@@ -87,8 +87,8 @@ class Trial:
         if self.best is not None or block != self.block or plan != self._block_plan:
             return False                # a call of a block already done
         self._read += 1
-        if self._read == 1 or len(self.times[plan]) >= self.round:
-            return False                # the block's warm-up, or a call past its timed one
+        if self._read != 2:             # the block's warm-up, or a call past its timed one
+            return False                # (read in the same pass as it: not a new block's)
         self.times[plan].append(seconds)
         if any(len(t) < self.round for t in self.times.values()):
             return False
