@@ -22,9 +22,9 @@ wins for that size of call, for good (a new size of call has a trial of its own)
 Why blocks: a change of plan has a cost of its own (on the H200 machine, a first version
 that changed plan every call timed every plan's calls about 45 ms longer than its decode
 steps once kept: the prefetches and slots set up for the plan before), which the warm-up
-call takes.  Why rounds and the fastest call: a plan's first calls can be slow for reasons
-of their own (buffers made at first use, the host's pages first read), and with one block
-each the plan tried first paid them: on the H200 machine the split at batch 8 timed 358 ms
+call takes.  Why rounds and the fastest call: with one block each, the plan tried first
+timed slowest by far even with calls that compiled left out (not yet profiled: a size's
+first calls pay costs of their own): on the H200 machine the split at batch 8 timed 358 ms
 a call against 114 on the host alone, where its decode steps once kept took 58 ms against
 66. A second block of each plan, after the others, gives every plan a call clear of that.
 Plans that are the same (the rule says stream, or host alone) are tried once. Under a CUDA
