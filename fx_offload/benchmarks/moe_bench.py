@@ -217,8 +217,9 @@ def _settle_trials(model, prompt) -> None:
 def _static_cache(model, longest: int) -> None:
     """Every ``generate`` of ``model`` on a static cache of one length, ``longest`` tokens
     (the prompt and the most new tokens any call asks for), so its shapes never change: a
-    call with fewer tokens reuses the compiled graphs.  (Where transformers has no
-    ``max_cache_len``, its cache grows to the longest call seen, recompiling once.)"""
+    call with fewer tokens reuses the compiled graphs.  Needs a transformers whose
+    ``GenerationConfig`` has ``max_cache_len`` (5.23 has it); with an older one a call
+    longer than those before it may compile again."""
     model.generation_config.cache_implementation = "static"
     model.generation_config.max_cache_len = longest
 

@@ -68,8 +68,8 @@ class Trial:
         self.times: dict[int, list[float]] = {m: [] for m in self.plans}
         self.best: int | None = self.plans[0] if len(self.plans) == 1 else None
         self.round = 1          # timed calls each plan has once this round is done
-        self.block = 0          # the block in progress, and the calls of it read so far
-        self._block_plan: int | None = None
+        self.block = 0          # the block in progress (numbered from 1), its plan, and how
+        self._block_plan: int | None = None     # many of its calls were read so far
         self._read = 0
 
     def next_plan(self) -> tuple[int, int]:

@@ -118,8 +118,7 @@ class OffloadState:
         self.circular = CircularStart(self.schedule.circular, self.model_name,
                                       entry_hides=bool(self.layers) and self.layers[0] > 0)
         self.copies = SlotCopies(choice, self.learned.layout, self.contents, self.versions,
-                                 self.circular,
-                                 self.hook_copies)
+                                 self.circular, self.hook_copies)
         self.turns = Turns(self.model_name, *weak_callbacks(self))
         self._root_call = False             # the call in progress is the model's
 
