@@ -26,8 +26,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from .runtime.memory.host_memory import align_for, layout_of
-from .runtime.memory.slots import block_tensors
+import torch
+
+from .copy_rules import ALIGN
 
 log = logging.getLogger("fx_offload")
 
@@ -35,6 +36,7 @@ log = logging.getLogger("fx_offload")
 # before any graph of its own runs the graph Dynamo compiled for the first (Dynamo shares one
 # among instances), so it is arranged alike
 _FROM_GRAPHS: dict[tuple, dict] = {}
+ALIGN_CPU = 64                    # bytes; a CPU run only needs each view's dtype aligned
 SMALL = 1 / 64          # without a graph: parameters this fraction of the layer's largest go first
 
 
@@ -53,11 +55,11 @@ class Chunk:
 
 def arrange(choice, learned, graph=None, like=None) -> dict[int, list[Chunk]]:
     """The chunks of every offloaded layer of ``choice``, arranged once into
-    ``learned.layout`` (:class:`~fx_offload.learned.Learned`): each layer's parameter list
-    (``choice.params[layer]``, whose order is its host block's) is put in first-read order,
-    from ``graph`` (``(gm, graph_inputs)``) when given.  ``like`` (:func:`chunk_names` of
-    another layout: a copy of an offloaded model offloaded again) gives the chunks outright,
-    where it names the same parameters."""
+    ``learned.layout`` (:class:`~fx_offload.learned.Learned`): each layer's parameters in
+    first-read order, from ``graph`` (``(gm, graph_inputs)``) when given, which is the order
+    of its host block (:func:`in_layout_order`; ``choice.params`` stays as selection made
+    it).  ``like`` (:func:`chunk_names` of another layout: a copy of an offloaded model
+    offloaded again) gives the chunks outright, where it names the same parameters."""
     chunks = learned.layout
     if chunks:
         return chunks
@@ -68,8 +70,8 @@ def arrange(choice, learned, graph=None, like=None) -> dict[int, list[Chunk]]:
     if like is not None and _names_alike(like, choice.params):
         for layer, ps in choice.params.items():
             groups = [list(chunk) for chunk in like[layer]]
-            _put_in_order(ps, groups)
-            chunks[layer] = _split(ps, groups, align, len(groups), exact=True)
+            chunks[layer] = _split(_in_order(ps, groups), groups, align, len(groups),
+                                   exact=True)
         return chunks
     firsts = _first_reads(choice, graph) if graph is not None else {}
     found: dict[frozenset, list[list[str]]] = {}
@@ -80,8 +82,8 @@ def arrange(choice, learned, graph=None, like=None) -> dict[int, list[Chunk]]:
     for layer, ps in choice.params.items():
         names = frozenset(p.suffix for p in ps)
         groups = found.get(names) or _groups_without_graph(ps)
-        _put_in_order(ps, groups)
-        chunks[layer] = _split(ps, groups, align, choice.options.copy_chunks,
+        chunks[layer] = _split(_in_order(ps, groups), groups, align,
+                               choice.options.copy_chunks,
                                alone=frozenset(choice.experts.get(layer, ())))
     if graph is not None:
         _FROM_GRAPHS[key] = chunk_names(chunks)
@@ -96,10 +98,16 @@ def _names_alike(like, params) -> bool:
         {layer: sorted(p.suffix for p in ps) for layer, ps in params.items()}
 
 
-def _put_in_order(ps, groups) -> None:
-    """Reorder the parameter list ``ps`` (in place) as ``groups`` name them."""
+def _in_order(ps, groups) -> list:
+    """The parameters ``ps`` in the order ``groups`` name them."""
     by_suffix = {p.suffix: p for p in ps}
-    ps[:] = [by_suffix[s] for group in groups for s in group]
+    return [by_suffix[s] for group in groups for s in group]
+
+
+def in_layout_order(ps, chunks: list[Chunk]) -> list:
+    """A layer's parameters ``ps`` in the order of its host block and slot region, which its
+    ``chunks`` name."""
+    return _in_order(ps, [c.suffixes for c in chunks])
 
 
 def _first_reads(choice, graph) -> dict[str, int]:
@@ -186,3 +194,32 @@ def chunk_of_suffix(chunks: list[Chunk]) -> dict[str, int]:
 def describe(chunks: list[Chunk]) -> str:
     """``0: q k v | 1: gate | ...`` for ``explain``."""
     return " | ".join(f"{c.index}: {' '.join(c.suffixes)}" for c in chunks)
+
+
+def align_for(device: torch.device) -> int:
+    """The alignment of each tensor in a host block and its slot on ``device``."""
+    return ALIGN if device.type == "cuda" else ALIGN_CPU
+
+
+def _round_up(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def layout_of(tensors: dict[str, torch.Tensor], align: int = ALIGN) -> tuple:
+    """Byte layout of ``tensors`` packed one after the other (each at a multiple of
+    ``align``): a tuple of ``(key, offset, shape, stride, dtype)`` plus the total size."""
+    entries, total = [], 0
+    for key, t in tensors.items():
+        entries.append((key, total, tuple(t.shape), tuple(t.stride()), t.dtype))
+        total += _round_up(_nbytes(t), align)
+    return tuple(entries), total
+
+
+def block_tensors(ps) -> dict[str, torch.Tensor]:
+    """A layer's offloaded parameters (``OffloadedParam``, in host-block order) as the plain
+    tensors its host block and slot region hold, keyed as each parameter's parts."""
+    return {key: t for p in ps for key, t in p.parts().items()}

@@ -23,7 +23,6 @@ def test_chunks_follow_the_graph_and_tile_each_layer():
         names = [s for c in chunks for s in c.suffixes]
         # the norm before attention is read first, the down projection last
         assert names[0] == "input_layernorm.weight" and names[-1] == "mlp.down_proj.weight"
-        assert [p.suffix for p in e.choice.params[layer]] == names     # the block's order
         _tiles(chunks, sum(c.end - c.start for c in chunks))
         assert 2 <= len(chunks) <= 8
     one = fx_offload.explain(model, *inputs, group_size=2, copy_chunks=1).learned.layout
@@ -33,10 +32,30 @@ def test_chunks_follow_the_graph_and_tile_each_layer():
 def test_without_a_graph_small_parameters_go_first():
     model, inputs = models.build("decoder", num_layers=4)
     choice = choose(model, parse_options({"group_size": 2, "copy_chunks": 4}))
+    declared = {layer: [p.suffix for p in ps] for layer, ps in choice.params.items()}
     chunks = layout.arrange(choice, Learned())[1]
     first = chunks[0].suffixes
     assert first[:2] == ("input_layernorm.weight", "post_attention_layernorm.weight")
     assert len(chunks) <= 4
+    # the host block's order is the chunks'; the frozen choice keeps selection's order
+    assert [p.suffix for p in layout.in_layout_order(choice.params[1], chunks)] == \
+        [s for c in chunks for s in c.suffixes]
+    assert {layer: [p.suffix for p in ps] for layer, ps in choice.params.items()} == declared
+    assert declared[1][1] == "self_attn.q_proj.weight"
+
+
+def test_host_blocks_and_slots_are_laid_out_in_the_chunks_order():
+    model, inputs = models.build("decoder", num_layers=4)
+    fx_offload.place(model, "cpu", group_size=2, num_in_group=1, copy_chunks=4)
+    state = fx_offload.registry.state_for_model(model)
+    for layer, chunks in state.learned.layout.items():
+        names = [s for c in chunks for s in c.suffixes]
+        assert [p.suffix for p in state.buffers.params[layer]] == names
+        views = state.buffers.views[layer]
+        base = state.buffers.flat[state.schedule.slot_of[layer]].data_ptr()
+        for c in chunks:        # each chunk's bytes of the slot hold its parameters
+            for s in c.suffixes:
+                assert c.start <= views[s].data_ptr() - base < c.end
 
 
 def test_a_placed_model_computes_exactly_with_chunks_from_no_graph():

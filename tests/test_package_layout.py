@@ -22,6 +22,9 @@ LONG_CLASSES = {
     "fx_offload.runtime.experts.host_experts.HostExperts":
         "one model's host_experts ops: each call's plan, where each layer ran, its queued jobs "
         "and what they read",
+    "fx_offload.runtime.memory.slots.SlotBuffers":
+        "one model's host blocks and device slots: laid out together, filled and copied by "
+        "the same chunks",
     "fx_offload.runtime.state.OffloadState": "one model's run-time state: its life "
                                              "(materialize, restore, detach) and a call's "
                                              "steps in their one order, over its parts",
@@ -129,8 +132,9 @@ def test_the_library_never_imports_the_tools():
 
 def runtime_imports(graph: dict) -> list:
     """(module, runtime module) for each import of ``fx_offload.runtime`` by a module of
-    ``selection/`` or ``passes/``."""
-    early = ("fx_offload.selection", "fx_offload.passes")
+    ``selection/`` or ``passes/``, or by ``layout`` (the byte layout the pass arranges and
+    the runtime follows)."""
+    early = ("fx_offload.selection", "fx_offload.passes", "fx_offload.layout")
     return sorted((a, b) for a, edges in graph.items()
                   if a in early or a.startswith(tuple(e + "." for e in early))
                   for b in edges

@@ -15,9 +15,9 @@ import math
 import torch
 
 from ...copy_rules import ALIGN
+from ...layout import layout_of
 
 log = logging.getLogger("fx_offload")
-ALIGN_CPU = 64                    # bytes; a CPU run only needs each view's dtype aligned
 _FALLBACK_WARNED = False
 
 
@@ -38,29 +38,6 @@ def _page_lock(buffer: torch.Tensor) -> tuple[torch.Tensor, bool, bool]:
                 log.warning("fx_offload: pinned host memory unavailable (%s); copies fall "
                             "back to pageable memory and will be slower", err)
             return buffer, False, False
-
-
-def align_for(device: torch.device) -> int:
-    """The alignment of each tensor in a host block and its slot on ``device``."""
-    return ALIGN if device.type == "cuda" else ALIGN_CPU
-
-
-def _round_up(n: int, align: int) -> int:
-    return (n + align - 1) // align * align
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def layout_of(tensors: dict[str, torch.Tensor], align: int = ALIGN) -> tuple:
-    """Byte layout of ``tensors`` packed one after the other (each at a multiple of
-    ``align``): a tuple of ``(key, offset, shape, stride, dtype)`` plus the total size."""
-    entries, total = [], 0
-    for key, t in tensors.items():
-        entries.append((key, total, tuple(t.shape), tuple(t.stride()), t.dtype))
-        total += _round_up(_nbytes(t), align)
-    return tuple(entries), total
 
 
 def views_into(buffer: torch.Tensor, layout: tuple,

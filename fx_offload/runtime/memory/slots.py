@@ -30,7 +30,8 @@ import torch
 
 from ..experts.ahead import AheadCopies
 from .compressed_layers import CompressedLayers
-from .host_memory import HostBlock, align_for, layout_of, views_into
+from ...layout import align_for, block_tensors, in_layout_order, layout_of
+from .host_memory import HostBlock, views_into
 from ..ownership.new_values import taken
 
 log = logging.getLogger("fx_offload")
@@ -50,7 +51,10 @@ class SlotBuffers:
         ``fill(layer, views)``: writes a layer's values into its new block (read from a
         checkpoint) instead of copying them from the parameters, which may be on the meta
         device."""
-        self.schedule, self.params, self.device = choice.schedule, choice.params, choice.device
+        self.schedule, self.device = choice.schedule, choice.device
+        # each layer's parameters in its host block's order
+        self.params = {layer: in_layout_order(ps, layout[layer])
+                       for layer, ps in choice.params.items()}
         self.align = align_for(self.device)
         self.pinned = False
         self._blocks: dict[int, HostBlock] = {}
@@ -236,9 +240,3 @@ class SlotBuffers:
             block.release()
         self.compression.release()
         self._blocks, self.flat, self.views, self.masters = {}, [], {}, {}
-
-
-def block_tensors(ps) -> dict[str, torch.Tensor]:
-    """A layer's offloaded parameters (``OffloadedParam``, in host-block order) as the plain
-    tensors its host block and slot region hold, keyed as each parameter's parts."""
-    return {key: t for p in ps for key, t in p.parts().items()}
