@@ -456,3 +456,21 @@ def test_a_cache_handed_to_another_model_is_taken_over():
     assert [runtime_of(first).owner_of(layer.keys) for layer in cache.layers] == \
         [(i, "keys") for i in range(4)]
     assert all(runtime_of(second).owner_of(layer.keys) is None for layer in cache.layers)
+
+
+def test_the_kv_reroute_runs_in_the_frame_every_pass_shares(monkeypatch):
+    """The KV pass traces its graph before and after and counts its time through
+    ``passes.frame``, as the weight pass does (one frame for both)."""
+    from torch._dynamo.utils import counters
+    from fx_offload.passes import frame
+    names = []
+    monkeypatch.setattr(frame, "trace_structured",
+                        lambda kind, metadata_fn, payload_fn: names.append(metadata_fn()["name"]))
+    counters["fx_offload"].clear()
+    _, model = pair()
+    generate(model, torch.tensor([[1, 2, 3, 4]]), new=2)
+    kv = [n for n in names if n.startswith("fx_offload_kv")]
+    assert kv and kv[0] == "fx_offload_kv_before" and kv.count("fx_offload_kv_after") == \
+        kv.count("fx_offload_kv_before") == counters["fx_offload"]["kv_layers"] // 4
+    assert "fx_offload_before" in names and "fx_offload_after" in names
+    assert counters["fx_offload"]["kv_pass_us"] > 0 and counters["fx_offload"]["pass_us"] > 0

@@ -13,15 +13,14 @@ plans the cache's share of the budget and, under ``kv_cache="auto"``, its host l
 from __future__ import annotations
 
 import logging
-import time
 import weakref
 
 import torch
 from torch._dynamo.utils import counters
-from torch._logging import trace_structured
 
 from .. import registry
 from ..errors import OffloadError
+from ..passes.frame import pass_frame
 from . import cache, kv_ops, reroute, verify_reroute
 from .runtime import HostKV, summary
 
@@ -112,22 +111,12 @@ def run_kv_pass(gm, example_inputs, options) -> list[int]:
                 "the model (model(...), generate), not model.forward directly",
                 where="kv_cache='host'")
         return []
-    started = time.perf_counter()
-    _trace("fx_offload_kv_before", gm)
-    reroute.apply(gm, runtime, layers)
-    verify_reroute.verify(gm.graph, runtime)
-    _trace("fx_offload_kv_after", gm)
+    with pass_frame("fx_offload_kv", gm, "kv_pass_us"):
+        reroute.apply(gm, runtime, layers)
+        verify_reroute.verify(gm.graph, runtime)
     counters["fx_offload"]["kv_layers"] += len(layers)
-    counters["fx_offload"]["kv_pass_us"] += int((time.perf_counter() - started) * 1e6)
     log.info("fx_offload: %s graph reroutes the host KV cache of layer(s) %s through %d "
              "slot(s)", runtime.model_name, [kl.layer for kl in layers],
              min(runtime.num_slots, len(runtime.layers)))
     return [kl.layer for kl in layers]
 
-
-def _trace(name: str, gm) -> None:
-    trace_structured(
-        "artifact",
-        metadata_fn=lambda: {"name": name, "encoding": "string"},
-        payload_fn=lambda: gm.print_readable(print_output=False, include_stride=True,
-                                             include_device=True))
