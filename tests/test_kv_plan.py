@@ -20,7 +20,8 @@ LENGTH = 2048       # the cache's tokens: its keys and values, 512 KiB a layer, 
 PER_LAYER = 1 * 2 * LENGTH * (16 + 16) * 4      # the weights (about 0.65 MiB)
 
 
-def test_choose_takes_the_fewest_layers_from_the_end():
+def test_choose_takes_the_fewest_layers_from_the_end(monkeypatch):
+    monkeypatch.setattr(host_layers, "WORTH_MOVING", 0)     # every layer repays its move
     sizes = {i: 100 for i in range(4)}
     fits = host_layers.choose(sizes, [0, 1, 2, 3], 2, budget=1400, weights=1000, planned=False)
     assert fits.layers == () and fits.device_bytes == 400
@@ -32,6 +33,29 @@ def test_choose_takes_the_fewest_layers_from_the_end():
     one_slot = host_layers.choose(sizes, [0, 2], 1, budget=1350, weights=1000, planned=False)
     assert one_slot.layers == (0, 2) and one_slot.device_bytes == 300
     assert "memory_budget" in some.describe()
+
+
+def test_small_cache_layers_stay_on_the_device_where_weights_move_anyway():
+    """Where no set of host layers makes the weights and the cache fit, the weights are
+    offloaded anyway: a layer smaller than WORTH_MOVING of a cache that is a small share of
+    the budget (a 7.5 MiB cache over 48 layers beside 57 GiB of weights, a 32 GiB budget)
+    stays on the device; big layers still go, and small ones of a cache that is a large
+    share of the budget (what they free may decide whether the weights fit); where a few
+    small layers do make everything fit, they go (that spares a weight layer's copies)."""
+    small = {i: 160 << 10 for i in range(48)}
+    kept = host_layers.choose(small, list(range(48)), 2, budget=32 << 30, weights=57 << 30,
+                              planned=False)
+    assert kept.layers == () and kept.device_bytes == 48 * (160 << 10)
+    big = {i: 64 << 20 for i in range(8)}
+    moved = host_layers.choose(big, list(range(8)), 2, budget=20 << 30, weights=30 << 30,
+                               planned=False)
+    assert moved.layers == tuple(range(8)) and moved.device_bytes == 2 * (64 << 20)
+    share = host_layers.choose(small, list(range(48)), 2, budget=200 << 20,
+                               weights=57 << 30, planned=False)
+    assert share.layers == tuple(range(48))
+    fits = host_layers.choose(small, list(range(48)), 2, budget=(57 << 30) + 40 * (160 << 10),
+                              weights=57 << 30, planned=False)
+    assert fits.layers == tuple(range(38, 48))      # 10 host layers free 8, as needed
 
 
 def _models(**options):
@@ -59,13 +83,16 @@ def _generate(model, ids):
     return out, cache
 
 
-@pytest.mark.parametrize("spare, host, weights_offloaded", [     # (both fit: the next test)
-    (7 * PER_LAYER // 2, [1, 2, 3], False),     # three layers make room (two hold nothing)
-    (3 * PER_LAYER // 2, [0, 1, 2, 3], True)])   # all four do not: weights go too
-def test_the_budget_counts_the_cache_and_moves_it_first(spare, host, weights_offloaded):
+@pytest.mark.parametrize("spare, host, weights_offloaded, worth", [  # (both fit: next test)
+    (7 * PER_LAYER // 2, [1, 2, 3], False, None),   # three layers make room (two hold nothing)
+    (3 * PER_LAYER // 2, [0, 1, 2, 3], True, None)])    # all four do not: weights go too
+def test_the_budget_counts_the_cache_and_moves_it_first(spare, host, weights_offloaded, worth,
+                                                         monkeypatch):
     """A budget of the weights plus ``spare``: the host layers are the planner's, tokens
     equal the unbudgeted model's, the weight planner plans for what the cache left, and
-    report says so."""
+    report says so.  ``worth``: host_layers.WORTH_MOVING where not the default."""
+    if worth is not None:
+        monkeypatch.setattr(host_layers, "WORTH_MOVING", worth)
     reference, model = _models(memory_budget=_resident() + spare)
     ids = torch.randint(0, 128, (1, 21))
     expected, _ = _generate(reference, ids)
