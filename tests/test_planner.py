@@ -622,3 +622,36 @@ def test_a_copy_of_a_model_whose_layer_grew_is_planned_for_its_own_layers():
         assert fx_offload.report(model_copy).planner.layer_sizes == \
             planner.sizes_of(find_layer_stack(model_copy, None))
 
+
+
+def test_with_host_compute_only_plans_of_expert_tensors_alone_are_chosen(monkeypatch):
+    """Where the host computes routed experts (host_compute "auto" or "always" on a GPU), a
+    whole offloaded layer's attention would cross the link every call while its experts do
+    not: the planner keeps to plans of expert tensors alone (the budget that otherwise gets
+    whole layers, above), outputs unchanged, and its report says why.  The rule's condition
+    is checked as the GPU would see it; the run is the CPU's with the rule forced on."""
+    cuda = torch.device("cuda", 0)
+    assert planner._hosts_experts(fx_offload.options.OffloadOptions(), cuda)
+    assert planner._hosts_experts(fx_offload.options.OffloadOptions(host_compute="always"), cuda)
+    for off in (dict(host_compute="never"), dict(experts="whole"),
+                dict(mode="reduce-overhead")):
+        assert not planner._hosts_experts(fx_offload.options.OffloadOptions(**off), cuda), off
+    assert not planner._hosts_experts(fx_offload.options.OffloadOptions(), torch.device("cpu"))
+    model = small_moe("qwen3_moe").eval()
+    plans = planner.candidates(model, find_layer_stack(model, None),
+                               fx_offload.options.OffloadOptions(), torch.device("cpu"))[0]
+    # below the second-smallest plan of expert tensors alone: only "every layer's experts"
+    # fits of those, and planned for a 64-token prompt (as the 48-layer benchmark's first
+    # graph) the streaming model prefers whole layers
+    budget = sorted(c.weights_bytes for c in plans if c.experts_only)[1] - 1
+    streamed, _, _ = _decode_calls(small_moe("qwen3_moe").eval(), budget, plan_tokens=[64])
+    assert not streamed.experts_only
+    torch._dynamo.reset()       # the next model compiles its own graph
+    monkeypatch.setattr(planner, "_hosts_experts", lambda options, device: True)
+    chosen, offloaded, _ = _decode_calls(model, budget, plan_tokens=[64])
+    assert chosen.experts_only
+    assert all(s == {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
+               for s in offloaded.values())
+    rep = fx_offload.report(model)
+    assert rep.planner.hosted and all(c.experts_only for c in rep.planner.fitting)
+    assert "host_compute: only plans offloading expert tensors alone" in str(rep.planner)
