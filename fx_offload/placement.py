@@ -17,6 +17,7 @@ with the same options; so is one whose offloaded parameters changed dtype or sha
 """
 from __future__ import annotations
 
+import copy
 import logging
 import time
 import weakref
@@ -239,8 +240,8 @@ def activate(state: OffloadState, model: nn.Module, hand_over: bool, fill=None,
     kept = hooks.call_hooks(model) if keep_call_hooks else []
     hooks.strip_hooks(model, keep=kept)
     if not kept:
-        spec = (state.choice.options, str(state.device),
-                layout.chunk_names(state.learned.layout), state.choice.planner)
+        spec = (state.choice.options, str(state.device), state.learned,
+                state.choice.planner)
         kept = [model.register_forward_pre_hook(EnterCall(*spec), with_kwargs=True),
                 model.register_forward_hook(LeaveCall(), always_call=True)]
     state.hooks = kept + hooks.install_layer_hooks(state)
@@ -305,7 +306,8 @@ def still_whole(model: nn.Module) -> bool:
 
 @torch.inference_mode(False)    # its tensors outlive a call under inference_mode
 def _offload_again(model: nn.Module, options: OffloadOptions, device: str,
-                   chunks=None, planner=None, before=None) -> OffloadState | None:
+                   like: Learned | None = None, planner=None,
+                   before=None) -> OffloadState | None:
     # under memory_budget, the plan the model had where its layers are the same (in a new
     # dtype or shape), else planned again from that plan's costs (``before``: the layers
     # it planned; no graph here to plan from)
@@ -321,10 +323,15 @@ def _offload_again(model: nn.Module, options: OffloadOptions, device: str,
         hooks.strip_hooks(model, keep=hooks.call_hooks(model))
         kept_whole(model, choice, "", now=True)
         return None
-    # the chunks the model had: a graph compiled for it (Dynamo shares one among copies)
-    # then fits this state's slots
+    # what the model's graphs taught (``like``): a graph compiled for it (Dynamo shares one
+    # among copies) then fits this state's slots, and its routed chunks and host-computed
+    # experts stay so (else a copy would move its routed experts whole)
     learned = Learned()
+    chunks = None if like is None else layout.chunk_names(like.layout)
     layout.arrange(choice, learned, like=chunks)
+    if chunks is not None and layout.chunk_names(learned.layout) == chunks:
+        learned.routing.update(copy.deepcopy(like.routing))
+        learned.hosting.update(copy.deepcopy(like.hosting))
     state = OffloadState(model, choice, learned=learned)
     activate(state, model, hand_over=True, keep_call_hooks=True)
     offloaded = {id(p.param) for ps in choice.params.values() for p in ps}
@@ -337,9 +344,11 @@ class EnterCall(hooks.OurHook):
 
     at_root = True
 
-    def __init__(self, options: OffloadOptions, device: str, chunks=None, planner=None):
+    def __init__(self, options: OffloadOptions, device: str, learned: Learned | None = None,
+                 planner=None):
+        # learned: the state's (a copy of the model gets a copy of it, as of the copy);
         # planner: under memory_budget, the plan a copy (or the model in a new dtype) keeps
-        self.options, self.device, self.chunks, self.planner = options, device, chunks, planner
+        self.options, self.device, self.learned, self.planner = options, device, learned, planner
 
     @torch._dynamo.disable(reason=f"fx_offload: an offloaded model: {hooks.EXPORT_REFUSED}")
     def __call__(self, module, args, kwargs=None):
@@ -396,9 +405,9 @@ class EnterCall(hooks.OurHook):
                         return None         # fx_offload.restore got there first
                     old.detach(anew=True)
             if old is None:
-                return _offload_again(module, self.options, self.device, self.chunks,
+                return _offload_again(module, self.options, self.device, self.learned,
                                       self.planner)
-            return _offload_again(module, self.options, self.device, self.chunks,
+            return _offload_again(module, self.options, self.device, old.learned,
                                   old.choice.planner, list(old.choice.stack.modules))
 
 

@@ -938,3 +938,30 @@ def test_a_routed_moe_generates_on_one_static_cache_in_two_graphs():
             assert torch.equal(model.generate(ids, **kw), reference.generate(ids, **kw))
     assert counters["stats"]["unique_graphs"] - before == 2
     assert registry.state_for_model(model).stats["prefetches"] > 0
+
+
+def test_a_copy_of_an_offloaded_routed_model_keeps_its_experts_routed():
+    """``copy.deepcopy`` of an offloaded model offloads the copy again at its first call,
+    running the graph Dynamo shares between them: the copy keeps what that graph's pass
+    learned (its routed chunks), so its calls gather only the picked experts as the
+    original's do, instead of moving them whole; outputs equal, weights its own."""
+    model = build("qwen3_moe").eval()
+    reference = copy.deepcopy(model)
+    fx_offload.compile_forward(model, inner_backend="aot_eager", group_size=2, num_in_group=1)
+    ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = reference(ids, use_cache=False).logits
+        for _ in range(2):
+            assert torch.equal(model(ids, use_cache=False).logits, want)
+        routed_bytes = fx_offload.report(model).copied_bytes_last_call
+        twin = copy.deepcopy(model)
+        for _ in range(2):
+            assert torch.equal(twin(ids, use_cache=False).logits, want)
+    original = fx_offload.registry.state_for_model(model)
+    state = fx_offload.registry.state_for_model(twin)
+    assert state is not original and state.learned.routing == original.learned.routing
+    assert state.learned.routing and state.learned.routing is not original.learned.routing
+    rep = fx_offload.report(twin)
+    assert all(v.startswith("routed") for v in rep.experts.values()), rep.experts
+    assert 0 < rep.copied_bytes_last_call == routed_bytes < sum(rep.layer_bytes.values())
+    assert state.stats["prefetches"] > 0
