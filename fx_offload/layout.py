@@ -205,17 +205,25 @@ def _round_up(n: int, align: int) -> int:
     return (n + align - 1) // align * align
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+def span(shape, stride) -> int:
+    """Elements from a tensor's first to its last, past any gaps its strides leave (a
+    parameter made as ``t[:, ::2]`` spans twice its elements); its element count where it
+    has no gaps (contiguous, or transposed)."""
+    if any(d == 0 for d in shape):
+        return 0
+    return 1 + sum((d - 1) * s for d, s in zip(shape, stride))
 
 
 def layout_of(tensors: dict[str, torch.Tensor], align: int = ALIGN) -> tuple:
     """Byte layout of ``tensors`` packed one after the other (each at a multiple of
-    ``align``): a tuple of ``(key, offset, shape, stride, dtype)`` plus the total size."""
+    ``align``): a tuple of ``(key, offset, shape, stride, dtype)`` plus the total size.
+    Each tensor keeps its strides (so a graph compiled for the parameter fits its views)
+    and takes the bytes they span."""
     entries, total = [], 0
     for key, t in tensors.items():
         entries.append((key, total, tuple(t.shape), tuple(t.stride()), t.dtype))
-        total += _round_up(_nbytes(t), align)
+        total += _round_up(max(span(t.shape, t.stride()), t.numel()) * t.element_size(),
+                           align)
     return tuple(entries), total
 
 

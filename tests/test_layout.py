@@ -1,5 +1,8 @@
 """The packed slot layout: parameters in first-read order, split into copy chunks that tile
 each layer's block; a model placed before any graph gets small parameters first."""
+import copy
+
+import pytest
 import torch
 
 import fx_offload
@@ -72,3 +75,46 @@ def test_a_placed_model_computes_exactly_with_chunks_from_no_graph():
             assert torch.equal(compiled(*inputs), want)
     state = fx_offload.registry.state_for_model(model)
     assert state.stats["sync_loads"] == 0 and state.stats["prefetches"] > 0
+
+
+class _GappedLayer(torch.nn.Module):
+    """A weight whose strides leave gaps (``t[:, ::2]``: stride (128, 2)), declared after the
+    weight read last, beside a transposed one (strides without gaps)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w2 = torch.nn.Parameter(torch.randn(64, 64).t() * 0.1)
+        self.w1 = torch.nn.Parameter((torch.randn(64, 128) * 0.1)[:, ::2])
+        self.b = torch.nn.Parameter(torch.randn(64))
+
+    def forward(self, x):
+        return x + torch.nn.functional.linear(
+            torch.nn.functional.gelu(torch.nn.functional.linear(x, self.w1, self.b)), self.w2)
+
+
+@pytest.mark.parametrize("how", ["compile", "place"])
+def test_weights_whose_strides_leave_gaps_keep_their_values(how, tmp_path, monkeypatch):
+    """A host block gives each tensor the bytes its strides span, not its element count: a
+    gapped weight laid out by its element count reached into the next tensor's bytes (wrong
+    outputs from the second call on; a checkpoint's fill out of bounds)."""
+    monkeypatch.setenv("FX_OFFLOAD_CHECK_SLOTS", "1")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_GappedLayer() for _ in range(6)])
+    reference = copy.deepcopy(model)
+    options = dict(inner_backend="aot_eager", group_size=2, num_in_group=1, copy_chunks=4)
+    assert model[1].w1.stride() == (128, 2)
+    if how == "place":
+        safetensors = pytest.importorskip("safetensors.torch")
+        path = tmp_path / "weights.safetensors"
+        safetensors.save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+                              str(path))
+        fx_offload.place(model, "cpu", checkpoint=str(path), **options)
+    compiled = torch.compile(model, backend="prefetch_offload", options=options)
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(compiled(x), reference(x))
+    want = reference.state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+    fx_offload.restore(model)
+    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())

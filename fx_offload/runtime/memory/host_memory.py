@@ -15,7 +15,7 @@ import math
 import torch
 
 from ...copy_rules import ALIGN
-from ...layout import layout_of
+from ...layout import layout_of, span
 
 log = logging.getLogger("fx_offload")
 _FALLBACK_WARNED = False
@@ -53,6 +53,7 @@ def views_into(buffer: torch.Tensor, layout: tuple,
         n = 1
         for d in shape:
             n *= d
+        n = max(n, span(shape, stride))     # past the gaps its strides leave
         if storage is not None:
             start = buffer.storage_offset() + offset
             views[key] = torch.empty(0, dtype=dtype).set_(
@@ -79,9 +80,12 @@ def viewed_elsewhere(view: torch.Tensor) -> bool:
 
 
 def _zero_gaps(buffer: torch.Tensor, layout: tuple, total: int) -> None:
-    """Zero the alignment padding between tensors: never read, but copied with them, and
-    compressed with them (``compress="lossless"``: random bytes there would be escapes)."""
-    ends = [offset + dtype.itemsize * math.prod(shape) for _, offset, shape, _, dtype in layout]
+    """Zero the alignment padding between tensors, and the whole span of a tensor whose
+    strides leave gaps (before its values are written): never read, but copied with them,
+    and compressed with them (``compress="lossless"``: random bytes there would be escapes)."""
+    ends = [offset + (0 if span(shape, stride) > math.prod(shape) else
+                      dtype.itemsize * math.prod(shape))
+            for _, offset, shape, stride, dtype in layout]
     starts = [offset for _, offset, *_ in layout[1:]] + [total]
     for end, start in zip(ends, starts):
         if start > end:
