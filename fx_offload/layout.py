@@ -106,8 +106,13 @@ def _in_order(ps, groups) -> list:
 
 def in_layout_order(ps, chunks: list[Chunk]) -> list:
     """A layer's parameters ``ps`` in the order of its host block and slot region, which its
-    ``chunks`` name."""
-    return _in_order(ps, [c.suffixes for c in chunks])
+    ``chunks`` name (every one of them: a parameter left out would have no place in its
+    block)."""
+    ordered = _in_order(ps, [c.suffixes for c in chunks])
+    if len(ordered) != len(ps):
+        raise RuntimeError(f"fx_offload: the layout names {len(ordered)} of a layer's "
+                           f"{len(ps)} offloaded parameters; this is a bug in fx_offload")
+    return ordered
 
 
 def _first_reads(choice, graph) -> dict[str, int]:
