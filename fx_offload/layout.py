@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 import torch
 
@@ -211,12 +212,12 @@ def _round_up(n: int, align: int) -> int:
 
 
 def span(shape, stride) -> int:
-    """Elements from a tensor's first to its last, past any gaps its strides leave (a
-    parameter made as ``t[:, ::2]`` spans twice its elements); its element count where it
-    has no gaps (contiguous, or transposed)."""
-    if any(d == 0 for d in shape):
-        return 0
-    return 1 + sum((d - 1) * s for d, s in zip(shape, stride))
+    """Elements a tensor takes in a block: from its first to its last, past any gaps its
+    strides leave (a parameter made as ``t[:, ::2]`` spans twice its elements), and never
+    fewer than its element count (contiguous or transposed: exactly that)."""
+    count = math.prod(shape)
+    return count if count == 0 else max(count, 1 + sum((d - 1) * s
+                                                       for d, s in zip(shape, stride)))
 
 
 def layout_of(tensors: dict[str, torch.Tensor], align: int = ALIGN) -> tuple:
@@ -227,8 +228,7 @@ def layout_of(tensors: dict[str, torch.Tensor], align: int = ALIGN) -> tuple:
     entries, total = [], 0
     for key, t in tensors.items():
         entries.append((key, total, tuple(t.shape), tuple(t.stride()), t.dtype))
-        total += _round_up(max(span(t.shape, t.stride()), t.numel()) * t.element_size(),
-                           align)
+        total += _round_up(span(t.shape, t.stride()) * t.element_size(), align)
     return tuple(entries), total
 
 

@@ -218,7 +218,7 @@ def _static_cache(model, longest: int) -> None:
     """Every ``generate`` of ``model`` on a static cache of one length, ``longest`` tokens
     (the prompt and the most new tokens any call asks for), so its shapes never change: a
     call with fewer tokens reuses the compiled graphs.  Needs a transformers whose
-    ``GenerationConfig`` has ``max_cache_len`` (5.23 has it); with an older one a call
+    ``GenerationConfig`` has ``max_cache_len`` (5.17 and 5.23 have it); without it a call
     longer than those before it may compile again."""
     model.generation_config.cache_implementation = "static"
     model.generation_config.max_cache_len = longest

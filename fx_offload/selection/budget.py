@@ -295,7 +295,7 @@ class PlannerResult:
         if self.hosted:
             head.append("  host_compute: only plans offloading expert tensors alone (the host "
                         "computes those in place; other offloaded weights would cross the "
-                        "link every call), the rest of the budget to the expert cache")
+                        "link every call)")
         rows = [("", "plan", "weights on device", "copied per call",
                  *[f"ms at {t}" for t in toks], "resident ms" if len(toks) == 1 else
                  "x resident", "hidden from")]
@@ -499,7 +499,7 @@ def _hosts_experts(options: OffloadOptions, device: torch.device) -> bool:
     activations cross the link, while any other offloaded weight (attention, norms, the
     router) would cross it every call; the streaming cost model below cannot see that.  On
     the H200, 48 Qwen3-30B-A3B-shape layers under ``memory_budget="32GiB"`` took 130.5 ms a
-    token with 23 whole layers offloaded (the streaming model's choice, 0.84 GiB copied a
+    token with 23 whole layers offloaded (the streaming model's choice, 0.82 GiB copied a
     step), against 82.5 with every layer offloaded and nothing kept on the device."""
     return options.experts == "routed" and \
         options.host_compute_in(device.type, options.mode) != "never"

@@ -50,10 +50,7 @@ def views_into(buffer: torch.Tensor, layout: tuple,
     views = {}
     storage = buffer.untyped_storage() if own_storage else None
     for key, offset, shape, stride, dtype in layout:
-        n = 1
-        for d in shape:
-            n *= d
-        n = max(n, span(shape, stride))     # past the gaps its strides leave
+        n = span(shape, stride)     # past the gaps its strides leave
         if storage is not None:
             start = buffer.storage_offset() + offset
             views[key] = torch.empty(0, dtype=dtype).set_(
