@@ -13,7 +13,9 @@ of the next occupant's chunk ``d`` right after the last read of the chunks it ov
 (:mod:`fx_offload.passes.plan`): the next layer's attention weights copy while this layer's
 MLP runs, and the next layer begins its attention while its MLP weights still copy.
 
-Parameters first read by the same node (a linear's weight and bias) stay in one chunk.  The
+Parameters first read by the same node (a linear's weight and bias) stay in one chunk.  An
+expert tensor, and each weight of a dense MLP the host may compute (``Choice.mlps``), is a
+chunk of its own: a call that computes it elsewhere copies none of it.  The
 order comes from the model's first graph; a layer that graph does not read takes the order of
 a layer with the same parameters.  A model placed before any graph (``fx_offload.place``)
 takes the chunks an instance of its class got from a graph with the same options, or else
@@ -85,7 +87,8 @@ def arrange(choice, learned, graph=None, like=None) -> dict[int, list[Chunk]]:
         groups = found.get(names) or _groups_without_graph(ps)
         chunks[layer] = _split(_in_order(ps, groups), groups, align,
                                choice.options.copy_chunks,
-                               alone=frozenset(choice.experts.get(layer, ())))
+                               alone=frozenset((*choice.experts.get(layer, ()),
+                                                *choice.mlps.get(layer, ()))))
     if graph is not None:
         _FROM_GRAPHS[key] = chunk_names(chunks)
     log.debug("fx_offload: copy chunks per layer %s",

@@ -25,8 +25,11 @@ its start.  Parameters are never declared mutated: that would make them mutated 
                                            tensors: ``chunks``), computed where the runtime
                                            chooses per call: on the host from the weights'
                                            host block, or on the device after a routed wait
-                                           (:mod:`fx_offload.passes.host_regions`); the only
-                                           op that returns a value and declares no mutation
+                                           (:mod:`fx_offload.passes.host_regions`)
+    y = host_mlp(x, h, layer, chunks)      a dense MLP (its three weights: ``chunks``), the
+                                           same way: on the host, or on the device after its
+                                           chunks' wait.  These two are the only ops that
+                                           return a value and declare no mutation
 
 Other modules read these ops' arguments only through :meth:`OpCall.of`, which understands
 both a direct call (positional arguments, a Dynamo graph) and the ``auto_functionalized``
@@ -60,6 +63,7 @@ _SCHEMAS = {
     "join_prefetch": "(Tensor(a0!)[] activations, Tensor[] reads, SymInt handle) -> ()",
     "host_experts": "(Tensor x, Tensor ids, Tensor gates, SymInt handle, SymInt layer, "
                     "SymInt[] chunks) -> Tensor",
+    "host_mlp": "(Tensor x, SymInt handle, SymInt layer, SymInt[] chunks) -> Tensor",
 }
 
 
@@ -113,16 +117,25 @@ def host_experts(x, ids, gates, handle, layer, chunks):
 
 
 _define(host_experts, fake=lambda x, ids, gates, handle, layer, chunks: torch.empty_like(x))
+
+
+def host_mlp(x, handle, layer, chunks):
+    """``layer``'s dense MLP on ``x``: a new tensor shaped and typed like ``x``."""
+    return registry.state_for_op(handle).host_experts.run_mlp(layer, chunks, x)
+
+
+_define(host_mlp, fake=lambda x, handle, layer, chunks: torch.empty_like(x))
 WAIT = torch.ops.fx_offload.wait_prefetch.default
 WAIT_ROUTED = torch.ops.fx_offload.wait_routed.default
 START = torch.ops.fx_offload.start_prefetch.default
 JOIN = torch.ops.fx_offload.join_prefetch.default
 HOST_EXPERTS = torch.ops.fx_offload.host_experts.default
+HOST_MLP = torch.ops.fx_offload.host_mlp.default
 dtensor.register_op_handlers((WAIT, WAIT_ROUTED, START, JOIN))    # tensor-parallel activations
 NAMES = {WAIT: "wait_prefetch", WAIT_ROUTED: "wait_routed", START: "start_prefetch",
-         JOIN: "join_prefetch", HOST_EXPERTS: "host_experts"}
+         JOIN: "join_prefetch", HOST_EXPERTS: "host_experts", HOST_MLP: "host_mlp"}
 _KIND = {WAIT: "wait", WAIT_ROUTED: "wait", START: "start", JOIN: "join",
-         HOST_EXPERTS: "host"}
+         HOST_EXPERTS: "host", HOST_MLP: "host"}
 _OP_TYPES = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
 _OF_TARGET = {**{op: op for op in _KIND}, **{op.overloadpacket: op for op in _KIND}}
 
@@ -140,7 +153,7 @@ class OpCall:
     acts: object = ()                   # nodes declared mutated (direct calls only)
     reads: object = ()                  # nodes only read
     ids: object = None                  # wait_routed, host_experts: the router's top-k ids
-    chunks: tuple = ()                  # host_experts: the layer's chunks of expert tensors
+    chunks: tuple = ()                  # host_experts, host_mlp: the chunks it computes from
 
     @property
     def name(self) -> str:

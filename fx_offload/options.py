@@ -408,8 +408,9 @@ def _check_host_compute(options: Mapping[str, Any], experts: str, expert_cache, 
     leave unused was asked for (the expert cache, the compressed copies)."""
     value = options.get("host_compute", "auto")
     _check_meaning("host_compute", value, HOST_COMPUTE,
-                   "'always': routed MoE layers' experts are computed on the host's cores from "
-                   "their weights in host memory, only activations cross the link; 'auto': "
+                   "'always': routed MoE layers' experts and dense gated MLPs are computed on "
+                   "the host's cores from their weights in host memory, only activations cross "
+                   "the link; 'auto': "
                    "where that is predicted faster, call by call; 'never': their weights "
                    "stream to the device")
     if value != "always":

@@ -61,7 +61,7 @@ def test_always_gives_the_models_logits_and_copies_no_expert(name, inner):
     # one slot: what the call copied is the layers' other weights, none of their experts
     others = sum(rep.layer_bytes.values()) - sum(_experts_bytes(model, i) for i in (1, 3))
     assert 0 < rep.copied_bytes_last_call <= others, (rep.copied_bytes_last_call, others)
-    assert "computed the experts of layers [1, 3] on the host" in str(rep)
+    assert "computed the experts or MLPs of layers [1, 3] on the host" in str(rep)
 
 
 def test_generate_gives_the_same_tokens():

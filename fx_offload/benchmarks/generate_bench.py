@@ -4,9 +4,12 @@ with Llama-3-8B layer shapes (random weights, bf16), timed side by side in one p
 * resident, its ``forward`` compiled with Inductor (``dynamic=True``), with ``--quantize``
   also each quantized form of it resident;
 * fx_offload through :func:`fx_offload.compile_forward` (every second layer offloaded,
-  ``prefetch_step`` slots), Inductor inside (``--inner-backend`` names another); with ``--quantize int8,float8,...`` also the same
-  model with its layers' weights quantized by torchao first (their packed bytes move; "x
-  bf16" compares decode with the bf16 row);
+  ``prefetch_step`` slots), Inductor inside (``--inner-backend`` names another); with
+  ``--quantize int8,float8,...`` also the same model with its layers' weights quantized by
+  torchao first (their packed bytes move; "x bf16" compares decode with the bf16 row); with
+  ``--host-compute never,auto`` a row for each (``auto``, the default, computes some
+  offloaded layers' MLPs on the host: its bound is the larger of its copies' time and its
+  host reads' time at the read rate measured beside the link);
 * accelerate's ``cpu_offload`` on the same layers (eager), where accelerate is installed.
 
 With ``--cuda-graphs`` every row decodes through transformers' own compile route instead: a
@@ -34,6 +37,7 @@ import torch
 
 from .. import backend, compile_forward, registry, report
 from ..codecs import ans
+from ..host_compute.rates import host_rates
 from ..schedule import Schedule
 from .bench import h2d_bandwidth
 from .common import add_generate_arguments, build_random, graphs_route
@@ -60,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the fx_offload rows' inner compiler (aot_eager: each op as "
                              "eager runs it, so rows that move the same weights otherwise "
                              "must give the same tokens bitwise)")
+    parser.add_argument("--host-compute", default="auto",
+                        help="comma-separated host_compute values of the fx_offload rows "
+                             "(auto, never, always): one row each")
     parser.add_argument("--step-clock", action="store_true",
                         help="decode: the median time between two decode steps")
 
@@ -111,9 +118,11 @@ def run(args: argparse.Namespace) -> int:
         del model
     circulars = [c for c in args.circular_prefetch.split(",") if c]
     compressions = [c for c in args.compress.split(",") if c]
-    variants = [(c, q, z) for c in circulars for q in formats for z in compressions] \
-        if "fx_offload" in methods else []
-    for circular, quantize, compress in variants:
+    hostings = [h for h in args.host_compute.split(",") if h]
+    variants = [(c, q, z, h) for c in circulars for q in formats for z in compressions
+                for h in hostings] if "fx_offload" in methods else []
+    host_read: dict[str, int] = {}
+    for circular, quantize, compress, hosting in variants:
         torch._dynamo.reset()       # each model compiles afresh (one class: shared caches)
         compress, codec = _codec_of_row(compress)
         model = build()
@@ -121,12 +130,13 @@ def run(args: argparse.Namespace) -> int:
             _quantize(model, quantize)
         options = dict(group_size=2, num_in_group=1, prefetch_step=args.prefetch_step,
                        circular_prefetch=circular, compress=compress,
-                       inner_backend=args.inner_backend)
+                       inner_backend=args.inner_backend, host_compute=hosting)
         extra = graphs_route(backend(**options)) if args.cuda_graphs else None
         if not args.cuda_graphs:
             compile_forward(model, dynamic=True, **options)
         name = _row_name(args, len(offloaded), graphs, (circulars, circular),
-                         (formats, quantize), (compressions, compress, codec))
+                         (formats, quantize), (compressions, compress, codec),
+                         (hostings, hosting))
         rows[name], tokens[name] = measure(model, prompt, args, steps=args.step_clock,
                                            extra=extra)
         if quantize in resident_row:
@@ -139,6 +149,9 @@ def run(args: argparse.Namespace) -> int:
         if quantize == "none":
             moved.setdefault("bf16", Schedule(rep.layers, rep.num_slots).moved_bytes(
                 rep.layer_bytes))
+        if rep.host_read_bytes_last_call:       # the last decode step's: copied, read
+            moved[name] = rep.copied_bytes_last_call
+            host_read[name] = rep.host_read_bytes_last_call
         choice = registry.state_for_model(model).circular
         print(f"{rep}\n  circular prefetch at the {choice.now} after the run ({choice.moves} "
               "changes of place)", flush=True)
@@ -157,11 +170,25 @@ def run(args: argparse.Namespace) -> int:
             del model
     torch.cuda.empty_cache()
 
+    _table(rows, tokens, moved, host_read, resident_of, bandwidth)
+    return 0
+
+
+def _table(rows, tokens, moved, host_read, resident_of, bandwidth) -> None:
+    """The rows beside their bounds, their ratios and whether their tokens match."""
     print(f"\ncopy bound of a decode step: bytes copied per forward at {bandwidth / 1e9:.1f} "
           "GB/s; " + ", ".join(f"{k}: {m / 2**30:.2f} GiB = {m / bandwidth * 1e3:.1f} ms"
                               for k, m in moved.items() if k == "bf16" or k not in rows))
+    host_rate = host_rates(torch.device("cuda")).read_beside_link if host_read else 0.0
+    if host_read:
+        print(f"host compute rows: bound = max(bytes copied / {bandwidth / 1e9:.1f} GB/s, "
+              f"bytes the host read / {host_rate / 1e9:.1f} GB/s, its measured read rate "
+              "beside the link); " + ", ".join(
+                  f"{name}: {moved[name] / 2**30:.2f} GiB copied, {read / 2**30:.2f} GiB read"
+                  for name, read in host_read.items()))
     bf16 = next((decode for name, (_, decode) in rows.items()
-                 if name in moved and moved[name] == moved.get("bf16")), None)
+                 if name in moved and moved[name] == moved.get("bf16")
+                 and name not in host_read), None)
     print(f"{'method':66s} {'prefill ms':>10s} {'decode ms/token':>16s} {'x bound':>8s} "
           f"{'x bf16':>7s} {'x resident':>10s} {'same tokens':>12s}")
     # tokens compared with the resident model's, or else with the first bf16 row's
@@ -169,19 +196,26 @@ def run(args: argparse.Namespace) -> int:
     for name, (prefill, decode) in rows.items():
         same = "-" if first is None or name not in tokens or name == first or \
             name.startswith("resident") else (
-                "yes" if torch.equal(tokens[name], tokens[first]) else "NO")
+                "yes" if torch.equal(tokens[name], tokens[first]) else
+                "NO*" if name in host_read else "NO")
         nbytes = moved.get(name, None if name.startswith("resident") else moved.get("bf16"))
-        ratio = decode / (nbytes / bandwidth * 1e3) if nbytes else float("nan")
+        bound = max(nbytes / bandwidth, host_read.get(name, 0) / host_rate
+                    if name in host_read else 0.0) if nbytes else 0.0
+        ratio = decode / (bound * 1e3) if bound else float("nan")
         to_bf16 = decode / bf16 if bf16 and name in moved else float("nan")
         # to the same weights resident: what offloading them costs on top of their compute
         to_resident = decode / rows[resident_of[name]][1] if name in resident_of \
             else float("nan")
         print(f"{name:66s} {prefill:10.1f} {decode:16.2f} {ratio:8.3f} {to_bf16:7.3f} "
               f"{to_resident:10.3f} {same:>12s}")
-    return 0
+    if host_read:
+        print("* the host sums an MLP in fp32 and rounds once, the device after each matmul: "
+              "logits agree to bf16 rounding, and greedy tokens of random weights part at a "
+              "near-tie")
 
 
-def _row_name(args, offloaded: int, graphs: str, circular, quantize, compress) -> str:
+def _row_name(args, offloaded: int, graphs: str, circular, quantize, compress,
+              hosting) -> str:
     """An fx_offload row's name: its inner compiler, and each of its options that varies
     (each given with the run's values of it)."""
     inner = "Inductor" if args.inner_backend == "inductor" else args.inner_backend
@@ -192,6 +226,8 @@ def _row_name(args, offloaded: int, graphs: str, circular, quantize, compress) -
         name += f", {quantize[1] if quantize[1] != 'none' else 'bf16'}"
     if compress[0] != ["none"]:
         name += f", compress={compress[1]}" + (f" ({compress[2]})" if compress[2] else "")
+    if hosting[0] != ["auto"]:
+        name += f", host_compute={hosting[1]}"
     return name
 
 

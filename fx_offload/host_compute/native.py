@@ -200,12 +200,14 @@ void fx_linear(int wt, const void* w, int64_t n, int64_t k, const float* x, int6
 }
 
 /* Routed experts.  ids (tokens, k) and gates (tokens, k) route x (tokens, hidden); an id outside
-   [0, n_experts) routes nowhere.  The (token, slot) pairs are sorted by expert (a counting
+   [0, n_experts) routes nowhere.  Expert e's gate rows start at gate + e * stride, its up rows
+   at up + e * stride (stride in elements; transformers' fused gate_up: up = gate + inter
+   rows, stride = 2 * inter * hidden; a dense MLP is one expert, its gate and up apart).  The (token, slot) pairs are sorted by expert (a counting
    sort), each pair's activations gathered into xp, and each expert served in pieces of at
    most 64 pairs.  Scratch: xp (pairs, hidden), h (pairs, inter), gp (pairs) floats and is
    (3 * n_experts + 3 * pairs + 2) ints.  y (tokens, hidden) is written whole. */
-void fx_experts(int wt, const void* gate_up, const void* down, int64_t n_experts,
-                int64_t hidden, int64_t inter, const float* x, int64_t tokens, int64_t k,
+void fx_experts(int wt, const void* gate, const void* up, int64_t stride, const void* down,
+                int64_t n_experts, int64_t hidden, int64_t inter, const float* x, int64_t tokens, int64_t k,
                 const int64_t* ids, const float* gates, int a, float* xp, float* h, float* gp,
                 int64_t* is, float* y, int threads) {
     int64_t pairs = tokens * k, size = wt == 2 ? 4 : 2;
@@ -233,14 +235,14 @@ void fx_experts(int wt, const void* gate_up, const void* down, int64_t n_experts
     #pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
     for (int64_t s = 0; s < pieces; ++s)
         for (int64_t b = 0; b < blocks; ++b) {
-            const char* w = (const char*)gate_up + piece_e[s] * 2 * inter * hidden * size;
+            const char* wg = (const char*)gate + piece_e[s] * stride * size;
+            const char* wu = (const char*)up + piece_e[s] * stride * size;
             int64_t p0 = piece_s[s], m = piece_s[s + 1] - p0, r0 = b * block;
             int64_t nr = lesser(block, inter - r0);
             if (m > 64) m = 64;
             float g[16 * 64], u[16 * 64];
-            dots(wt, w + r0 * hidden * size, nr, hidden, xp + p0 * hidden, hidden, m, g, m);
-            dots(wt, w + (inter + r0) * hidden * size, nr, hidden, xp + p0 * hidden, hidden, m,
-                 u, m);
+            dots(wt, wg + r0 * hidden * size, nr, hidden, xp + p0 * hidden, hidden, m, g, m);
+            dots(wt, wu + r0 * hidden * size, nr, hidden, xp + p0 * hidden, hidden, m, u, m);
             for (int64_t r = 0; r < nr; ++r)
                 for (int64_t t = 0; t < m; ++t)
                     h[(p0 + t) * inter + r0 + r] = act(a, g[r * m + t]) * u[r * m + t] * gp[p0 + t];
@@ -266,8 +268,8 @@ void fx_experts(int wt, const void* gate_up, const void* down, int64_t n_experts
    finished, so the caller knows the job's arguments may be written again). */
 typedef struct {
     int32_t wt, act, threads, done;
-    const void *gate_up, *down;
-    int64_t n_experts, hidden, inter, tokens, k;
+    const void *gate, *up, *down;
+    int64_t stride, n_experts, hidden, inter, tokens, k;
     const float* x; const int64_t* ids; const float* gates;
     float *xp, *h, *gp; int64_t* is; float* y; int64_t* picked;
 } fx_experts_job;
@@ -281,7 +283,7 @@ void fx_experts_run(void* arg) {
         int64_t e = j->ids[p];
         if (e >= 0 && e < j->n_experts && !seen[e]) { seen[e] = 1; ++distinct; }
     }
-    fx_experts(j->wt, j->gate_up, j->down, j->n_experts, j->hidden, j->inter, j->x, j->tokens,
+    fx_experts(j->wt, j->gate, j->up, j->stride, j->down, j->n_experts, j->hidden, j->inter, j->x, j->tokens,
                j->k, j->ids, j->gates, j->act, j->xp, j->h, j->gp, j->is, j->y, j->threads);
     *j->picked = distinct;
     __atomic_store_n(&j->done, 1, __ATOMIC_RELEASE);
@@ -343,8 +345,8 @@ def _build(flags: list):
         return None
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.fx_linear.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, ptr, i32]
-    lib.fx_experts.argtypes = [i32, ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, i32, ptr,
-                               ptr, ptr, ptr, ptr, i32]
+    lib.fx_experts.argtypes = [i32, ptr, ptr, i64, ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr,
+                               i32, ptr, ptr, ptr, ptr, ptr, i32]
     lib.fx_experts_run.argtypes = [ptr]
     return lib
 
@@ -352,8 +354,9 @@ def _build(flags: list):
 class ExpertsJob(ctypes.Structure):
     """``fx_experts_job`` of the C source: one layer's routed experts, run by the stream."""
     _fields_ = [("wt", ctypes.c_int32), ("act", ctypes.c_int32), ("threads", ctypes.c_int32),
-                ("done", ctypes.c_int32), ("gate_up", ctypes.c_void_p),
-                ("down", ctypes.c_void_p), ("n_experts", ctypes.c_int64),
+                ("done", ctypes.c_int32), ("gate", ctypes.c_void_p), ("up", ctypes.c_void_p),
+                ("down", ctypes.c_void_p), ("stride", ctypes.c_int64),
+                ("n_experts", ctypes.c_int64),
                 ("hidden", ctypes.c_int64), ("inter", ctypes.c_int64),
                 ("tokens", ctypes.c_int64), ("k", ctypes.c_int64),
                 *((name, ctypes.c_void_p) for name in
@@ -365,18 +368,31 @@ def scratch_sizes(pairs: int, hidden: int, inter: int, experts: int) -> tuple[in
     return pairs * (hidden + inter + 1), 3 * experts + 3 * pairs + 2
 
 
-def fill_job(job: ExpertsJob, gate_up: torch.Tensor, down: torch.Tensor, act: str,
+def gate_and_up(gate_up) -> tuple[int, int, int]:
+    """(gate's address, up's, elements from one expert's to the next) of transformers' fused
+    ``gate_up (E, 2I, H)``, or of a dense MLP's ``(gate (I, H), up (I, H))``: one expert."""
+    if isinstance(gate_up, tuple):
+        gate, up = gate_up
+        return gate.data_ptr(), up.data_ptr(), gate.numel()
+    inter = gate_up.shape[1] // 2
+    return (gate_up.data_ptr(), gate_up.data_ptr() + inter * gate_up.stride(1) *
+            gate_up.element_size(), gate_up.stride(0))
+
+
+def fill_job(job: ExpertsJob, gate_up, down: torch.Tensor, act: str,
              x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor, floats: torch.Tensor,
              ints: torch.Tensor, y: torch.Tensor, picked: ctypes.c_int64,
              threads: int) -> None:
     """``job``'s fields for the experts on ``x`` (fp32), ``ids`` (int64), ``gates`` (fp32)
-    into ``y`` (fp32), host tensors that stay alive until the job has run."""
+    into ``y`` (fp32), host tensors that stay alive until the job has run.  ``gate_up``:
+    see :func:`gate_and_up`; ``down`` (E, H, I), or (H, I) for a dense MLP."""
     (T, H), k = x.shape, ids.shape[1]
-    E, I, pairs = gate_up.shape[0], down.shape[2], T * k
+    E, I, pairs = (down.shape[0] if down.dim() == 3 else 1), down.shape[-1], T * k
     base, f = floats.data_ptr(), 4
-    job.wt, job.act, job.threads, job.done = WEIGHT_CODES[gate_up.dtype], ACT_CODES[act], \
+    job.wt, job.act, job.threads, job.done = WEIGHT_CODES[down.dtype], ACT_CODES[act], \
         threads, 0
-    job.gate_up, job.down = gate_up.data_ptr(), down.data_ptr()
+    job.gate, job.up, job.stride = gate_and_up(gate_up)
+    job.down = down.data_ptr()
     job.n_experts, job.hidden, job.inter, job.tokens, job.k = E, H, I, T, k
     job.x, job.ids, job.gates = x.data_ptr(), ids.data_ptr(), gates.data_ptr()
     job.xp, job.h, job.gp = base, base + f * pairs * H, base + f * pairs * (H + I)
@@ -423,8 +439,8 @@ def experts(lib, x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor,
     floats = torch.empty(pairs * (H + I + 1), dtype=torch.float32)
     ints = torch.empty(3 * E + 3 * pairs + 2, dtype=torch.int64)
     base, f = floats.data_ptr(), 4
-    lib.fx_experts(WEIGHT_CODES[gate_up.dtype], gate_up.data_ptr(), down.data_ptr(), E, H, I,
-                   x.data_ptr(), T, k, ids.data_ptr(), gates.data_ptr(), ACT_CODES[act], base,
+    lib.fx_experts(WEIGHT_CODES[gate_up.dtype], *gate_and_up(gate_up), down.data_ptr(), E, H,
+                   I, x.data_ptr(), T, k, ids.data_ptr(), gates.data_ptr(), ACT_CODES[act], base,
                    base + f * pairs * H, base + f * pairs * (H + I), ints.data_ptr(),
                    out.data_ptr(), torch.get_num_threads())
     return out

@@ -95,3 +95,25 @@ def device_experts(x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor,
     out = out * gates.reshape(-1, 1).float()
     out = torch.where(keep.reshape(-1, 1), out, 0.0)
     return out.view(T, k, -1).sum(dim=1)
+
+
+def mlps_streamed(tokens: int, count: int, mlp_bytes: float, element_size: int,
+                  other_bytes: int, host) -> int:
+    """How many of a call's ``count`` host-computable dense MLPs stream (the rest compute
+    on the host): the number minimizing :func:`mlps_seconds`, a tie going to the device.
+    Whole MLPs, not a share of each: a streamed MLP's chunks copy as any other, and the
+    host's MLPs let the link fetch the next layers meanwhile."""
+    shape = (tokens, count, mlp_bytes, element_size, other_bytes, host)
+    return min(range(count + 1), key=lambda m: (mlps_seconds(m, *shape), -m))
+
+
+def mlps_seconds(m: int, tokens: int, count: int, mlp_bytes: float, element_size: int,
+                 other_bytes: int, host) -> float:
+    """A call's predicted time with ``m`` of its ``count`` MLPs (``mlp_bytes`` each)
+    streamed: the larger of the link's time (``other_bytes``, the call's other offloaded
+    chunks, and the streamed MLPs) and the host's (reading the others, their arithmetic,
+    a round trip each).  ``host``: :class:`~fx_offload.host_compute.rates.HostRates`."""
+    host_seconds = (count - m) * (mlp_bytes / host.read_beside_link + host.latency +
+                                  2 * tokens * (mlp_bytes / element_size) / host.flop_rate)
+    rate = host.link_rate if m == count else host.link_beside_reads
+    return max((other_bytes + m * mlp_bytes) / max(rate, 1.0), host_seconds)

@@ -1,5 +1,5 @@
-"""Routed MoE experts computed where the runtime chooses, call by call: option
-``host_compute`` (docs/host_compute.md).
+"""Routed MoE experts and dense gated MLPs computed where the runtime chooses, call by call:
+option ``host_compute`` (docs/host_compute.md).
 
 For an offloaded MoE layer whose chunks of expert tensors are routed (:mod:`.routing`), the
 nodes traced inside its experts module (``nn_module_stack``; transformers'
@@ -25,6 +25,18 @@ routed chunks' weights and nothing else (other weights, a graph input); its node
 outside it only through that one output (sizes computed from outside values alone stay in
 the graph: the tracer shares them); it writes nothing outside it.  Otherwise the layer
 streams as before and ``learned.hosting`` records why (``report`` and ``explain`` show it).
+
+A dense MLP (:mod:`fx_offload.selection.mlps`: its three weights chunks of their own) becomes
+one op the same way, its weights no input of it::
+
+    wait_prefetch([h], L, c_gate) ...
+    g = linear(h, w_gate); u = linear(h, w_up)
+    y = linear(silu(g) * u, w_down)          ->  y = host_mlp(h, handle, L, [c_g, c_u, c_d])
+
+where the nodes traced in the module are exactly those five, read from one input shaped
+like the output, none read outside but ``y``.  The chunks' waits leave the graph; their
+refills start after ``y``, and at run time, for a call that computes it on the host, at
+once (:meth:`fx_offload.runtime.experts.host_experts.HostExperts.run_mlp`).
 """
 from __future__ import annotations
 
@@ -44,6 +56,17 @@ def host_regions(gm: fx.GraphModule, gi: GraphInputs, plan: GraphPlan, choice,
     (the graph is then to be planned again)."""
     replaced = 0
     for lp in plan.layers:
+        if lp.layer in choice.mlps:
+            found = _mlp_region(lp, gi, choice, learned.layout)
+            if isinstance(found, str):
+                learned.hosting[lp.layer] = f"streamed: {found}"
+                continue
+            region, output, x, chunks = found
+            _replace(gm.graph, (x,), ops.HOST_MLP, (x, plan.handle, lp.layer, chunks),
+                     region, output)
+            learned.hosting[lp.layer] = "host"
+            replaced += 1
+            continue
         if not lp.routed:
             why = [w for w in learned.routing.get(lp.layer, {}).values() if w != "routed"]
             if why:         # an MoE layer whose experts move whole: said, not silent
@@ -53,13 +76,79 @@ def host_regions(gm: fx.GraphModule, gi: GraphInputs, plan: GraphPlan, choice,
         if isinstance(found, str):
             learned.hosting[lp.layer] = f"streamed: {found}"
             continue
-        _replace(gm.graph, lp, plan.handle, *found)
+        region, output, x, ids, gates = found
+        _replace(gm.graph, (x, ids, gates), ops.HOST_EXPERTS,
+                 (x, ids, gates, plan.handle, lp.layer, sorted(lp.routed)), region, output)
         learned.hosting[lp.layer] = "host"
         replaced += 1
     if replaced:
         gm.graph.lint()
         gm.recompile()
     return replaced
+
+
+def _mlp_region(lp: LayerPlan, gi: GraphInputs, choice, layout):
+    """(region nodes, output, x, chunks) of ``lp``'s dense MLP, or why not: the nodes traced
+    in the module compute ``down(silu(gate(x)) * up(x))`` from one input and nothing else."""
+    names = choice.mlps[lp.layer]
+    of_suffix = {s: c.index for c in layout[lp.layer] for s in c.suffixes}
+    chunks = sorted({of_suffix[s] for s in names})
+    if {s for c in chunks for s in layout[lp.layer][c].suffixes} != set(names):
+        return "its MLP weights share a copy chunk with other weights"
+    prefix = names[0].rpartition(".")[0].rpartition(".")[0]
+    path = choice.stack.layer_path(lp.layer) + "." + prefix
+    region = [n for n in _in_module(lp, gi, path) if _is_tensor(n)]
+    inside = set(region)
+    role_of = {id(p.param): names.index(p.suffix) for p in choice.params[lp.layer]
+               if p.suffix in names}
+    roles = {role_of.get(id(gi.params[w][1])): w for w, c in lp.weights.items()
+             if c in chunks and w in gi.params}
+    if set(roles) != {0, 1, 2} or any(not set(w.users) <= inside for w in roles.values()):
+        return f"its MLP weights are read outside {path}"
+    readers = [next(iter(roles[i].users)) if len(roles[i].users) == 1 else None
+               for i in range(3)]
+    if None in readers:
+        return f"{path} reads one of its weights more than once"
+    gate, up, down = readers
+    x = _linear_of(gate, roles[0])
+    product = _linear_of(down, roles[2])
+    if x is None or _linear_of(up, roles[1]) is not x or product is None:
+        return f"{path} is not three bias-free linears"
+    factors = list(product.args[:2]) if _named(product, "mul") else []
+    silu = next((f for f in factors if isinstance(f, fx.Node) and _named(f, "silu")), None)
+    if silu is None or len(product.args) != 2 or set(factors) != {silu, up} or \
+            silu.args[:1] != (gate,) or set(region) != {gate, up, silu, product, down}:
+        return f"{path} does not compute down(silu(gate(x)) * up(x)) alone"
+    if any(u not in inside for n in (gate, up, silu, product) for u in n.users):
+        return f"{path}'s intermediate values are read outside it"
+    if x in inside or not _like(value_of(x), value_of(down)):
+        return f"{path}'s input is not one activation shaped like its output"
+    return region, down, x, chunks
+
+
+def _in_module(lp: LayerPlan, gi: GraphInputs, path: str) -> list:
+    return [n for n in lp.members
+            if any(module_path(e[0], gi.root_expr) == path
+                   for e in (n.meta.get("nn_module_stack") or {}).values())]
+
+
+def _linear_of(node: fx.Node, weight: fx.Node):
+    """``x`` where ``node`` is ``linear(x, weight)`` without a bias, else None."""
+    if not _named(node, "linear") or len(node.args) < 2 or node.args[1] is not weight:
+        return None
+    if (len(node.args) > 2 and node.args[2] is not None) or \
+            node.kwargs.get("bias") is not None:
+        return None
+    return node.args[0] if isinstance(node.args[0], fx.Node) else None
+
+
+def _named(node: fx.Node, name: str) -> bool:
+    """``node`` calls a function or method of that name (``torch._C._nn.linear``,
+    ``F.silu``, ``operator.mul``, ``Tensor.mul``)."""
+    if node.op == "call_method":
+        return node.target in (name, f"__{name}__")
+    target = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+    return target in (name, f"__{name}__", f"{name}_") and not node.kwargs.get("inplace")
 
 
 def _region(lp: LayerPlan, gi: GraphInputs, choice, layout):
@@ -75,9 +164,7 @@ def _region(lp: LayerPlan, gi: GraphInputs, choice, layout):
     if len(owners) != 1:
         return "its expert tensors belong to more than one module"
     path = choice.stack.layer_path(lp.layer) + "." + owners.pop()
-    region = [n for n in lp.members
-              if any(module_path(e[0], gi.root_expr) == path
-                     for e in (n.meta.get("nn_module_stack") or {}).values())]
+    region = _in_module(lp, gi, path)
     inside = set(region)
     # Sizes computed from values made outside (T * k under dynamic shapes) may be shared with
     # later layers by the tracer: they stay in the graph, out of the region.
@@ -116,15 +203,13 @@ def _region(lp: LayerPlan, gi: GraphInputs, choice, layout):
     return region, outputs[0], xs[0], ids, gates[0]
 
 
-def _replace(graph: fx.Graph, lp: LayerPlan, handle: int, region, output, x, ids,
-             gates) -> None:
-    """The op in place of ``region``: after the last of its inputs, before anything reads
-    its output; the region's nodes erased."""
+def _replace(graph: fx.Graph, inputs, op, args, region, output) -> None:
+    """``op(*args)`` in place of ``region``: after the last of its ``inputs``, before
+    anything reads its output; the region's nodes erased."""
     order = {n: i for i, n in enumerate(graph.nodes)}
-    after = max((x, ids, gates), key=order.__getitem__)
+    after = max(inputs, key=order.__getitem__)
     with graph.inserting_after(after):
-        node = graph.call_function(ops.HOST_EXPERTS,
-                                   (x, ids, gates, handle, lp.layer, sorted(lp.routed)))
+        node = graph.call_function(op, args)
     for key in ("val", "example_value", "nn_module_stack", "stack_trace", "source_fn_stack"):
         if key in output.meta:
             node.meta[key] = output.meta[key]

@@ -114,8 +114,9 @@ class Explanation:
                   for what, layers in alike.items()]
         planner = [] if choice.planner is None else ["", str(choice.planner)]
         hosting = [] if not self.learned.hosting else [
-            "experts (host_compute): " + "; ".join(
-                f"layer {layer}: " + ("a host_experts op" if why == "host" else why)
+            "host_compute: " + "; ".join(
+                f"layer {layer}: " + (why if why != "host" else "a host_mlp op (its MLP)"
+                                      if layer in self.choice.mlps else "a host_experts op")
                 for layer, why in sorted(self.learned.hosting.items()))]
         return "\n".join(head + [""] + render_table(self.plan_rows()) + [""] + params
                          + hosting + planner) + "\n"

@@ -158,6 +158,9 @@ def format_graph(gm: fx.GraphModule, weight_layer: dict[fx.Node, tuple] | None =
 
 
 def _format_ours(call: OpCall, arg_str, node) -> str:
+    if call.kind == "host" and len(node.args) == 4:       # host_mlp(x, h, layer, chunks)
+        return (f">>> {arg_str(node)} = {call.name}(layer {call.layer} chunks "
+                f"{list(call.chunks)}, {arg_str(node.args[0])})")
     if call.kind == "host":
         x, ids, gates = node.args[:3]
         return (f">>> {arg_str(node)} = {call.name}(layer {call.layer} chunks "

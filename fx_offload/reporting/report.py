@@ -159,7 +159,7 @@ def _host_line(ran: dict[int, str], read: int) -> str:
     where = {place: [layer for layer, r in ran.items() if r == place] for place in
              ("host", "device")}
     split = {layer: r.split()[1] for layer, r in ran.items() if r.startswith("split ")}
-    line = ("  host compute: the last call computed the experts of layers "
+    line = ("  host compute: the last call computed the experts or MLPs of layers "
             f"{where['host'] + list(split)} on the host (reading {format_bytes(read)} of host "
             f"memory in place) and of layers {where['device']} on the device")
     if split:

@@ -43,6 +43,9 @@ class Choice:
     experts: dict = dataclasses.field(default_factory=dict)
     # device bytes that keep each routed layer's most-picked experts (runtime.experts.expert_cache)
     expert_cache: int = 0
+    # layer -> the suffixes of its dense MLP's (gate, up, down) weights, where host_compute
+    # may run it on the host (selection.mlps); each gets a copy chunk of its own
+    mlps: dict = dataclasses.field(default_factory=dict)
 
     @property
     def layers(self) -> list[int]:

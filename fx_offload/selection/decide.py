@@ -20,6 +20,7 @@ from ..text import format_bytes
 from . import budget
 from .choice import Choice, NothingOffloaded
 from .experts import expert_tensors
+from .mlps import dense_mlps
 from .params import select_params
 from .stack import LayerStack, find_layer_stack, first_runs, in_run_order
 
@@ -57,12 +58,14 @@ def choose(model: nn.Module, options: OffloadOptions, graph=None, layer_frame: b
         _check_not_offloaded_elsewhere(params, model)
     device = _offload_device(model, params) if device is None else device
     schedule = Schedule(params, num_slots, options.circular_start)
+    experts = expert_tensors(params) if options.experts == "routed" else {}
+    hosts = options.host_compute_in(device.type, options.mode) != "never"
     choice = Choice(type(model).__name__, options, stack, params, schedule, device, planner,
                     hook_starts_entry=options.hook_starts_entry, compress=options.compress,
                     uncompressed_weights=options.uncompressed_weights,
                     under_cuda_graphs=options.mode == "reduce-overhead",
-                    experts=expert_tensors(params) if options.experts == "routed" else {},
-                    expert_cache=_expert_cache(options, planner))
+                    experts=experts, expert_cache=_expert_cache(options, planner),
+                    mlps=dense_mlps(params, experts) if hosts else {})
     if planner is not None or not _warn_if_little_saved(choice):
         _say_layers_alone(choice)
     return choice

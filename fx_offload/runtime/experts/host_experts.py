@@ -46,6 +46,7 @@ import logging
 import weakref
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ...errors import OffloadError
@@ -81,14 +82,22 @@ def for_state(state) -> "HostExperts | None":
 class _Layer:
     """One layer's experts module and what its host computation needs."""
 
-    def __init__(self, module: nn.Module, params, masters, experts: int):
+    def __init__(self, module: nn.Module, params, masters, experts: int, mlp=None):
         self.module = module
         self.host = {p.attr: masters[p.suffix] for p in params}     # attribute -> host view
         self.experts = experts
-        self.expert_bytes = sum(t[0].numel() * t.element_size() for t in self.host.values())
+        if mlp is not None:     # a dense MLP (selection.mlps): one expert, the pass proved it
+            gate, up, down = (masters[s] for s in mlp)
+            self.host = {"gate": gate, "up": up, "down": down}
+            self.gate_up, self.down = (gate, up), down
+            self.expert_bytes = sum(t.numel() * t.element_size() for t in self.host.values())
+        else:
+            self.gate_up, self.down = self.host.get("gate_up_proj"), self.host.get("down_proj")
+            self.expert_bytes = sum(t[0].numel() * t.element_size()
+                                    for t in self.host.values())
         self.dtype = next(iter(self.host.values())).dtype
         self.element_size = next(iter(self.host.values())).element_size()
-        self.fused = _fused_silu(module, self.host, experts)
+        self.fused = mlp is not None or _fused_silu(module, self.host, experts)
         # the C kernel can be queued on the stream for it (weights it reads as they are)
         self.queueable = self.fused and self.dtype in native.WEIGHT_CODES and \
             all(t.is_contiguous() for t in self.host.values())
@@ -171,8 +180,8 @@ class _StreamJobs:
         main = torch.cuda.current_stream(x.device)
         side = self._side(x.device)
         (T, H), k = x.shape, ids.shape[1]
-        gate_up, down = entry.host["gate_up_proj"], entry.host["down_proj"]
-        floats, ints = native.scratch_sizes(T * k, H, down.shape[2], entry.experts)
+        gate_up, down = entry.gate_up, entry.down
+        floats, ints = native.scratch_sizes(T * k, H, down.shape[-1], entry.experts)
         # converted on the compute stream into buffers of ours (the side stream reads them
         # after the caching allocator could hand a temporary to someone else)
         ready = []
@@ -232,6 +241,12 @@ class HostExperts:
         # size; the plan of the call in progress (k: stream, 0: host, else the rule's)
         self.timer = CallTimer(state.model_name) if mode == "auto" else None
         self._call = None           # (tokens, plan) of the call in progress
+        # dense MLPs (host_mlp ops): their runtime by layer, the layers hosted in order,
+        # and this call's plan (tokens, m): m of them stream, spread among the others
+        self._mlps: dict[int, _Layer] = {}
+        self._hosted: list[int] = []
+        self._mlp_plan: tuple[int | None, int] | None = None
+        self._units: dict = {}      # (tokens, device) -> the ids and gates of one expert
 
     def refuse_capture(self) -> None:
         """Under "always", a call inside a CUDA graph capture is refused: at the call's
@@ -247,8 +262,17 @@ class HostExperts:
         """A call of ``tokens`` tokens begins: predict whether its layers compute on the
         host (their prefetches then copy nothing), and count anew."""
         self.ran, self._read, self._queued_reads = {}, 0, []
-        self._call = None
-        if self.mode == "auto" and tokens and self._k and self._layers:
+        self._call = self._mlp_plan = None
+        self._hosted = self._hosted_mlps()
+        if self.mode == "auto" and tokens and self._hosted and not self._layers:
+            plan, *seconds = self._mlp_predicted(tokens)
+            device = self._state.device
+            if device.type == "cuda" and not capturing():
+                plan = self.timer.begin(tokens, len(self._hosted), plan, seconds,
+                                        torch.cuda.current_stream(device))
+                self._call = (tokens, plan)
+            self._mlp_plan = (tokens, plan)
+        elif self.mode == "auto" and tokens and self._k and self._layers:
             layer, entry = next(iter(self._layers.items()))
             plan, *seconds = self._predicted(entry, layer, tokens, self._k)
             device = self._state.device
@@ -281,11 +305,118 @@ class HostExperts:
         return self._read + sum(c.value * b for c, b in self._queued_reads)
 
     def skips(self, layer: int, chunk) -> bool:
-        """The prefetch of ``layer``'s ``chunk`` copies nothing: its experts are predicted
-        to run on the host in this call."""
+        """The prefetch of ``layer``'s ``chunk`` copies nothing: its experts, or its dense
+        MLP, are predicted to run on the host in this call."""
         learned = self._state.learned
-        return self.on_host_now and learned.hosting.get(layer) == "host" and \
-            learned.routing.get(layer, {}).get(chunk.index) == "routed"
+        if learned.hosting.get(layer) != "host":
+            return False
+        names = self._state.choice.mlps.get(layer)
+        if names is not None:
+            return set(chunk.suffixes) <= set(names) and self._mlp_on_host(layer, None)
+        return self.on_host_now and learned.routing.get(layer, {}).get(chunk.index) == "routed"
+
+    def run_mlp(self, layer: int, chunks, x: torch.Tensor) -> torch.Tensor:
+        """The ``host_mlp`` op's kernel: ``layer``'s dense MLP on ``x``, here or there."""
+        state = self._state
+        entry = self._mlp(layer)
+        if state.phase is Phase.RESTORED:
+            return _laid_out_as(x, entry.module(x))
+        tokens = x.numel() // max(x.shape[-1], 1)
+        if (capturing() and self.mode == "auto") or not self._mlp_on_host(layer, tokens):
+            for chunk in chunks:
+                state.wait(layer, chunk)
+            self.ran[layer] = "device"
+            return _laid_out_as(x, entry.module(x))
+        self.refuse_capture()
+        self.ran[layer] = "host"
+        flat = x.reshape(tokens, x.shape[-1])
+        key = (tokens, x.device)
+        if key not in self._units:      # every token picks the one expert with weight 1
+            self._units[key] = (torch.zeros(tokens, 1, dtype=torch.int64, device=x.device),
+                                torch.ones(tokens, 1, dtype=torch.float32, device=x.device))
+        ids, gates = self._units[key]
+        self._start_over(layer, chunks)
+        if x.device.type == "cuda" and entry.queueable and native.library() is not None:
+            if self._jobs is None:
+                self._jobs = _StreamJobs(native.library(), job_threads())
+            out = self._jobs.run(entry, layer, flat, ids, gates)
+            self._queued_reads.append((self._jobs.picked[layer], entry.expert_bytes))
+        else:
+            out = self._on_host(entry, flat, ids, gates)
+        return _laid_out_as(x, out.view(x.shape))
+
+    def _start_over(self, layer: int, chunks) -> None:
+        """Begin now the refills of the slot bytes only this MLP's ``chunks`` hold: the host
+        reads the MLP from host memory, so the link fills them with the next occupant's
+        weights while the host computes (the graph's own starts, after the op's result,
+        then find them begun).  The copies still wait for every kernel queued before."""
+        state = self._state
+        refill = state.schedule.refill_in_call(layer)
+        if refill is None:
+            return
+        mine = state.learned.layout[layer]
+        for target in state.learned.layout[refill]:
+            under = [c for c in mine if c.overlaps(target)]
+            if under and all(c.index in chunks for c in under):
+                state.start(layer, refill, target.index)
+
+    def _hosted_mlps(self) -> list[int]:
+        """The layers whose dense MLP is a ``host_mlp`` op, in order."""
+        hosting = self._state.learned.hosting
+        return [layer for layer in sorted(self._state.choice.mlps)
+                if hosting.get(layer) == "host"]
+
+    def _mlp_on_host(self, layer: int, tokens: int | None) -> bool:
+        """``layer``'s MLP computes on the host in this call (``tokens``: the op's; None: a
+        prefetch asking, which never predicts a call not begun)."""
+        if self.mode == "always":
+            return True
+        if layer not in self._hosted:
+            self._hosted = self._hosted_mlps()
+        plan = self._mlp_plan
+        if tokens is not None and (plan is None or plan[0] != tokens):
+            if self._call is not None:      # miscounted tokens: this call is not timed
+                self.timer.discard()
+                self._call = None
+            plan = self._mlp_plan = (tokens, self._mlp_predicted(tokens)[0])
+        if plan is None or layer not in self._hosted:
+            return False
+        m, count, j = plan[1], len(self._hosted), self._hosted.index(layer)
+        # the m streamed spread evenly among the hosted: the link works while the host does
+        return (j + 1) * m // count == j * m // count
+
+    def _mlp_predicted(self, tokens: int):
+        """(the rule's ``m``, the call's predicted seconds with ``m``, ``0``, all streamed):
+        ``m`` of the hosted MLPs stream, the link carrying them and every other offloaded
+        chunk while the host computes the rest."""
+        key = ("mlp", tokens, len(self._hosted))
+        found = self._predictions.get(key)
+        if found is not None:
+            return found
+        if self._rates is None:
+            self._rates = host_rates(self._state.device)
+        hosted, layout = self._hosted, self._state.learned.layout
+        mlps = self._state.choice.mlps
+        each = [sum(c.end - c.start for c in layout[layer] if set(c.suffixes) <= set(mlps[layer]))
+                for layer in hosted]
+        total = sum(c.end - c.start for chunks in layout.values() for c in chunks)
+        size = sum(each) / max(len(each), 1)
+        shape = (tokens, len(hosted), size, self._mlp(hosted[0]).element_size if hosted else 2,
+                 total - sum(each), self._rates)
+        best = split.mlps_streamed(*shape)
+        found = self._predictions[key] = (best, *(split.mlps_seconds(m, *shape)
+                                                  for m in (best, 0, len(hosted))))
+        return found
+
+    def _mlp(self, layer: int) -> _Layer:
+        entry = self._mlps.get(layer)
+        if entry is None:
+            state = self._state
+            names = state.choice.mlps[layer]
+            prefix = names[0].rpartition(".")[0].rpartition(".")[0]
+            module = state.choice.stack.modules[layer].get_submodule(prefix)
+            entry = self._mlps[layer] = _Layer(module, [], state.masters[layer], 1, mlp=names)
+        return entry
 
     def run(self, layer: int, chunks, x: torch.Tensor, ids: torch.Tensor,
             gates: torch.Tensor) -> torch.Tensor:
@@ -383,7 +514,11 @@ class HostExperts:
         picked = idh.unique()
         self._read += int(((picked >= 0) & (picked < entry.experts)).sum()) * \
             entry.expert_bytes
-        if entry.fused:
+        if isinstance(entry.gate_up, tuple):       # a dense MLP
+            gate, up = entry.gate_up
+            h = F.silu(kernels.linear(xh, gate)) * kernels.linear(xh, up)
+            out = kernels.linear(h, entry.down)
+        elif entry.fused:
             out = kernels.routed_experts(xh, idh, gh, entry.host["gate_up_proj"],
                                          entry.host["down_proj"], act="silu")
         else:

@@ -1,0 +1,177 @@
+"""Dense gated MLPs computed on the host (``host_compute``, the ``host_mlp`` op): Hugging Face
+decoders built from small configs give the logits and tokens of the model without
+offloading; the MLP's three weights are chunks of their own that a call on the host does not
+copy; report and explain say where each MLP ran; an MLP the op cannot compute streams with
+its reason; ``"auto"``'s rule streams a prompt and shares a decode step between the link and
+the host.  CPU here: the "device" is the CPU (``"auto"`` means ``"never"`` on it, so these
+use ``"always"``)."""
+import copy
+
+import pytest
+import torch
+
+import fx_offload
+from fx_offload import explain, registry
+from fx_offload.host_compute import split
+from fx_offload.host_compute.rates import HostRates
+from helpers import assert_same_greedy_tokens
+
+transformers = pytest.importorskip("transformers", reason="install the test extra")
+
+ALWAYS = {"host_compute": "always"}
+FP32 = dict(atol=2e-5, rtol=2e-5)       # the host kernel sums in another order
+CONFIG = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+              num_key_value_heads=2, num_hidden_layers=4, vocab_size=256)
+
+
+def _model(family: str = "llama", **extra):
+    torch.manual_seed(0)
+    config_class, model_class = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[family]
+    return model_class(config_class(**CONFIG, **extra)).eval()
+
+
+def _mlp_bytes(model, layer: int) -> int:
+    return sum(p.numel() * p.element_size()
+               for p in model.model.layers[layer].mlp.parameters())
+
+
+def _logits(compiled, reference, shapes):
+    with torch.no_grad():
+        for i, shape in enumerate(shapes):
+            ids = torch.randint(0, 256, shape, generator=torch.Generator().manual_seed(i))
+            torch.testing.assert_close(compiled(ids, use_cache=False).logits,
+                                       reference(ids, use_cache=False).logits, **FP32)
+
+
+@pytest.mark.parametrize("family,inner", [("llama", "aot_eager"), ("qwen3", "aot_eager"),
+                                          ("mistral", "aot_eager"), ("llama", "inductor")])
+def test_always_gives_the_models_logits_and_copies_no_mlp_weight(family, inner):
+    model = _model(family)
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": inner, **ALWAYS})
+    _logits(compiled, reference, [(2, 1)] * 2 if inner == "inductor" else [(2, 12), (2, 1)])
+    rep = fx_offload.report(model)
+    assert rep.layers == [1, 3]
+    assert rep.experts_ran == {1: "host", 3: "host"}, rep.experts_ran
+    # each MLP read once in place, whatever the tokens
+    assert rep.host_read_bytes_last_call == _mlp_bytes(model, 1) + _mlp_bytes(model, 3)
+    # one slot: the call copied the layers' attention and norms, none of their MLPs
+    others = sum(rep.layer_bytes.values()) - _mlp_bytes(model, 1) - _mlp_bytes(model, 3)
+    assert 0 < rep.copied_bytes_last_call <= others, (rep.copied_bytes_last_call, others)
+    assert "computed the experts or MLPs of layers [1, 3] on the host" in str(rep)
+    # each of the three weights is a chunk of its own (none shares a copy with a norm)
+    chunks = registry.state_for_model(model).learned.layout[1]
+    assert [c.suffixes for c in chunks[-3:]] == [
+        ("mlp.gate_proj.weight",), ("mlp.up_proj.weight",), ("mlp.down_proj.weight",)]
+
+
+def test_generate_gives_the_same_tokens():
+    model = _model()
+    reference = copy.deepcopy(model)
+    fx_offload.compile_forward(model, inner_backend="aot_eager", **ALWAYS)
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(3))
+    assert_same_greedy_tokens(model, reference, ids)
+    assert set(fx_offload.report(model).experts_ran.values()) == {"host"}
+
+
+def test_bf16_logits_within_bf16_rounding():
+    """bf16 weights: the host sums in fp32 and rounds once, the reference rounds after each
+    matmul; the two agree to bf16's rounding."""
+    model = _model().to(torch.bfloat16)
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "aot_eager", **ALWAYS})
+    ids = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = compiled(ids, use_cache=False).logits.float()
+        want = reference(ids, use_cache=False).logits.float()
+    torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
+
+
+def _gate_read_twice(model):
+    for layer in model.model.layers:
+        mlp = layer.mlp
+        mlp.forward = (lambda m: lambda x: m.down_proj(m.act_fn(m.gate_proj(x)) * m.up_proj(x))
+                       + m.gate_proj(x)[..., :1] * 0)(mlp)
+    return model
+
+
+@pytest.mark.parametrize("make,why", [
+    (lambda: _model(hidden_act="gelu"), "does not compute down(silu(gate(x)) * up(x))"),
+    (lambda: _gate_read_twice(_model()), "reads one of its weights more than once")])
+def test_an_mlp_the_host_kernel_does_not_compute_streams_and_says_why(make, why):
+    """GELU between the linears, or a forward that reads its gate twice, is not what the
+    host kernel computes: the layer streams as before, its outputs unchanged, and report
+    and explain say why."""
+    model = make()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "aot_eager", **ALWAYS})
+    ids = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(compiled(ids, use_cache=False).logits,
+                           reference(ids, use_cache=False).logits)
+    rep = fx_offload.report(model)
+    assert set(rep.experts_ran) == {1, 3}
+    assert all(w.startswith("streamed: ") and why in w for w in rep.experts_ran.values()), \
+        rep.experts_ran
+    assert "streamed: " in explain(reference, ids, **ALWAYS).plan_text()
+
+
+def test_never_leaves_the_mlp_weights_in_the_usual_chunks():
+    model = _model()
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "aot_eager", "host_compute": "never"})
+    with torch.no_grad():
+        compiled(torch.zeros(1, 3, dtype=torch.long), use_cache=False)
+    state = registry.state_for_model(model)
+    assert state.choice.mlps == {} and state.learned.hosting == {}
+
+
+def test_the_rule_streams_a_prompt_and_shares_decode_between_link_and_host():
+    """Llama-3-8B's shapes, 8 MLPs of 352 MB beside 84 MB of attention each: a 55 GB/s link
+    (45 beside the host's reads), a host reading 60 GB/s beside the link, 1 TFLOP/s, 100 us
+    a round trip.  A decode step computes most MLPs on the host; a prompt streams them all;
+    a host slower than anything streams them all."""
+    host = HostRates(read_rate=70e9, flop_rate=1e12, latency=100e-6, link_rate=55e9,
+                     shared_read_rate=60e9, shared_link_rate=45e9)
+    shape = dict(count=8, mlp_bytes=352e6, element_size=2, other_bytes=8 * 84_000_000)
+    m = split.mlps_streamed(1, host=host, **shape)
+    assert 1 <= m <= 3, m
+    best = split.mlps_seconds(m, 1, host=host, **shape)
+    streamed = split.mlps_seconds(8, 1, host=host, **shape)
+    assert streamed / best > 1.6
+    # the host's share and the link's finish close together
+    link = (shape["other_bytes"] + m * shape["mlp_bytes"]) / 45e9
+    assert abs(link - (8 - m) * (352e6 / 60e9 + 100e-6 + 2 * 176e6 / 1e12)) < 352e6 / 45e9
+    assert split.mlps_streamed(512, host=host, **shape) == 8
+    slow = HostRates(read_rate=5e9, flop_rate=1e11, latency=1e-3, link_rate=55e9)
+    assert split.mlps_streamed(1, host=slow, **shape) == 8
+
+
+def test_a_host_computed_mlp_lets_the_refill_over_its_chunks_begin_at_once(monkeypatch):
+    """The MLP's slot bytes are free once the op computes it on the host: the refills over
+    them begin in the op, before its host job, not after its result (where the graph's
+    starts are); the graph's own starts then find them begun."""
+    model = _model()
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "aot_eager", **ALWAYS})
+    ids = torch.zeros(1, 3, dtype=torch.long)
+    with torch.no_grad():
+        compiled(ids, use_cache=False)
+    state = registry.state_for_model(model)
+    host = state.host_experts
+    events = []
+    run, start = host._on_host, state.start
+    monkeypatch.setattr(host, "_on_host", lambda *a: (events.append("host job"), run(*a))[1])
+    monkeypatch.setattr(state, "start", lambda layer, refill, chunk=-1: (
+        events.append((layer, refill, chunk)), start(layer, refill, chunk))[1])
+    with torch.no_grad():
+        compiled(ids, use_cache=False)
+    first_job = events.index("host job")
+    assert events[first_job - 3:first_job] == [(1, 3, 3), (1, 3, 4), (1, 3, 5)], events
