@@ -125,19 +125,19 @@ class CallTimer:
         self._compiled = 0
         self._pending: list = []
 
-    def begin(self, tokens: int, k: int, rule: int, seconds, stream) -> int:
+    def begin(self, tokens: int, k: int, rule: int, seconds, stream, near=()) -> int:
         """A call of ``tokens`` tokens begins: its plan, and an event at its entry while
         its size is on trial.  ``rule``: the rule's plan; ``seconds``: the rule's
         predictions for it, the host alone and streaming; the other two are tried where
-        predicted at most ``TRY_WITHIN`` times slower."""
+        predicted at most ``TRY_WITHIN`` times slower; ``near``: plans tried besides."""
         self._read_done()
         trial = self.trials.get((tokens, k))
         if trial is None and len(self.trials) >= MAX_SIZES:
             self._start = None
             return rule
         if trial is None:
-            plans = [rule] + [p for p, t in zip((0, k), seconds[1:])
-                              if t <= TRY_WITHIN * seconds[0]]
+            plans = [rule, *near] + [p for p, t in zip((0, k), seconds[1:])
+                                     if t <= TRY_WITHIN * seconds[0]]
             trial = self.trials[(tokens, k)] = Trial(plans)
         plan, block = trial.next_plan()
         self._start = None

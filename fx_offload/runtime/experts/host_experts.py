@@ -266,10 +266,13 @@ class HostExperts:
         self._hosted = self._hosted_mlps()
         if self.mode == "auto" and tokens and self._hosted and not self._layers:
             plan, *seconds = self._mlp_predicted(tokens)
-            device = self._state.device
+            device, count = self._state.device, len(self._hosted)
             if device.type == "cuda" and not capturing():
-                plan = self.timer.begin(tokens, len(self._hosted), plan, seconds,
-                                        torch.cuda.current_stream(device))
+                # the rule's host rate is the probe's, on experts; an MLP's rows are wider
+                # and the chain between layers costs more: one or two more streamed are tried
+                plan = self.timer.begin(tokens, count, plan, seconds,
+                                        torch.cuda.current_stream(device),
+                                        near=[min(plan + 1, count), min(plan + 2, count)])
                 self._call = (tokens, plan)
             self._mlp_plan = (tokens, plan)
         elif self.mode == "auto" and tokens and self._k and self._layers:
