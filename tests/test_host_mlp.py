@@ -175,3 +175,29 @@ def test_a_host_computed_mlp_lets_the_refill_over_its_chunks_begin_at_once(monke
         compiled(ids, use_cache=False)
     first_job = events.index("host job")
     assert events[first_job - 3:first_job] == [(1, 3, 3), (1, 3, 4), (1, 3, 5)], events
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["always", "auto"])
+def test_on_a_gpu_the_stream_runs_the_mlp_and_the_logits_agree(mode):
+    """On CUDA a hosted MLP is a job queued on the stream (the caller never waits for it);
+    bf16 logits agree with the model on the device to bf16 rounding, call after call while
+    "auto" tries its plans; its report names a plan per call size."""
+    model = _model().to(torch.bfloat16).cuda()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload", options={"host_compute": mode})
+    with torch.no_grad():
+        for i in range(24):
+            ids = torch.randint(0, 256, (2, 12 if i == 0 else 1), device="cuda",
+                                generator=torch.Generator("cuda").manual_seed(i))
+            got = compiled(ids, use_cache=False).logits.float()
+            want = reference(ids, use_cache=False).logits.float()
+            torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
+    rep = fx_offload.report(model)
+    assert set(rep.experts_ran) == {1, 3}
+    if mode == "always":
+        assert set(rep.experts_ran.values()) == {"host"}
+        assert registry.state_for_model(model).host_experts._jobs is not None
+        assert rep.host_read_bytes_last_call == _mlp_bytes(model, 1) + _mlp_bytes(model, 3)
+    else:
+        assert 2 in rep.host_timing, rep.host_timing
