@@ -201,3 +201,23 @@ def test_on_a_gpu_the_stream_runs_the_mlp_and_the_logits_agree(mode):
         assert rep.host_read_bytes_last_call == _mlp_bytes(model, 1) + _mlp_bytes(model, 3)
     else:
         assert 2 in rep.host_timing, rep.host_timing
+
+
+def test_a_moe_model_with_dense_layers_hosts_both_kinds():
+    """Qwen3-MoE with a dense layer among its MoE ones (``mlp_only_layers``): the dense
+    layer's MLP is a host_mlp op, the MoE layer's experts a host_experts op; the logits are
+    the model's."""
+    from helpers import SMALL_HF
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(**SMALL_HF, moe_intermediate_size=32, num_experts=16,
+                                         num_experts_per_tok=2, mlp_only_layers=[1])
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "aot_eager", **ALWAYS})
+    _logits(compiled, reference, [(2, 6), (2, 1)])
+    state = registry.state_for_model(model)
+    assert list(state.choice.mlps) == [1] and 3 in state.choice.experts
+    assert fx_offload.report(model).experts_ran == {1: "host", 3: "host"}
+    assert "layer 1: a host_mlp op (its MLP); layer 3: a host_experts op" in \
+        explain(reference, torch.zeros(1, 2, dtype=torch.long), **ALWAYS).plan_text()

@@ -17,7 +17,7 @@ in place: the weights are no input of the graph's op) and copies the result back
 the routed wait the graph had, then the experts module's own forward on the slot.  So the
 graph is the same whichever way a call goes, and ``host_compute="auto"`` decides per call.
 The chunks' wait leaves the graph (the op waits itself when it streams); the refills that
-overwrite them start after the layer's outputs, which the op's result feeds.
+overwrite them start after the op, their last reader (:mod:`.plan` counts it as one).
 
 The region is replaced only where it is clean: its inputs from outside are the router's ids,
 one activation shaped like its output (``x``), one shaped like the ids (``gates``), the

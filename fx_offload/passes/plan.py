@@ -284,6 +284,9 @@ def _plan_layer(layer, weights: dict[fx.Node, int], layer_nodes, order, choice, 
                 f"offloaded layer {name} has no output of its own (each output "
                 "aliases a graph input), so its start_prefetch cannot be ordered after it")
         readers = {chunk: _slot_readers(ws, members, order) for chunk, ws in by_chunk.items()}
+        for node in hosted:     # a host op reads its chunks' slot bytes when it streams
+            for chunk in OpCall.of(node).chunks:
+                readers.setdefault(chunk, []).append(node)
         mine = layout[layer]
         for target in layout[refill]:
             overwritten = [r for c in mine if c.overlaps(target) for r in readers.get(c.index, ())]

@@ -264,7 +264,11 @@ class HostExperts:
         self.ran, self._read, self._queued_reads = {}, 0, []
         self._call = self._mlp_plan = None
         self._hosted = self._hosted_mlps()
-        if self.mode == "auto" and tokens and self._hosted and not self._layers:
+        # one plan a call is timed: the experts' where a layer has them on the host (its
+        # dense MLPs, if any, then follow the rule untimed)
+        experts = any(why == "host" and layer not in self._state.choice.mlps
+                      for layer, why in self._state.learned.hosting.items())
+        if self.mode == "auto" and tokens and self._hosted and not experts:
             plan, *seconds = self._mlp_predicted(tokens)
             device, count = self._state.device, len(self._hosted)
             if device.type == "cuda" and not capturing():
