@@ -221,3 +221,14 @@ def test_a_moe_model_with_dense_layers_hosts_both_kinds():
     assert fx_offload.report(model).experts_ran == {1: "host", 3: "host"}
     assert "layer 1: a host_mlp op (its MLP); layer 3: a host_experts op" in \
         explain(reference, torch.zeros(1, 2, dtype=torch.long), **ALWAYS).plan_text()
+
+
+def test_an_mlp_plan_is_named_by_the_mlps_it_streams():
+    from fx_offload.host_compute import trial
+    assert trial.describe(4, 8, "MLPs") == "4 of 8 MLPs streamed"
+    assert trial.describe(0, 8, "MLPs") == "on the host"
+    assert trial.describe(8, 8, "MLPs") == "streamed"
+    assert trial.describe(3, 8) == "split 3"        # experts: each token's first 3 picks
+    timer = trial.CallTimer()
+    timer.trials[(1, 8)] = trial.Trial([4], "MLPs")
+    assert timer.summary()[1].startswith("4 of 8 MLPs streamed, the rule's plan")

@@ -63,8 +63,9 @@ class Trial:
     docstring), and the winner once known.
     Plans are ``m`` values (each token's picks computed on the device; ``k``: stream)."""
 
-    def __init__(self, plans: list[int]):
+    def __init__(self, plans: list[int], unit: str = "picks"):
         self.plans = list(dict.fromkeys(plans))     # in order, once each
+        self.unit = unit            # what a plan counts: "picks" (experts) or "MLPs" streamed
         self.times: dict[int, list[float]] = {m: [] for m in self.plans}
         self.best: int | None = self.plans[0] if len(self.plans) == 1 else None
         self.round = 1          # timed calls each plan has once this round is done
@@ -109,8 +110,14 @@ def graphs_compiled() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def describe(plan: int, k: int) -> str:
-    return "streamed" if plan == k else "on the host" if plan == 0 else f"split {plan}"
+def describe(plan: int, k: int, unit: str = "picks") -> str:
+    """A plan in words: ``split m`` (each token's first ``m`` picks on the device), or for
+    dense MLPs ``m of K MLPs streamed``."""
+    if plan == k:
+        return "streamed"
+    if plan == 0:
+        return "on the host"
+    return f"split {plan}" if unit == "picks" else f"{plan} of {k} {unit} streamed"
 
 
 class CallTimer:
@@ -125,7 +132,8 @@ class CallTimer:
         self._compiled = 0
         self._pending: list = []
 
-    def begin(self, tokens: int, k: int, rule: int, seconds, stream, near=()) -> int:
+    def begin(self, tokens: int, k: int, rule: int, seconds, stream, near=(),
+              unit: str = "picks") -> int:
         """A call of ``tokens`` tokens begins: its plan, and an event at its entry while
         its size is on trial.  ``rule``: the rule's plan; ``seconds``: the rule's
         predictions for it, the host alone and streaming; the other two are tried where
@@ -138,7 +146,7 @@ class CallTimer:
         if trial is None:
             plans = [rule, *near] + [p for p, t in zip((0, k), seconds[1:])
                                      if t <= TRY_WITHIN * seconds[0]]
-            trial = self.trials[(tokens, k)] = Trial(plans)
+            trial = self.trials[(tokens, k)] = Trial(plans, unit)
         plan, block = trial.next_plan()
         self._start = None
         if trial.best is None:
@@ -174,7 +182,7 @@ class CallTimer:
             if trial.timed(plan, block, start.elapsed_time(end) / 1e3):
                 log.info("fx_offload: %s: host_compute='auto' at %d token(s) a call: %s; "
                          "keeps %s", self.model_name, tokens, self.describe(tokens, k),
-                         describe(trial.best, k))
+                         describe(trial.best, k, trial.unit))
         self._pending = still
 
     def summary(self) -> dict[int, str]:
@@ -182,10 +190,10 @@ class CallTimer:
         out = {}
         for (tokens, k), trial in sorted(self.trials.items()):
             if len(trial.plans) == 1:       # nothing else in reach: not timed
-                out[tokens] = (f"{describe(trial.best, k)}, the rule's plan (the others "
-                               f"predicted over {TRY_WITHIN:g}x as slow: not tried)")
+                out[tokens] = (f"{describe(trial.best, k, trial.unit)}, the rule's plan (the "
+                               f"others predicted over {TRY_WITHIN:g}x as slow: not tried)")
                 continue
-            kept = (f": keeps {describe(trial.best, k)}" if trial.best is not None
+            kept = (f": keeps {describe(trial.best, k, trial.unit)}" if trial.best is not None
                     else ": still trying")
             out[tokens] = self.describe(tokens, k) + kept
         return out
@@ -194,6 +202,6 @@ class CallTimer:
         trial = self.trials.get((tokens, k))
         if trial is None:
             return "not tried"
-        times = ", ".join(f"{describe(m, k)} {t * 1e3:.2f} ms" for m, t in
+        times = ", ".join(f"{describe(m, k, trial.unit)} {t * 1e3:.2f} ms" for m, t in
                           trial.fastest().items())
         return times or "not timed yet"

@@ -276,7 +276,8 @@ class HostExperts:
                 # and the chain between layers costs more: one or two more streamed are tried
                 plan = self.timer.begin(tokens, count, plan, seconds,
                                         torch.cuda.current_stream(device),
-                                        near=[min(plan + 1, count), min(plan + 2, count)])
+                                        near=[min(plan + 1, count), min(plan + 2, count)],
+                                        unit="MLPs")
                 self._call = (tokens, plan)
             self._mlp_plan = (tokens, plan)
         elif self.mode == "auto" and tokens and self._k and self._layers:
