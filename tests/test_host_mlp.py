@@ -232,3 +232,21 @@ def test_an_mlp_plan_is_named_by_the_mlps_it_streams():
     timer = trial.CallTimer()
     timer.trials[(1, 8)] = trial.Trial([4], "MLPs")
     assert timer.summary()[1].startswith("4 of 8 MLPs streamed, the rule's plan")
+
+
+def test_with_the_kv_cache_on_the_host_generate_gives_the_same_tokens():
+    """kv_cache="host" and MLPs on the host together: greedy tokens of a static-cache
+    generate equal the model's own."""
+    model = _model()
+    model.generation_config.eos_token_id = None
+    reference = copy.deepcopy(model)
+    fx_offload.compile_forward(model, inner_backend="aot_eager", kv_cache="host",
+                               kv_block_size=16, **ALWAYS)
+    ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(5))
+    kwargs = dict(max_new_tokens=6, do_sample=False, cache_implementation="static")
+    with torch.no_grad():
+        got = model.generate(ids, **kwargs)
+        want = reference.generate(ids, **kwargs)
+    assert torch.equal(got, want)
+    rep = fx_offload.report(model)
+    assert set(rep.experts_ran.values()) == {"host"} and rep.kv.get("layers")
