@@ -7,6 +7,31 @@ import argparse
 import torch
 
 
+def unavailable(benchmark: str, needs: str = "") -> int:
+    """2 with a message where ``benchmark`` cannot run here (``needs``: a module it imports,
+    such as transformers; a GPU always), else 0."""
+    import importlib.util
+    import sys
+    if needs and importlib.util.find_spec(needs) is None:
+        print(f"error: the {benchmark} benchmark needs {needs}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print(f"error: the {benchmark} benchmark needs a GPU", file=sys.stderr)
+        return 2
+    return 0
+
+
+def add_flags(parser: argparse.ArgumentParser, flags) -> None:
+    """``(flag, default, help)`` each: a store_true flag where the default is False, an int
+    where it is an int, else a string (the benchmarks' comma-separated lists of row values)."""
+    for flag, default, text in flags:
+        if default is False:
+            parser.add_argument(flag, action="store_true", help=text)
+        else:
+            parser.add_argument(flag, default=default, help=text,
+                                type=int if type(default) is int else str)
+
+
 def add_generate_arguments(parser: argparse.ArgumentParser, *, layers: int, new_tokens: int,
                            fewest: int, timed: str) -> None:
     """The flags of the benchmarks that time Hugging Face ``generate`` (``generate`` and
@@ -61,4 +86,18 @@ def build_random(model_class, config):
         model.model.rotary_emb.__init__(config, device="cuda")
     model.generation_config.eos_token_id = None     # always the full length
     model.generation_config.pad_token_id = 0
+    return model
+
+
+def with_accelerate(build, layers):
+    """``build()``'s model with accelerate's ``cpu_offload`` on the layers ``layers(model)``
+    names, or None (said in a line) where accelerate is not installed."""
+    try:
+        from accelerate import cpu_offload
+    except ImportError:
+        print("  accelerate not installed: skipped")
+        return None
+    model = build()
+    for layer in layers(model):
+        cpu_offload(layer, execution_device=torch.device("cuda"))
     return model

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import torch
@@ -40,46 +39,36 @@ from ..codecs import ans
 from ..host_compute.rates import host_rates
 from ..schedule import Schedule
 from .bench import h2d_bandwidth
-from .common import add_generate_arguments, build_random, graphs_route
+from .common import (add_flags, add_generate_arguments, build_random, graphs_route, unavailable,
+                     with_accelerate)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_generate_arguments(parser, layers=16, new_tokens=33, fewest=2,
                            timed="decode is timed between them")
-    parser.add_argument("--prefetch-step", type=int, default=2,
-                        help="option prefetch_step of the fx_offload rows")
-    parser.add_argument("--circular-prefetch", default="auto",
-                        help="comma-separated circular_prefetch values (auto, end, entry): one "
-                             "fx_offload row each")
-    parser.add_argument("--quantize", default="none",
-                        help="comma-separated weight formats of the fx_offload rows: none (bf16) "
-                             "or torchao's int8, float8, int4 weight-only (quantize_ before "
-                             "offloading: the packed bytes are what moves)")
-    parser.add_argument("--compress", default="none",
-                        help="comma-separated compress values of the fx_offload rows: none, "
-                             "lossless (bf16 weights cross the link compressed, by nvCOMP's "
-                             "ANS where it is installed), lossless:fx_offload or "
-                             "lossless:nvcomp (that codec: FX_OFFLOAD_LOSSLESS_CODEC)")
-    parser.add_argument("--inner-backend", default="inductor",
-                        help="the fx_offload rows' inner compiler (aot_eager: each op as "
-                             "eager runs it, so rows that move the same weights otherwise "
-                             "must give the same tokens bitwise)")
-    parser.add_argument("--host-compute", default="auto",
-                        help="comma-separated host_compute values of the fx_offload rows "
-                             "(auto, never, always): one row each")
-    parser.add_argument("--step-clock", action="store_true",
-                        help="decode: the median time between two decode steps")
+    add_flags(parser, [
+        ("--prefetch-step", 2, "option prefetch_step of the fx_offload rows"),
+        ("--circular-prefetch", "auto", "comma-separated circular_prefetch values (auto, end, "
+         "entry): one fx_offload row each"),
+        ("--quantize", "none", "comma-separated weight formats of the fx_offload rows: none "
+         "(bf16) or torchao's int8, float8, int4 weight-only (quantize_ before offloading: the "
+         "packed bytes are what moves)"),
+        ("--compress", "none", "comma-separated compress values of the fx_offload rows: none, "
+         "lossless (bf16 weights cross the link compressed, by nvCOMP's ANS where it is "
+         "installed), lossless:fx_offload or lossless:nvcomp (that codec: "
+         "FX_OFFLOAD_LOSSLESS_CODEC)"),
+        ("--inner-backend", "inductor", "the fx_offload rows' inner compiler (aot_eager: each op "
+         "as eager runs it, so rows that move the same weights otherwise must give the same "
+         "tokens bitwise)"),
+        ("--host-compute", "auto", "comma-separated host_compute values of the fx_offload rows "
+         "(auto, never, always): one row each"),
+        ("--step-clock", False, "decode: the median time between two decode steps")])
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        from transformers import LlamaConfig, LlamaForCausalLM
-    except ImportError:
-        print("error: the generate benchmark needs transformers", file=sys.stderr)
+    if unavailable("generate", "transformers"):
         return 2
-    if not torch.cuda.is_available():
-        print("error: the generate benchmark needs a GPU", file=sys.stderr)
-        return 2
+    from transformers import LlamaConfig, LlamaForCausalLM
     config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                          num_key_value_heads=8, num_hidden_layers=args.layers,
                          vocab_size=32000, max_position_embeddings=8192,
@@ -156,18 +145,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"{rep}\n  circular prefetch at the {choice.now} after the run ({choice.moves} "
               "changes of place)", flush=True)
         del model, rep
-    if "accelerate" in methods:
-        try:
-            from accelerate import cpu_offload
-        except ImportError:
-            print("  accelerate not installed: skipped")
-        else:
-            model = build()
-            for i in offloaded:
-                cpu_offload(model.model.layers[i], execution_device=torch.device("cuda"))
-            name = f"accelerate cpu_offload, {len(offloaded)} layers (eager)"
-            rows[name], tokens[name] = measure(model, prompt, args, repeats=1)
-            del model
+    model = with_accelerate(build, lambda m: [m.model.layers[i] for i in offloaded]) \
+        if "accelerate" in methods else None
+    if model is not None:
+        name = f"accelerate cpu_offload, {len(offloaded)} layers (eager)"
+        rows[name], tokens[name] = measure(model, prompt, args, repeats=1)
+        del model
     torch.cuda.empty_cache()
 
     _table(rows, tokens, moved, host_read, resident_of, bandwidth)

@@ -44,13 +44,14 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import sys
 
 import torch
 
 from .. import backend, compile_forward, registry, report
 from .bench import gather_bandwidth, h2d_bandwidth
-from .common import add_generate_arguments, build_random, graphs_route as _graphs
+from .common import (add_flags, add_generate_arguments, build_random, unavailable,
+                     with_accelerate)
+from .common import graphs_route as _graphs
 from .generate_bench import measure
 from ..host_compute.trial import ROUNDS
 
@@ -62,47 +63,34 @@ _SETTLE_CALLS = ROUNDS * 3 * 2 + 4
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_generate_arguments(parser, layers=8, new_tokens=17, fewest=3,
                            timed="decode is timed from the second to the last")
-    parser.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
-    parser.add_argument("--prefetch-step", type=int, default=1,
-                        help="slots (prefetch_step); 1, the library's default, measures what "
-                             "a user who sets nothing gets")
-    parser.add_argument("--experts", default="whole,routed",
-                        help="comma-separated experts values of the fx_offload rows")
-    parser.add_argument("--expert-cache", default="0",
-                        help="comma-separated expert_cache sizes of the routed rows (bytes, or "
-                             "such as 1GiB; 0: none): a row each")
-    parser.add_argument("--memory-budget", default="",
-                        help="comma-separated memory_budget values (such as 3GiB): a routed "
-                             "row each, planned by the planner instead of every layer "
-                             "offloaded (where the budget holds the layers' other weights, "
-                             "it offloads their experts alone)")
-    parser.add_argument("--ahead", default="",
-                        help="comma-separated depths of the ring that fetches routed layers' "
-                             "other chunks ahead (FX_OFFLOAD_AHEAD; 0: off) for the routed "
-                             "rows, a row each; empty: the library's default alone")
-    parser.add_argument("--host-compute", default="",
-                        help="comma-separated host_compute values (never, auto, always) of the "
-                             "routed rows, a row each; empty: the library's default alone")
-    parser.add_argument("--static-cache", action="store_true",
-                        help="compile with static shapes (dynamic=False) and generate with a "
-                             "static cache sized for the longest generate: two graphs a batch "
-                             "size (the prompt, the decode steps) instead of four, about six "
-                             "times less to compile (what a 48-layer row needs)")
-    parser.add_argument("--profile", action="store_true",
-                        help="after each fx_offload row's timing, profile the decode steps of "
-                             "one generate and print how busy the link was (copies and the "
-                             "routed experts' gather) and its longest idle gaps")
+    add_flags(parser, [
+        ("--batch", "1,8", "comma-separated batch sizes"),
+        ("--prefetch-step", 1, "slots (prefetch_step); 1, the library's default, measures what "
+         "a user who sets nothing gets"),
+        ("--experts", "whole,routed", "comma-separated experts values of the fx_offload rows"),
+        ("--expert-cache", "0", "comma-separated expert_cache sizes of the routed rows (bytes, "
+         "or such as 1GiB; 0: none): a row each"),
+        ("--memory-budget", "", "comma-separated memory_budget values (such as 3GiB): a routed "
+         "row each, planned by the planner instead of every layer offloaded (where the budget "
+         "holds the layers' other weights, it offloads their experts alone)"),
+        ("--ahead", "", "comma-separated depths of the ring that fetches routed layers' other "
+         "chunks ahead (FX_OFFLOAD_AHEAD; 0: off) for the routed rows, a row each; empty: the "
+         "library's default alone"),
+        ("--host-compute", "", "comma-separated host_compute values (never, auto, always) of "
+         "the routed rows, a row each; empty: the library's default alone"),
+        ("--static-cache", False, "compile with static shapes (dynamic=False) and generate with "
+         "a static cache sized for the longest generate: two graphs a batch size (the prompt, "
+         "the decode steps) instead of four, about six times less to compile (what a 48-layer "
+         "row needs)"),
+        ("--profile", False, "after each fx_offload row's timing, profile the decode steps of "
+         "one generate and print how busy the link was (copies and the routed experts' gather) "
+         "and its longest idle gaps")])
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-    except ImportError:
-        print("error: the MoE benchmark needs transformers with Qwen3-MoE", file=sys.stderr)
+    if unavailable("MoE", "transformers"):
         return 2
-    if not torch.cuda.is_available():
-        print("error: the MoE benchmark needs a GPU", file=sys.stderr)
-        return 2
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     config = Qwen3MoeConfig(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
                             num_experts=128, num_experts_per_tok=8, num_attention_heads=32,
                             num_key_value_heads=4, head_dim=128, num_hidden_layers=args.layers,
@@ -182,21 +170,15 @@ def run(args: argparse.Namespace) -> int:
         del model
         _free()
     _set_env("FX_OFFLOAD_AHEAD", default_depth)
-    if "accelerate" in methods:
-        try:
-            from accelerate import cpu_offload
-        except ImportError:
-            print("  accelerate not installed: skipped")
-        else:
-            model = build()
-            for layer in model.model.layers:
-                cpu_offload(layer, execution_device=torch.device("cuda"))
-            name = f"accelerate cpu_offload, {args.layers} layers (eager)"
-            for b in batches:
-                first_last = [prompts[b][0], prompts[b][-1]]    # the others' last tokens
-                rows[(name, b)], tokens[(name, b)] = measure(model, first_last, args, 1,
-                                                             steps=True)
-            del model
+    model = with_accelerate(build, lambda m: m.model.layers) \
+        if "accelerate" in methods else None
+    if model is not None:
+        name = f"accelerate cpu_offload, {args.layers} layers (eager)"
+        for b in batches:
+            first_last = [prompts[b][0], prompts[b][-1]]    # the others' last tokens
+            rows[(name, b)], tokens[(name, b)] = measure(model, first_last, args, 1,
+                                                         steps=True)
+        del model
     torch.cuda.empty_cache()
     _print_table(rows, tokens, moved, bandwidth, gathering, rates)
     return 0
