@@ -250,3 +250,22 @@ def test_with_the_kv_cache_on_the_host_generate_gives_the_same_tokens():
     assert torch.equal(got, want)
     rep = fx_offload.report(model)
     assert set(rep.experts_ran.values()) == {"host"} and rep.kv.get("layers")
+
+
+def test_whole_rounds_of_slots_stream_so_each_follows_a_hosted_layer_in_its_slot():
+    """A streamed MLP's copy begins early only where its slot's previous occupant was
+    hosted: with one slot every other layer streams, with two ``H H S S``."""
+    layers = tuple(range(1, 16, 2))
+    assert sorted(split.streamed_mlps(4, list(layers), layers, 1)) == [3, 7, 11, 15]
+    two = split.streamed_mlps(4, list(layers), layers, 2)
+    assert sorted(two) == [5, 7, 13, 15]
+    for m in range(9):
+        for slots in (1, 2, 3):
+            streamed = split.streamed_mlps(m, list(layers), layers, slots)
+            assert len(streamed) == m
+            # whole rounds, at most half of them: each streamed one follows a hosted one
+            if 2 * m <= len(layers) and m % slots == 0 and len(layers) % (2 * slots) == 0:
+                before = {layers[i]: layers[i - slots] for i in range(len(layers))}
+                assert all(before[layer] not in streamed for layer in streamed), (m, slots)
+    # layers whose MLP cannot be hosted keep their places in the rounds
+    assert split.streamed_mlps(1, [1, 5], layers, 2) == {5}

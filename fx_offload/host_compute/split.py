@@ -117,3 +117,27 @@ def mlps_seconds(m: int, tokens: int, count: int, mlp_bytes: float, element_size
                                   2 * tokens * (mlp_bytes / element_size) / host.flop_rate)
     rate = host.link_rate if m == count else host.link_beside_reads
     return max((other_bytes + m * mlp_bytes) / max(rate, 1.0), host_seconds)
+
+
+def streamed_mlps(m: int, hosted: list[int], layers: tuple[int, ...], slots: int) -> frozenset:
+    """Which ``m`` of the ``hosted`` layers' MLPs stream.  A streamed MLP's copy may begin
+    only once its slot's previous occupant is done with those bytes, at once if that one
+    computed its MLP on the host (its op begins the refill), else after its MLP ran.  So
+    whole rounds of ``slots`` consecutive offloaded layers (``layers``, the schedule's order;
+    one a slot) stream, spread evenly among the rounds that compute on the host: every
+    streamed layer then follows a hosted one in its slot.  One slot: every ``k``-th layer;
+    two slots, half streamed: ``H H S S H H S S``."""
+    rounds: dict[int, list[int]] = {}
+    wanted = set(hosted)
+    for position, layer in enumerate(layers):
+        if layer in wanted:
+            rounds.setdefault(position // max(slots, 1), []).append(layer)
+    order = sorted(rounds)
+    if m <= 0 or not order:
+        return frozenset()
+    count = len(order)
+    for taken in range(1, count + 1):
+        chosen = [order[i] for i in range(count) if (i + 1) * taken // count > i * taken // count]
+        if sum(len(rounds[r]) for r in chosen) >= m:
+            break
+    return frozenset([layer for r in chosen for layer in rounds[r]][:m])

@@ -247,6 +247,7 @@ class HostExperts:
         self._hosted: list[int] = []
         self._mlp_plan: tuple[int | None, int] | None = None
         self._units: dict = {}      # (tokens, device) -> the ids and gates of one expert
+        self._streamed: dict = {}   # (m, hosted count) -> the layers whose MLPs stream
 
     def refuse_capture(self) -> None:
         """Under "always", a call inside a CUDA graph capture is refused: at the call's
@@ -389,9 +390,13 @@ class HostExperts:
             plan = self._mlp_plan = (tokens, self._mlp_predicted(tokens)[0])
         if plan is None or layer not in self._hosted:
             return False
-        m, count, j = plan[1], len(self._hosted), self._hosted.index(layer)
-        # the m streamed spread evenly among the hosted: the link works while the host does
-        return (j + 1) * m // count == j * m // count
+        key = (plan[1], len(self._hosted))
+        streamed = self._streamed.get(key)
+        if streamed is None:
+            schedule = self._state.schedule
+            streamed = self._streamed[key] = split.streamed_mlps(
+                plan[1], self._hosted, schedule.layers, schedule.num_slots)
+        return layer not in streamed
 
     def _mlp_predicted(self, tokens: int):
         """(the rule's ``m``, the call's predicted seconds with ``m``, ``0``, all streamed):
