@@ -242,7 +242,7 @@ class HostExperts:
         self.timer = CallTimer(state.model_name) if mode == "auto" else None
         self._call = None           # (tokens, plan) of the call in progress
         # dense MLPs (host_mlp ops): their runtime by layer, the layers hosted in order,
-        # and this call's plan (tokens, m): m of them stream, spread among the others
+        # and this call's plan (tokens, m): m of them stream (split.streamed_mlps)
         self._mlps: dict[int, _Layer] = {}
         self._hosted: list[int] = []
         self._mlp_plan: tuple[int | None, int] | None = None
@@ -272,7 +272,9 @@ class HostExperts:
         if self.mode == "auto" and tokens and self._hosted and not experts:
             plan, *seconds = self._mlp_predicted(tokens)
             device, count = self._state.device, len(self._hosted)
-            if device.type == "cuda" and not capturing():
+            if capturing():         # the op streams in a capture: so do the prefetches
+                plan = count
+            elif device.type == "cuda":
                 # the rule's host rate is the probe's, on experts; an MLP's rows are wider
                 # and the chain between layers costs more: one or two more streamed are tried
                 plan = self.timer.begin(tokens, count, plan, seconds,
