@@ -75,7 +75,34 @@ def state_for_load(token: str):
 
 class _Restored:
     """Stands in for a restored state: a compiled graph of a restored model reads the
-    parameters' own (restored) data, and its offload ops have nothing left to do."""
+    parameters' own (restored) data, and its offload ops have nothing left to do but the
+    host ops, which compute with the modules they replaced (``hosts``: layer -> a weak
+    reference to that module, kept at :func:`unregister`; None: a graph shared with a model
+    that is not offloaded, whose modules the op cannot name)."""
+
+    def __init__(self, hosts: dict | None = None):
+        self.hosts = hosts
+
+    @property
+    def host_experts(self) -> "_Restored":
+        return self
+
+    def _module(self, layer: int):
+        module = None if self.hosts is None or layer not in self.hosts else \
+            self.hosts[layer]()
+        if module is None:
+            raise OffloadError(
+                "a graph compiled with host_compute ops (an MLP or experts computed on the "
+                "host) ran for a model that is not offloaded (another instance of its class, "
+                "which Dynamo shares graphs among): compile that instance with "
+                "host_compute='never', or offload it too", where="fx_offload")
+        return module
+
+    def run_mlp(self, layer, chunks, x):
+        return torch.empty_like(x).copy_(self._module(layer)(x))
+
+    def run(self, layer, chunks, x, ids, gates):
+        return torch.empty_like(x).copy_(self._module(layer)(x, ids, gates))
 
     def wait(self, layer, chunk=-1):
         pass
@@ -115,7 +142,7 @@ class _OnDemand:
 
 def state_for_handle(handle: int):
     if handle in _RESTORED:
-        return _Restored()
+        return _Restored(_RESTORED[handle][2])
     ref = _HANDLES.get(handle)
     state = ref() if ref is not None else None
     if state is None:
@@ -146,15 +173,22 @@ def state_for_op(handle: int):
     is not offloaded (its parameters hold their weights) they have nothing to do."""
     ref = _HANDLES.get(handle)
     compiled_for = ref() if ref is not None else None
-    if compiled_for is not None and (compiled_for.holder == threading.get_ident()
-                                     or not compiled_for.phase.called):
-        return compiled_for     # its own model's call (the first one runs before any hook)
-    if compiled_for is not None:
-        compiled_for.turns.stop_if_interrupted()  # its call, ended by Ctrl-C, runs on
-    # (an entry of a call whose hold another thread ended, runtime.turns, may be left)
     me = threading.get_ident()
     active = next((s for s in reversed(getattr(_ACTIVE, "calls", ()) or ())
                    if s.holder == me), None)
+    if compiled_for is not None and (compiled_for.holder == me or
+                                     not compiled_for.phase.called):
+        # its own model's call (the first one runs before any hook), unless another model
+        # offloaded alike is in its own call here: a copy made before the original's second
+        # call (its hooks never ran yet) runs the graph Dynamo shares with it
+        if compiled_for.holder == me or active is None or active is compiled_for or not (
+                active.schedule == compiled_for.schedule and
+                active.learned.layout == compiled_for.learned.layout):
+            return compiled_for
+        return active
+    if compiled_for is not None:
+        compiled_for.turns.stop_if_interrupted()  # its call, ended by Ctrl-C, runs on
+    # (an entry of a call whose hold another thread ended, runtime.turns, may be left)
     if active is None:
         # a state's own calls always begin through its hooks on the calling thread: this is
         # another model's call, and that model is not offloaded
@@ -163,7 +197,7 @@ def state_for_op(handle: int):
         _warn_shared_graph(compiled_for)
         return _Restored()
     schedule, chunks = ((compiled_for.schedule, compiled_for.learned.layout)
-                        if compiled_for is not None else _RESTORED.get(handle, (None, None)))
+                        if compiled_for is not None else _RESTORED.get(handle, (None, None))[:2])
     if schedule == active.schedule and chunks == active.learned.layout:
         return active
     if schedule is not None and set(active.layers) <= set(schedule.layers):
@@ -352,12 +386,34 @@ def _name_of(state, param) -> str:
                  if param is p.param or param is p.host), "an offloaded parameter")
 
 
+def _host_modules(state) -> dict:
+    """Layer -> a weak reference to the module each host op of ``state``'s graphs replaced
+    (a dense MLP, or a routed experts module)."""
+    found = {}
+    for layer, why in state.learned.hosting.items():
+        if why != "host":
+            continue
+        names = state.choice.mlps.get(layer)
+        if names is not None:
+            prefix = names[0].rpartition(".")[0].rpartition(".")[0]
+            found[layer] = weakref.ref(state.choice.stack.modules[layer].get_submodule(prefix))
+            continue
+        routed = {c for c, how in state.learned.routing.get(layer, {}).items() if how == "routed"}
+        suffixes = {s for c in state.learned.layout.get(layer, ()) if c.index in routed
+                    for s in c.suffixes}
+        owner = next((p.owner for p in state.params[layer] if p.suffix in suffixes), None)
+        if owner is not None:
+            found[layer] = weakref.ref(owner)
+    return found
+
+
 def unregister(state, model: nn.Module | None) -> None:
     """Forget ``state``; its handle is remembered as restored, so its ops do nothing."""
     with _LOCK:
         _HANDLES.pop(state.handle, None)
         _BY_TOKEN.pop(state.token, None)
-        _RESTORED[state.handle] = (state.schedule, dict(state.learned.layout))
+        _RESTORED[state.handle] = (state.schedule, dict(state.learned.layout),
+                                   _host_modules(state))
         if model is not None and _BY_MODEL.get(model) is state:
             del _BY_MODEL[model]
         for ps in state.params.values():

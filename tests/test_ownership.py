@@ -5,8 +5,6 @@ right outputs (bitwise, same inner compiler) and leaves the true weights intact,
 error.  An 8-layer MLP stack, layers 1, 3, 5, 7 offloaded into one slot."""
 import copy
 import gc
-import io
-import pickle
 import threading
 import time
 import weakref
@@ -17,6 +15,7 @@ import torch
 import fx_offload
 from fx_offload.runtime.memory.slots import SlotBuffers
 from fx_offload.tools import models
+from helpers import saved_and_loaded
 
 OPTIONS = {"group_size": 2, "num_in_group": 1, "prefetch_step": 1, "inner_backend": "aot_eager"}
 
@@ -626,13 +625,7 @@ def test_a_copys_first_calls_from_several_threads_offload_it_once(monkeypatch):
 @pytest.mark.parametrize("how", ["pickle", "torch.save"])
 def test_a_saved_model_loads_as_a_correct_offloaded_model(how):
     model, compiled, reference, x = offloaded()
-    if how == "pickle":
-        loaded = pickle.loads(pickle.dumps(model))
-    else:
-        buffer = io.BytesIO()
-        torch.save(model, buffer)
-        buffer.seek(0)
-        loaded = torch.load(buffer, weights_only=False)
+    loaded = saved_and_loaded(model, how)
     assert_weights(loaded, reference)
     with torch.no_grad():
         assert torch.equal(loaded(x), reference(x))

@@ -55,6 +55,8 @@ def host_regions(gm: fx.GraphModule, gi: GraphInputs, plan: GraphPlan, choice,
     region is clean; records per layer in ``learned.hosting``; returns how many it replaced
     (the graph is then to be planned again)."""
     replaced = 0
+    learned.hosting.update({layer: why for layer, why in choice.mlps_refused.items()
+                            if layer not in learned.hosting})
     for lp in plan.layers:
         if lp.layer in choice.mlps:
             found = _mlp_region(lp, gi, choice, learned.layout)

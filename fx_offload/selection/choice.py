@@ -46,6 +46,8 @@ class Choice:
     # layer -> the suffixes of its dense MLP's (gate, up, down) weights, where host_compute
     # may run it on the host (selection.mlps); each gets a copy chunk of its own
     mlps: dict = dataclasses.field(default_factory=dict)
+    # layer -> why its MLP-like module is none of those (selection.mlps.refused_mlps)
+    mlps_refused: dict = dataclasses.field(default_factory=dict)
 
     @property
     def layers(self) -> list[int]:

@@ -20,7 +20,7 @@ from ..text import format_bytes
 from . import budget
 from .choice import Choice, NothingOffloaded
 from .experts import expert_tensors
-from .mlps import dense_mlps
+from .mlps import dense_mlps, refused_mlps
 from .params import select_params
 from .stack import LayerStack, find_layer_stack, first_runs, in_run_order
 
@@ -60,12 +60,14 @@ def choose(model: nn.Module, options: OffloadOptions, graph=None, layer_frame: b
     schedule = Schedule(params, num_slots, options.circular_start)
     experts = expert_tensors(params) if options.experts == "routed" else {}
     hosts = options.host_compute_in(device.type, options.mode) != "never"
+    mlps = dense_mlps(params, experts) if hosts else {}
     choice = Choice(type(model).__name__, options, stack, params, schedule, device, planner,
                     hook_starts_entry=options.hook_starts_entry, compress=options.compress,
                     uncompressed_weights=options.uncompressed_weights,
                     under_cuda_graphs=options.mode == "reduce-overhead",
                     experts=experts, expert_cache=_expert_cache(options, planner),
-                    mlps=dense_mlps(params, experts) if hosts else {})
+                    mlps=mlps, mlps_refused=refused_mlps(params, experts, mlps, stack)
+                    if hosts else {})
     if planner is not None or not _warn_if_little_saved(choice):
         _say_layers_alone(choice)
     return choice

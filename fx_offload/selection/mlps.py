@@ -26,6 +26,40 @@ NAMES = ("gate_proj", "up_proj", "down_proj")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def refused_mlps(params: dict[int, list[OffloadedParam]], experts: dict, found: dict,
+                 stack) -> dict[int, str]:
+    """Layer -> why its MLP-like module (one with ``gate_proj``, ``up_proj``, ``down_proj``
+    or a fused ``gate_up_proj``) is no candidate, for the layers :func:`dense_mlps` left out:
+    ``report`` and ``explain`` say it rather than nothing."""
+    refused = {}
+    for layer, ps in params.items():
+        if layer in experts or layer in found:
+            continue
+        mine = {p.suffix for p in ps}
+        for path, module in stack.modules[layer].named_modules():
+            names = {n for n in (*NAMES, "gate_up_proj") if hasattr(module, n)}
+            if not names & {"gate_up_proj", "gate_proj"}:
+                continue
+            own = {f"{path}.{n}.weight" for n in NAMES}
+            if "gate_up_proj" in names:
+                why = "streamed: its MLP's gate and up are one fused weight (gate_up_proj)"
+            elif not own <= mine and not own & mine:
+                why = ("resident: its MLP's weights are shared with another layer or kept on "
+                       "the device")
+            elif not own <= mine:
+                why = ("streamed: not all three of its MLP's weights are this layer's own "
+                       "offloaded ones (one is shared, or kept on the device)")
+            elif any(getattr(getattr(module, n, None), "bias", None) is not None
+                     for n in NAMES):
+                why = "streamed: its MLP's linears have biases"
+            else:
+                why = ("streamed: its MLP's weights are not plain contiguous bf16, fp16 or "
+                       "fp32 tensors shaped (I, H), (I, H), (H, I)")
+            refused[layer] = why
+            break
+    return refused
+
+
 def dense_mlps(params: dict[int, list[OffloadedParam]],
                experts: dict) -> dict[int, tuple[str, str, str]]:
     """Layer -> the suffixes of its one dense MLP's (gate, up, down) weights; layers with

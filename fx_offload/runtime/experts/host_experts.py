@@ -84,6 +84,8 @@ class _Layer:
 
     def __init__(self, module: nn.Module, params, masters, experts: int, mlp=None):
         self.module = module
+        self.suffixes = mlp or tuple(p.suffix for p in params)
+        self.views = tuple(masters[s] for s in self.suffixes)
         self.host = {p.attr: masters[p.suffix] for p in params}     # attribute -> host view
         self.experts = experts
         if mlp is not None:     # a dense MLP (selection.mlps): one expert, the pass proved it
@@ -101,6 +103,11 @@ class _Layer:
         # the C kernel can be queued on the stream for it (weights it reads as they are)
         self.queueable = self.fused and self.dtype in native.WEIGHT_CODES and \
             all(t.is_contiguous() for t in self.host.values())
+
+    def reads(self, masters) -> bool:
+        """Its host views are still the layer's (a weight given new storage, a new dtype,
+        a host block made again: made anew, never read stale)."""
+        return all(masters.get(s) is v for s, v in zip(self.suffixes, self.views))
 
 
 def _fused_silu(module: nn.Module, host: dict, experts: int) -> bool:
@@ -379,7 +386,10 @@ class HostExperts:
 
     def _mlp_on_host(self, layer: int, tokens: int | None) -> bool:
         """``layer``'s MLP computes on the host in this call (``tokens``: the op's; None: a
-        prefetch asking, which never predicts a call not begun)."""
+        prefetch asking, which never predicts a call not begun).  Weights the host kernel
+        cannot read as they are (given non-contiguous storage since) stream."""
+        if not self._mlp(layer).queueable:
+            return False
         if self.mode == "always":
             return True
         if layer not in self._hosted:
@@ -425,7 +435,7 @@ class HostExperts:
 
     def _mlp(self, layer: int) -> _Layer:
         entry = self._mlps.get(layer)
-        if entry is None:
+        if entry is None or not entry.reads(self._state.masters[layer]):
             state = self._state
             names = state.choice.mlps[layer]
             prefix = names[0].rpartition(".")[0].rpartition(".")[0]
@@ -558,7 +568,7 @@ class HostExperts:
 
     def _layer(self, layer: int, chunks) -> _Layer:
         entry = self._layers.get(layer)
-        if entry is None:
+        if entry is None or not entry.reads(self._state.masters[layer]):
             state = self._state
             suffixes = {s for c in chunks for s in state.learned.layout[layer][c].suffixes}
             params = [p for p in state.params[layer] if p.suffix in suffixes]
