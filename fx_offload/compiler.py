@@ -122,13 +122,13 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
                                layer_frame)
     host_compute = placed.host_compute_in(choice.device.type, options.mode)
     if backward is not None and host_compute != "never":
-        # the host_experts op has no backward: a training graph streams its experts
+        # the host ops have no backward: a training graph streams their weights
         if host_compute == "always":
             raise OffloadError(
                 f"{choice.model_name} was placed with host_compute='always', which computes "
-                "routed experts on the host in inference only; this graph trains (grad "
-                "enabled, trainable parameters): use host_compute='auto' (a training graph "
-                "streams the experts) or call it under torch.no_grad()")
+                "routed experts and dense MLPs on the host in inference only; this graph "
+                "trains (grad enabled, trainable parameters): use host_compute='auto' (a "
+                "training graph streams them) or call it under torch.no_grad()")
         host_compute = "never"
     # 3. the pass (a graph of one layer's own frame is reused for every layer: no ops)
     plan = None
