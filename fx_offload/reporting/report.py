@@ -55,12 +55,13 @@ class Report:
     # routed MoE layers' other weights fetched ahead (runtime.experts.ahead): (buffers, their
     # device bytes, counted in buffer_bytes); None where there is no such ring
     ahead: tuple[int, int] | None = None
-    # host_compute: routed MoE layer -> where its experts ran in the latest call ("host",
-    # "device", "split <m>": the device took each token's first m picks and the cached
-    # ones), or why they are not a host_experts op ("streamed: <why>")
+    # host_compute: routed MoE layer, or layer with a dense MLP -> where its experts or MLP
+    # ran in the latest call ("host", "device", "split <m>": the device took each token's
+    # first m picks and the cached ones), or why they are no host op ("streamed: <why>",
+    # "resident: <why>")
     experts_ran: dict[int, str] = dataclasses.field(default_factory=dict)
-    # bytes of host memory the latest call's host-computed experts read in place (beside
-    # copied_bytes_last_call, what crossed the link)
+    # bytes of host memory the latest call's host-computed experts and MLPs read in place
+    # (beside copied_bytes_last_call, what crossed the link)
     host_read_bytes_last_call: int = 0
     # host_compute="auto": per call size (tokens), the timed calls' medians and what stays
     # (host_compute.trial), in words
