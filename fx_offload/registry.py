@@ -389,14 +389,15 @@ def _name_of(state, param) -> str:
 def _host_modules(state) -> dict:
     """Layer -> a weak reference to the module each host op of ``state``'s graphs replaced
     (a dense MLP, or a routed experts module)."""
+    from .selection.mlps import mlp_path     # (selection imports this module)
     found = {}
     for layer, why in state.learned.hosting.items():
         if why != "host":
             continue
         names = state.choice.mlps.get(layer)
         if names is not None:
-            prefix = names[0].rpartition(".")[0].rpartition(".")[0]
-            found[layer] = weakref.ref(state.choice.stack.modules[layer].get_submodule(prefix))
+            module = state.choice.stack.modules[layer].get_submodule(mlp_path(names))
+            found[layer] = weakref.ref(module)
             continue
         routed = {c for c, how in state.learned.routing.get(layer, {}).items() if how == "routed"}
         suffixes = {s for c in state.learned.layout.get(layer, ()) if c.index in routed

@@ -45,6 +45,7 @@ from torch import fx
 
 from .. import ops
 from ..graph_inputs import GraphInputs, module_path, storage_of, value_of
+from ..selection.mlps import mlp_path
 from .picks import _written
 from .plan import GraphPlan, LayerPlan
 
@@ -97,8 +98,7 @@ def _mlp_region(lp: LayerPlan, gi: GraphInputs, choice, layout):
     chunks = sorted({of_suffix[s] for s in names})
     if {s for c in chunks for s in layout[lp.layer][c].suffixes} != set(names):
         return "its MLP weights share a copy chunk with other weights"
-    prefix = names[0].rpartition(".")[0].rpartition(".")[0]
-    path = choice.stack.layer_path(lp.layer) + "." + prefix
+    path = choice.stack.layer_path(lp.layer) + "." + mlp_path(names)
     region = [n for n in _in_module(lp, gi, path) if _is_tensor(n)]
     inside = set(region)
     role_of = {id(p.param): names.index(p.suffix) for p in choice.params[lp.layer]

@@ -26,6 +26,11 @@ NAMES = ("gate_proj", "up_proj", "down_proj")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def mlp_path(names: tuple[str, ...]) -> str:
+    """The MLP module's path inside its layer (``mlp``), from its weights' suffixes."""
+    return names[0].rpartition(".")[0].rpartition(".")[0]
+
+
 def refused_mlps(params: dict[int, list[OffloadedParam]], experts: dict, found: dict,
                  stack) -> dict[int, str]:
     """Layer -> why its MLP-like module (one with ``gate_proj``, ``up_proj``, ``down_proj``
@@ -40,7 +45,7 @@ def refused_mlps(params: dict[int, list[OffloadedParam]], experts: dict, found: 
             names = {n for n in (*NAMES, "gate_up_proj") if hasattr(module, n)}
             if not names & {"gate_up_proj", "gate_proj"}:
                 continue
-            own = {f"{path}.{n}.weight" for n in NAMES}
+            own = {f"{path}.{n}.weight" if path else f"{n}.weight" for n in NAMES}
             if "gate_up_proj" in names:
                 why = "streamed: its MLP's gate and up are one fused weight (gate_up_proj)"
             elif not own <= mine and not own & mine:

@@ -56,6 +56,7 @@ from ...host_compute import native
 from ...host_compute import split
 from ...host_compute.rates import host_rates
 from ...host_compute.trial import CallTimer
+from ...selection.mlps import mlp_path
 from ..memory.contents import capturing
 from ..phase import Phase
 
@@ -438,8 +439,7 @@ class HostExperts:
         if entry is None or not entry.reads(self._state.masters[layer]):
             state = self._state
             names = state.choice.mlps[layer]
-            prefix = names[0].rpartition(".")[0].rpartition(".")[0]
-            module = state.choice.stack.modules[layer].get_submodule(prefix)
+            module = state.choice.stack.modules[layer].get_submodule(mlp_path(names))
             entry = self._mlps[layer] = _Layer(module, [], state.masters[layer], 1, mlp=names)
         return entry
 
