@@ -167,8 +167,8 @@ def test_a_host_computed_mlp_lets_the_refill_over_its_chunks_begin_at_once(monke
     state = registry.state_for_model(model)
     host = state.host_experts
     events = []
-    run, start = host._on_host, state.start
-    monkeypatch.setattr(host, "_on_host", lambda *a: (events.append("host job"), run(*a))[1])
+    run, start = host.on_host, state.start
+    monkeypatch.setattr(host, "on_host", lambda *a: (events.append("host job"), run(*a))[1])
     monkeypatch.setattr(state, "start", lambda layer, refill, chunk=-1: (
         events.append((layer, refill, chunk)), start(layer, refill, chunk))[1])
     with torch.no_grad():
@@ -221,6 +221,33 @@ def test_a_moe_model_with_dense_layers_hosts_both_kinds():
     assert fx_offload.report(model).experts_ran == {1: "host", 3: "host"}
     assert "layer 1: a host_mlp op (its MLP); layer 3: a host_experts op" in \
         explain(reference, torch.zeros(1, 2, dtype=torch.long), **ALWAYS).plan_text()
+
+
+def test_a_moe_models_dense_mlps_follow_a_plan_made_at_the_calls_entry(monkeypatch):
+    """With experts on the host the experts' plan is the one timed, and the dense MLPs take
+    the rule's plan at the call's entry: their op then does not take the call for one of
+    another size (which would drop the experts' timed call)."""
+    from helpers import SMALL_HF
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(**SMALL_HF, moe_intermediate_size=32, num_experts=16,
+                                         num_experts_per_tok=2, mlp_only_layers=[1])
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "aot_eager", **ALWAYS})
+    with torch.no_grad():
+        compiled(torch.zeros(1, 2, dtype=torch.long), use_cache=False)
+    host = registry.state_for_model(model).host_experts
+    host.mode = "auto"      # ("auto" means "never" on a CPU: its runtime, as on a GPU)
+    rates = HostRates(read_rate=50e9, flop_rate=1e12, latency=1e-4, link_rate=25e9)
+    monkeypatch.setattr(host, "rates", lambda: rates)
+    dropped = []
+    monkeypatch.setattr(host, "discard_timing", lambda: dropped.append(True))
+    host.begin_call(2)
+    assert host.mlps.hosted == [1]
+    assert isinstance(host.mlps._on_host(1, 2), bool) and not dropped
+    host.begin_call(2)
+    host.mlps._on_host(1, 3)        # another size than the entry's: not timed
+    assert dropped == [True]
 
 
 def test_an_mlp_plan_is_named_by_the_mlps_it_streams():

@@ -36,7 +36,7 @@ one op the same way, its weights no input of it::
 where the nodes traced in the module are exactly those five, read from one input shaped
 like the output, none read outside but ``y``.  The chunks' waits leave the graph; their
 refills start after ``y``, and at run time, for a call that computes it on the host, at
-once (:meth:`fx_offload.runtime.experts.host_experts.HostExperts.run_mlp`).
+once (:meth:`fx_offload.runtime.experts.host_mlps.HostMlps.run`).
 """
 from __future__ import annotations
 

@@ -47,7 +47,6 @@ import weakref
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ...errors import OffloadError
 from ...host_compute import kernels
@@ -56,21 +55,13 @@ from ...host_compute import native
 from ...host_compute import split
 from ...host_compute.rates import host_rates
 from ...host_compute.trial import CallTimer
-from ...selection.mlps import mlp_path
 from ..memory.contents import capturing
 from ..phase import Phase
+from .host_mlps import HostMlps
+from .host_weights import HostWeights, laid_out_as
 
 log = logging.getLogger("fx_offload")
 
-
-
-def _laid_out_as(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out`` with ``torch.empty_like(x)``'s dtype and strides, what the op's fake kernel
-    promised the compiler."""
-    if out.dtype == x.dtype and (out.stride() == x.stride() or
-                                 (out.is_contiguous() and x.is_contiguous())):
-        return out
-    return torch.empty_like(x).copy_(out)
 
 
 def for_state(state) -> "HostExperts | None":
@@ -78,56 +69,6 @@ def for_state(state) -> "HostExperts | None":
     made as its memory is (``placement.activate``)."""
     mode = state.choice.options.host_compute
     return None if mode == "never" else HostExperts(state, mode)
-
-
-class _Layer:
-    """One layer's experts module and what its host computation needs."""
-
-    def __init__(self, module: nn.Module, params, masters, experts: int, mlp=None):
-        self.module = module
-        self.suffixes = mlp or tuple(p.suffix for p in params)
-        self.views = tuple(masters[s] for s in self.suffixes)
-        self.host = {p.attr: masters[p.suffix] for p in params}     # attribute -> host view
-        self.experts = experts
-        if mlp is not None:     # a dense MLP (selection.mlps): one expert, the pass proved it
-            gate, up, down = (masters[s] for s in mlp)
-            self.host = {"gate": gate, "up": up, "down": down}
-            self.gate_up, self.down = (gate, up), down
-            self.expert_bytes = sum(t.numel() * t.element_size() for t in self.host.values())
-        else:
-            self.gate_up, self.down = self.host.get("gate_up_proj"), self.host.get("down_proj")
-            self.expert_bytes = sum(t[0].numel() * t.element_size()
-                                    for t in self.host.values())
-        self.dtype = next(iter(self.host.values())).dtype
-        self.element_size = next(iter(self.host.values())).element_size()
-        self.fused = mlp is not None or _fused_silu(module, self.host, experts)
-        # the C kernel can be queued on the stream for it (weights it reads as they are)
-        self.queueable = self.fused and self.dtype in native.WEIGHT_CODES and \
-            all(t.is_contiguous() for t in self.host.values())
-
-    def reads(self, masters) -> bool:
-        """Its host views are still the layer's (a weight given new storage, a new dtype,
-        a host block made again: made anew, never read stale)."""
-        return all(masters.get(s) is v for s, v in zip(self.suffixes, self.views))
-
-
-def _fused_silu(module: nn.Module, host: dict, experts: int) -> bool:
-    """The layout :func:`kernels.routed_experts` computes: ``gate_up_proj [E, 2I, H]`` (the
-    gate's rows first), ``down_proj [E, H, I]``, no bias, a SiLU between."""
-    gate_up, down = host.get("gate_up_proj"), host.get("down_proj")
-    if set(host) != {"gate_up_proj", "down_proj"} or gate_up.dim() != 3 or down.dim() != 3:
-        return False
-    flags = (getattr(module, "has_gate", True), not getattr(module, "has_bias", False),
-             not getattr(module, "is_transposed", False),
-             getattr(module, "is_concatenated", True),
-             not getattr(module, "has_post_expert_norm", False))
-    gate = getattr(type(module), "_apply_gate", None)
-    act = getattr(module, "act_fn", None)
-    silu = isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
-    shapes = gate_up.shape[0] == down.shape[0] == experts and \
-        gate_up.shape[1] == 2 * down.shape[2] and gate_up.shape[2] == down.shape[1]
-    return all(flags) and silu and shapes and \
-        (gate is None or gate.__name__ == "_default_apply_gate")
 
 
 class _StreamJobs:
@@ -235,7 +176,7 @@ class HostExperts:
     def __init__(self, state, mode: str):
         self._state = weakref.proxy(state)     # the OffloadState that holds this object
         self.mode = mode            # "always" or "auto" (the placement's host_compute)
-        self._layers: dict[int, _Layer] = {}
+        self._layers: dict[int, HostWeights] = {}
         self._staging: dict[tuple, torch.Tensor] = {}
         self._rates = None          # HostRates, measured (or read) at the first need
         self._k = None              # top-k of the latest call's routers
@@ -249,13 +190,7 @@ class HostExperts:
         # size; the plan of the call in progress (k: stream, 0: host, else the rule's)
         self.timer = CallTimer(state.model_name) if mode == "auto" else None
         self._call = None           # (tokens, plan) of the call in progress
-        # dense MLPs (host_mlp ops): their runtime by layer, the layers hosted in order,
-        # and this call's plan (tokens, m): m of them stream (split.streamed_mlps)
-        self._mlps: dict[int, _Layer] = {}
-        self._hosted: list[int] = []
-        self._mlp_plan: tuple[int | None, int] | None = None
-        self._units: dict = {}      # (tokens, device) -> the ids and gates of one expert
-        self._streamed: dict = {}   # (m, hosted count) -> the layers whose MLPs stream
+        self.mlps = HostMlps(self)  # the dense MLPs' host_mlp ops
 
     def refuse_capture(self) -> None:
         """Under "always", a call inside a CUDA graph capture is refused: at the call's
@@ -271,27 +206,14 @@ class HostExperts:
         """A call of ``tokens`` tokens begins: predict whether its layers compute on the
         host (their prefetches then copy nothing), and count anew."""
         self.ran, self._read, self._queued_reads = {}, 0, []
-        self._call = self._mlp_plan = None
-        self._hosted = self._hosted_mlps()
         # one plan a call is timed: the experts' where a layer has them on the host (its
         # dense MLPs, if any, then follow the rule untimed)
         experts = any(why == "host" and layer not in self._state.choice.mlps
                       for layer, why in self._state.learned.hosting.items())
-        if self.mode == "auto" and tokens and self._hosted and not experts:
-            plan, *seconds = self._mlp_predicted(tokens)
-            device, count = self._state.device, len(self._hosted)
-            if capturing():         # the op streams in a capture: so do the prefetches
-                plan = count
-            elif device.type == "cuda":
-                # the rule's host rate is the probe's, on experts; an MLP's rows are wider
-                # and the chain between layers costs more: one or two more streamed are tried
-                plan = self.timer.begin(tokens, count, plan, seconds,
-                                        torch.cuda.current_stream(device),
-                                        near=[min(plan + 1, count), min(plan + 2, count)],
-                                        unit="MLPs")
-                self._call = (tokens, plan)
-            self._mlp_plan = (tokens, plan)
-        elif self.mode == "auto" and tokens and self._k and self._layers:
+        self._call = self.mlps.begin_call(tokens, timed=not experts)
+        if self.mlps.hosted and not experts:
+            return
+        if self.mode == "auto" and tokens and self._k and self._layers:
             layer, entry = next(iter(self._layers.items()))
             plan, *seconds = self._predicted(entry, layer, tokens, self._k)
             device = self._state.device
@@ -331,117 +253,39 @@ class HostExperts:
             return False
         names = self._state.choice.mlps.get(layer)
         if names is not None:
-            return set(chunk.suffixes) <= set(names) and self._mlp_on_host(layer, None)
+            return self.mlps.skips(layer, chunk, names)
         return self.on_host_now and learned.routing.get(layer, {}).get(chunk.index) == "routed"
 
-    def run_mlp(self, layer: int, chunks, x: torch.Tensor) -> torch.Tensor:
-        """The ``host_mlp`` op's kernel: ``layer``'s dense MLP on ``x``, here or there."""
-        state = self._state
-        entry = self._mlp(layer)
-        if state.phase is Phase.RESTORED:
-            return _laid_out_as(x, entry.module(x))
-        tokens = x.numel() // max(x.shape[-1], 1)
-        if (capturing() and self.mode == "auto") or not self._mlp_on_host(layer, tokens):
-            for chunk in chunks:
-                state.wait(layer, chunk)
-            self.ran[layer] = "device"
-            return _laid_out_as(x, entry.module(x))
-        self.refuse_capture()
-        self.ran[layer] = "host"
-        flat = x.reshape(tokens, x.shape[-1])
-        key = (tokens, x.device)
-        if key not in self._units:      # every token picks the one expert with weight 1
-            self._units[key] = (torch.zeros(tokens, 1, dtype=torch.int64, device=x.device),
-                                torch.ones(tokens, 1, dtype=torch.float32, device=x.device))
-        ids, gates = self._units[key]
-        self._start_over(layer, chunks)
-        if x.device.type == "cuda" and entry.queueable and native.library() is not None:
-            if self._jobs is None:
-                self._jobs = _StreamJobs(native.library(), job_threads())
-            out = self._jobs.run(entry, layer, flat, ids, gates)
-            self._queued_reads.append((self._jobs.picked[layer], entry.expert_bytes))
-        else:
-            out = self._on_host(entry, flat, ids, gates)
-        return _laid_out_as(x, out.view(x.shape))
+    @property
+    def state(self):
+        """The OffloadState this runtime belongs to."""
+        return self._state
 
-    def _start_over(self, layer: int, chunks) -> None:
-        """Begin now the refills of the slot bytes only this MLP's ``chunks`` hold: the host
-        reads the MLP from host memory, so the link fills them with the next occupant's
-        weights while the host computes (the graph's own starts, after the op's result,
-        then find them begun).  The copies still wait for every kernel queued before."""
-        state = self._state
-        refill = state.schedule.refill_in_call(layer)
-        if refill is None:
-            return
-        mine = state.learned.layout[layer]
-        for target in state.learned.layout[refill]:
-            under = [c for c in mine if c.overlaps(target)]
-            if under and all(c.index in chunks for c in under):
-                state.start(layer, refill, target.index)
-
-    def _hosted_mlps(self) -> list[int]:
-        """The layers whose dense MLP is a ``host_mlp`` op, in order."""
-        hosting = self._state.learned.hosting
-        return [layer for layer in sorted(self._state.choice.mlps)
-                if hosting.get(layer) == "host"]
-
-    def _mlp_on_host(self, layer: int, tokens: int | None) -> bool:
-        """``layer``'s MLP computes on the host in this call (``tokens``: the op's; None: a
-        prefetch asking, which never predicts a call not begun).  Weights the host kernel
-        cannot read as they are (given non-contiguous storage since) stream."""
-        if not self._mlp(layer).queueable:
-            return False
-        if self.mode == "always":
-            return True
-        if layer not in self._hosted:
-            self._hosted = self._hosted_mlps()
-        plan = self._mlp_plan
-        if tokens is not None and (plan is None or plan[0] != tokens):
-            if self._call is not None:      # miscounted tokens: this call is not timed
-                self.timer.discard()
-                self._call = None
-            plan = self._mlp_plan = (tokens, self._mlp_predicted(tokens)[0])
-        if plan is None or layer not in self._hosted:
-            return False
-        key = (plan[1], len(self._hosted))
-        streamed = self._streamed.get(key)
-        if streamed is None:
-            schedule = self._state.schedule
-            streamed = self._streamed[key] = split.streamed_mlps(
-                plan[1], self._hosted, schedule.layers, schedule.num_slots)
-        return layer not in streamed
-
-    def _mlp_predicted(self, tokens: int):
-        """(the rule's ``m``, the call's predicted seconds with ``m``, ``0``, all streamed):
-        ``m`` of the hosted MLPs stream, the link carrying them and every other offloaded
-        chunk while the host computes the rest."""
-        key = ("mlp", tokens, len(self._hosted))
-        found = self._predictions.get(key)
-        if found is not None:
-            return found
+    def rates(self):
+        """The host's rates (:mod:`~fx_offload.host_compute.rates`), read at the first need."""
         if self._rates is None:
             self._rates = host_rates(self._state.device)
-        hosted, layout = self._hosted, self._state.learned.layout
-        mlps = self._state.choice.mlps
-        each = [sum(c.end - c.start for c in layout[layer] if set(c.suffixes) <= set(mlps[layer]))
-                for layer in hosted]
-        total = sum(c.end - c.start for chunks in layout.values() for c in chunks)
-        size = sum(each) / max(len(each), 1)
-        shape = (tokens, len(hosted), size, self._mlp(hosted[0]).element_size if hosted else 2,
-                 total - sum(each), self._rates)
-        best = split.mlps_streamed(*shape)
-        found = self._predictions[key] = (best, *(split.mlps_seconds(m, *shape)
-                                                  for m in (best, 0, len(hosted))))
-        return found
+        return self._rates
 
-    def _mlp(self, layer: int) -> _Layer:
-        entry = self._mlps.get(layer)
-        if entry is None or not entry.reads(self._state.masters[layer]):
-            state = self._state
-            names = state.choice.mlps[layer]
-            module = state.choice.stack.modules[layer].get_submodule(mlp_path(names))
-            entry = self._mlps[layer] = _Layer(module, [], state.masters[layer], 1, mlp=names)
-        return entry
+    def discard_timing(self) -> None:
+        """The call in progress is not timed (an op saw another size of call than its
+        entry did)."""
+        if self._call is not None:
+            self.timer.discard()
+            self._call = None
+
+    def queue(self, entry: HostWeights, layer: int, x, ids, gates,
+              device_part=None) -> torch.Tensor:
+        """``layer``'s host job queued on a stream (:class:`_StreamJobs`), its read counted."""
+        if self._jobs is None:
+            self._jobs = _StreamJobs(native.library(), job_threads())
+        out = self._jobs.run(entry, layer, x, ids, gates, device_part)
+        self._queued_reads.append((self._jobs.picked[layer], entry.expert_bytes))
+        return out
+
+    def run_mlp(self, layer: int, chunks, x: torch.Tensor) -> torch.Tensor:
+        """The ``host_mlp`` op's kernel (:meth:`.host_mlps.HostMlps.run`)."""
+        return self.mlps.run(layer, chunks, x)
 
     def run(self, layer: int, chunks, x: torch.Tensor, ids: torch.Tensor,
             gates: torch.Tensor) -> torch.Tensor:
@@ -451,7 +295,7 @@ class HostExperts:
         tokens, k = x.shape[0], ids.shape[-1] if ids.dim() else 1
         self._k = k
         if state.phase is Phase.RESTORED:
-            return _laid_out_as(x, entry.module(x, ids, gates))
+            return laid_out_as(x, entry.module(x, ids, gates))
         # (under capture "auto" streams: a graph cannot record the host's part)
         m = k if capturing() and self.mode == "auto" else self._plan(entry, layer, tokens, k)
         host = m < k
@@ -461,19 +305,14 @@ class HostExperts:
             for chunk in chunks:
                 state.wait_routed(layer, chunk, ids)
             self.ran[layer] = "device"
-            return _laid_out_as(x, entry.module(x, ids, gates))
+            return laid_out_as(x, entry.module(x, ids, gates))
         self.ran[layer] = "host"
         if x.device.type == "cuda" and entry.queueable and x.dim() == 2 and ids.dim() == 2:
-            lib = native.library()
-            if lib is not None:
-                if self._jobs is None:
-                    self._jobs = _StreamJobs(lib, job_threads())
-                out = self._queued(entry, layer, chunks, x, ids, gates, m)
-                self._queued_reads.append((self._jobs.picked[layer], entry.expert_bytes))
-                return out
-        return self._on_host(entry, x, ids, gates)
+            if native.library() is not None:
+                return self._queued(entry, layer, chunks, x, ids, gates, m)
+        return self.on_host(entry, x, ids, gates)
 
-    def _queued(self, entry: _Layer, layer: int, chunks, x, ids, gates, m: int) -> torch.Tensor:
+    def _queued(self, entry: HostWeights, layer: int, chunks, x, ids, gates, m: int) -> torch.Tensor:
         """The host job queued on a stream; where ``m`` (``"auto"``'s rule) or the expert
         cache give the device picks of its own, they split (:mod:`~fx_offload.host_compute.
         split`), which needs the routed gather."""
@@ -483,7 +322,7 @@ class HostExperts:
         else:
             where = routed.cache_rows(layer)
         if not m and where is None:
-            return self._jobs.run(entry, layer, x, ids, gates)
+            return self.queue(entry, layer, x, ids, gates)
         self.ran[layer] = f"split {m}"
         keep = split.keep_on_device(ids, m, where)
         sentinel = torch.full_like(ids, entry.experts)
@@ -498,9 +337,9 @@ class HostExperts:
             module = entry.module
             return split.device_experts(x, ids_device, gates, module.gate_up_proj,
                                         module.down_proj, keep)
-        return self._jobs.run(entry, layer, x, ids_host, gates, device_part)
+        return self.queue(entry, layer, x, ids_host, gates, device_part)
 
-    def _plan(self, entry: _Layer, layer: int, tokens: int, k: int) -> int:
+    def _plan(self, entry: HostWeights, layer: int, tokens: int, k: int) -> int:
         """How many of each token's ``k`` picks the device computes: the rule's
         (:func:`~fx_offload.host_compute.split.device_picks`), or the timer's plan."""
         if self.mode == "always":
@@ -513,26 +352,26 @@ class HostExperts:
             return self._call[1]
         return self._predicted(entry, layer, tokens, k)[0]
 
-    def _predicted(self, entry: _Layer, layer: int, tokens: int, k: int):
+    def _predicted(self, entry: HostWeights, layer: int, tokens: int, k: int):
         """(the rule's ``m``, the layer's predicted seconds with ``m``, ``0``, ``k``)."""
         key = (layer, tokens, k)
         found = self._predictions.get(key)
         if found is None:
-            if self._rates is None:
-                self._rates = host_rates(self._state.device)
             # the layer's other chunks cross the link meanwhile (attention, norms, router)
             chunks = {c for c, how in self._state.learned.routing.get(layer, {}).items()
                       if how == "routed"}
             others = sum(c.end - c.start for c in self._state.learned.layout[layer]
                          if c.index not in chunks)
             shape = (tokens, k, entry.experts, entry.expert_bytes, entry.element_size,
-                     others, self._rates.link_rate, self._rates)
+                     others, self.rates().link_rate, self.rates())
             m = split.device_picks(*shape)
             found = (m, *(split.layer_seconds(p, *shape) for p in (m, 0, k)))
             self._predictions[key] = found
         return found
 
-    def _on_host(self, entry: _Layer, x, ids, gates) -> torch.Tensor:
+    def on_host(self, entry: HostWeights, x, ids, gates) -> torch.Tensor:
+        """The host computation without the stream (a CPU device, no C kernel, another
+        layout): staged, one wait for the stream, computed, copied back."""
         xh, idh, gh = (self._stage(t, i) for i, t in enumerate((x, ids, gates)))
         if x.device.type == "cuda":     # the staging copies land (one wait per layer)
             torch.cuda.current_stream(x.device).synchronize()
@@ -566,14 +405,14 @@ class HostExperts:
         view.copy_(t, non_blocking=t.device.type == "cuda")
         return view
 
-    def _layer(self, layer: int, chunks) -> _Layer:
+    def _layer(self, layer: int, chunks) -> HostWeights:
         entry = self._layers.get(layer)
         if entry is None or not entry.reads(self._state.masters[layer]):
             state = self._state
             suffixes = {s for c in chunks for s in state.learned.layout[layer][c].suffixes}
             params = [p for p in state.params[layer] if p.suffix in suffixes]
             experts = state.choice.experts[layer][params[0].suffix]
-            entry = _Layer(params[0].owner, params, state.masters[layer], experts)
+            entry = HostWeights(params[0].owner, params, state.masters[layer], experts)
             self._layers[layer] = entry
         return entry
 
