@@ -52,7 +52,7 @@ def test_always_gives_the_models_logits_and_copies_no_expert(name, inner):
            **FP32)
     rep = fx_offload.report(model)
     assert rep.layers == [1, 3]
-    assert rep.experts_ran == {1: "host", 3: "host"}, rep.experts_ran
+    assert rep.ran_on == {1: "host", 3: "host"}, rep.ran_on
     # transformers' fused layout runs the host kernel, not the module's own forward
     assert registry.state_for_model(model).host_experts._layers[1].fused
     # the last call: 2 tokens, top-2, so at most 4 distinct experts read per layer
@@ -70,7 +70,7 @@ def test_generate_gives_the_same_tokens():
     fx_offload.compile_forward(model, inner_backend="aot_eager", **ALWAYS)
     ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(0))
     assert_same_greedy_tokens(model, reference, ids, new_tokens=4)
-    assert fx_offload.report(model).experts_ran == {1: "host", 3: "host"}
+    assert fx_offload.report(model).ran_on == {1: "host", 3: "host"}
 
 
 def test_a_size_shared_out_of_the_experts_keeps_them_on_the_host():
@@ -83,7 +83,7 @@ def test_a_size_shared_out_of_the_experts_keeps_them_on_the_host():
     ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, **FP32)
-    assert fx_offload.report(model).experts_ran == {i: "host" for i in range(4)}
+    assert fx_offload.report(model).ran_on == {i: "host" for i in range(4)}
 
 
 def test_bf16_logits_within_bf16_rounding():
@@ -97,7 +97,7 @@ def test_bf16_logits_within_bf16_rounding():
         got = compiled(ids, use_cache=False).logits.float()
         want = reference(ids, use_cache=False).logits.float()
     torch.testing.assert_close(got, want, atol=0.05, rtol=0.05)
-    assert fx_offload.report(model).experts_ran == {1: "host", 3: "host"}
+    assert fx_offload.report(model).ran_on == {1: "host", 3: "host"}
 
 
 def test_a_streamed_call_runs_the_same_op_on_the_slot(monkeypatch):
@@ -114,7 +114,7 @@ def test_a_streamed_call_runs_the_same_op_on_the_slot(monkeypatch):
     monkeypatch.setattr(host, "on_host_now", False)
     _calls(compiled, reference, [(2, 1)], seed=1, **FP32)
     rep = fx_offload.report(model)
-    assert rep.experts_ran == {1: "device", 3: "device"}
+    assert rep.ran_on == {1: "device", 3: "device"}
     assert rep.host_read_bytes_last_call == 0
     assert registry.state_for_model(model).routed.gathered.item() > 0
 
@@ -156,9 +156,9 @@ def test_a_region_that_is_not_clean_streams_and_says_why():
     with torch.no_grad():
         assert torch.equal(compiled(x), reference(x))
     rep = fx_offload.report(model)
-    assert set(rep.experts_ran) == {1, 3}
+    assert set(rep.ran_on) == {1, 3}
     assert all(why.startswith("streamed: ") and "are not one activation" in why
-               for why in rep.experts_ran.values()), rep.experts_ran
+               for why in rep.ran_on.values()), rep.ran_on
     assert "layer 1 streamed: " in str(rep)
     assert "streamed: " in explain(reference, x, **ALWAYS).plan_text()
 
@@ -262,7 +262,7 @@ def test_on_a_gpu_the_stream_runs_the_host_kernel_and_the_caller_never_waits(mon
     assert waits == []
     torch.testing.assert_close(got, want, **FP32)
     rep = fx_offload.report(model)
-    assert rep.experts_ran == {1: "host", 3: "host"} and rep.host_read_bytes_last_call > 0
+    assert rep.ran_on == {1: "host", 3: "host"} and rep.host_read_bytes_last_call > 0
     assert registry.state_for_model(model).host_experts._jobs is not None
 
 
@@ -325,7 +325,7 @@ def test_always_takes_no_expert_cache_from_the_budget():
         assert torch.equal(compiled(x), reference(x))
     rep = fx_offload.report(model)
     assert rep.expert_cache is None
-    assert rep.layers and set(rep.experts_ran.values()) == {"host"}, rep.experts_ran
+    assert rep.layers and set(rep.ran_on.values()) == {"host"}, rep.ran_on
 
 
 def test_experts_that_are_not_routed_stream_and_say_why():
@@ -339,7 +339,7 @@ def test_experts_that_are_not_routed_stream_and_say_why():
                              options={"inner_backend": "aot_eager", **ALWAYS})
     with torch.no_grad():
         assert torch.equal(compiled(x), reference(x))
-    ran = fx_offload.report(model).experts_ran
+    ran = fx_offload.report(model).ran_on
     assert set(ran) == {1, 3} and all(
         why.startswith("streamed: its experts are not routed (") for why in ran.values()), ran
 
@@ -440,7 +440,7 @@ def test_on_a_gpu_auto_splits_a_layers_picks_between_device_and_host(monkeypatch
             want = reference(ids, use_cache=False).logits
             torch.testing.assert_close(got, want, **FP32)
     rep = fx_offload.report(model)
-    assert rep.experts_ran == {1: "split 1", 3: "split 1"}, rep.experts_ran
+    assert rep.ran_on == {1: "split 1", 3: "split 1"}, rep.ran_on
     assert rep.host_read_bytes_last_call > 0
     assert "split with the device" in str(rep)
     if cached:
@@ -616,7 +616,7 @@ def test_on_a_gpu_auto_times_its_plans_and_keeps_one(monkeypatch):
             got = model(ids, use_cache=False).logits
             torch.testing.assert_close(got, reference(ids, use_cache=False).logits, **FP32)
             torch.cuda.synchronize()        # the events are read at the next call
-            seen.add(tuple(sorted(set(fx_offload.report(model).experts_ran.values()))))
+            seen.add(tuple(sorted(set(fx_offload.report(model).ran_on.values()))))
     assert {("split 1",), ("host",), ("device",)} <= seen
     timer = registry.state_for_model(model).host_experts.timer
     assert timer.trials[(2, 2)].best in (1, 0, 2)

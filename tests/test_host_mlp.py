@@ -57,7 +57,7 @@ def test_always_gives_the_models_logits_and_copies_no_mlp_weight(family, inner):
     _logits(compiled, reference, [(2, 1)] * 2 if inner == "inductor" else [(2, 12), (2, 1)])
     rep = fx_offload.report(model)
     assert rep.layers == [1, 3]
-    assert rep.experts_ran == {1: "host", 3: "host"}, rep.experts_ran
+    assert rep.ran_on == {1: "host", 3: "host"}, rep.ran_on
     # each MLP read once in place, whatever the tokens
     assert rep.host_read_bytes_last_call == _mlp_bytes(model, 1) + _mlp_bytes(model, 3)
     # one slot: the call copied the layers' attention and norms, none of their MLPs
@@ -76,7 +76,7 @@ def test_generate_gives_the_same_tokens():
     fx_offload.compile_forward(model, inner_backend="aot_eager", **ALWAYS)
     ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(3))
     assert_same_greedy_tokens(model, reference, ids)
-    assert set(fx_offload.report(model).experts_ran.values()) == {"host"}
+    assert set(fx_offload.report(model).ran_on.values()) == {"host"}
 
 
 def test_bf16_logits_within_bf16_rounding():
@@ -117,9 +117,9 @@ def test_an_mlp_the_host_kernel_does_not_compute_streams_and_says_why(make, why)
         assert torch.equal(compiled(ids, use_cache=False).logits,
                            reference(ids, use_cache=False).logits)
     rep = fx_offload.report(model)
-    assert set(rep.experts_ran) == {1, 3}
-    assert all(w.startswith("streamed: ") and why in w for w in rep.experts_ran.values()), \
-        rep.experts_ran
+    assert set(rep.ran_on) == {1, 3}
+    assert all(w.startswith("streamed: ") and why in w for w in rep.ran_on.values()), \
+        rep.ran_on
     assert "streamed: " in explain(reference, ids, **ALWAYS).plan_text()
 
 
@@ -194,9 +194,9 @@ def test_on_a_gpu_the_stream_runs_the_mlp_and_the_logits_agree(mode):
             want = reference(ids, use_cache=False).logits.float()
             torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
     rep = fx_offload.report(model)
-    assert set(rep.experts_ran) == {1, 3}
+    assert set(rep.ran_on) == {1, 3}
     if mode == "always":
-        assert set(rep.experts_ran.values()) == {"host"}
+        assert set(rep.ran_on.values()) == {"host"}
         assert registry.state_for_model(model).host_experts._jobs is not None
         assert rep.host_read_bytes_last_call == _mlp_bytes(model, 1) + _mlp_bytes(model, 3)
     else:
@@ -218,7 +218,7 @@ def test_a_moe_model_with_dense_layers_hosts_both_kinds():
     _logits(compiled, reference, [(2, 6), (2, 1)])
     state = registry.state_for_model(model)
     assert list(state.choice.mlps) == [1] and 3 in state.choice.experts
-    assert fx_offload.report(model).experts_ran == {1: "host", 3: "host"}
+    assert fx_offload.report(model).ran_on == {1: "host", 3: "host"}
     assert "layer 1: a host_mlp op (its MLP); layer 3: a host_experts op" in \
         explain(reference, torch.zeros(1, 2, dtype=torch.long), **ALWAYS).plan_text()
 
@@ -276,7 +276,7 @@ def test_with_the_kv_cache_on_the_host_generate_gives_the_same_tokens():
         want = reference.generate(ids, **kwargs)
     assert torch.equal(got, want)
     rep = fx_offload.report(model)
-    assert set(rep.experts_ran.values()) == {"host"} and rep.kv.get("layers")
+    assert set(rep.ran_on.values()) == {"host"} and rep.kv.get("layers")
 
 
 def test_whole_rounds_of_slots_stream_so_each_follows_a_hosted_layer_in_its_slot():

@@ -81,7 +81,7 @@ def _offloaded(family="llama", calls=1, **extra):
     compiled = _compile(model)
     for i in range(calls):
         _same(compiled, reference, _ids(seed=100 + i))
-    assert fx_offload.report(model).experts_ran == HOSTED
+    assert fx_offload.report(model).ran_on == HOSTED
     return model, compiled, reference
 
 
@@ -117,7 +117,7 @@ def test_deepcopy_after_a_call_is_a_correct_model_of_its_own(calls):
     clone = copy.deepcopy(model)
     _state_dict_equal(clone, reference)
     _same(_compile(clone), reference, _ids(seed=1))
-    assert fx_offload.report(clone).experts_ran == HOSTED
+    assert fx_offload.report(clone).ran_on == HOSTED
     # the copy's weights changed: the original's outputs are not
     with torch.no_grad():
         _mlp(clone).down_proj.weight.mul_(3)
@@ -134,7 +134,7 @@ def test_a_pickled_model_loads_as_a_correct_hosted_model(how, calls):
     loaded = saved_and_loaded(model, how)
     _state_dict_equal(loaded, reference)
     _same(_compile(loaded), reference, _ids(seed=1))
-    assert fx_offload.report(loaded).experts_ran == HOSTED
+    assert fx_offload.report(loaded).ran_on == HOSTED
     _same(compiled, reference, _ids(seed=2))
 
 
@@ -162,7 +162,7 @@ def test_load_state_dict_with_new_values_then_call():
     _mlp(model, 3).load_state_dict(_mlp(third, 3).state_dict())
     _mlp(other, 3).load_state_dict(_mlp(third, 3).state_dict())
     _same(compiled, other, _ids(seed=2))
-    assert fx_offload.report(model).experts_ran == HOSTED
+    assert fx_offload.report(model).ran_on == HOSTED
 
 
 def test_load_state_dict_assign_then_call():
@@ -229,10 +229,10 @@ def test_a_dtype_change_after_a_call_is_taken_up(dtype):
         want = reference(ids, use_cache=False).logits
     if dtype == torch.float64:
         assert torch.equal(got, want), (got - want).abs().max()
-        assert "host" not in fx_offload.report(model).experts_ran.values()
+        assert "host" not in fx_offload.report(model).ran_on.values()
     else:
         torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=0.02)
-        assert fx_offload.report(model).experts_ran == HOSTED
+        assert fx_offload.report(model).ran_on == HOSTED
     _state_dict_equal(model, reference)
 
 
@@ -304,10 +304,10 @@ def _streams(model, why=None):
     reference = copy.deepcopy(model)
     compiled = _compile(model)
     _same(compiled, reference, _ids((2, 6), 0), exact=True)
-    ran = fx_offload.report(model).experts_ran
+    ran = fx_offload.report(model).ran_on
     for layer in (1, 3):
         assert ran.get(layer, "").startswith("streamed: "), \
-            f"outputs exact, but no reason given: experts_ran={ran}"
+            f"outputs exact, but no reason given: ran_on={ran}"
         if why:
             assert why in ran[layer], ran
     return ran
@@ -350,11 +350,11 @@ def test_tied_mlp_weights_give_exact_outputs(tie):
         with torch.no_grad():
             m.model.layers[1].mlp.gate_proj.weight.mul_(-1)
     _same(compiled, reference, _ids(seed=3))
-    ran = fx_offload.report(model).experts_ran
+    ran = fx_offload.report(model).ran_on
     # each offloaded layer's MLP either ran on the host or says why it streamed
     assert all(ran.get(layer, "") == "host" or ran.get(layer, "").startswith(
         ("streamed: ", "resident: ")) for layer in (1, 3)), \
-        f"outputs exact, but no reason given: experts_ran={ran}"
+        f"outputs exact, but no reason given: ran_on={ran}"
 
 
 VARIANTS = {
@@ -499,7 +499,7 @@ def test_generate_batch_two_with_left_padding():
         got = model.generate(ids, **kwargs)
         want = reference.generate(ids, **kwargs)
     assert torch.equal(got, want), (got, want)
-    assert fx_offload.report(model).experts_ran == HOSTED
+    assert fx_offload.report(model).ran_on == HOSTED
 
 
 def test_prompt_then_decode_with_the_dynamic_cache():
@@ -516,7 +516,7 @@ def test_prompt_then_decode_with_the_dynamic_cache():
             b = reference(nxt, past_key_values=pb, use_cache=True)
             torch.testing.assert_close(a.logits, b.logits, **FP32)
             pa, pb = a.past_key_values, b.past_key_values
-    assert fx_offload.report(model).experts_ran == HOSTED
+    assert fx_offload.report(model).ran_on == HOSTED
 
 
 def test_dynamic_true_compile_over_many_lengths():
@@ -526,7 +526,7 @@ def test_dynamic_true_compile_over_many_lengths():
                              options={"inner_backend": "aot_eager", **ALWAYS})
     for i, shape in enumerate([(2, 5), (3, 11)]):
         _same(compiled, reference, _ids(shape, seed=i))
-        assert fx_offload.report(model).experts_ran == HOSTED, shape
+        assert fx_offload.report(model).ran_on == HOSTED, shape
 
 
 # ------------------------------------------------------------------- faults inside the host path
@@ -552,7 +552,7 @@ def test_an_exception_in_the_host_kernel_leaves_the_next_calls_right(monkeypatch
     _state_dict_equal(model, reference)
     _same(compiled, reference, _ids(seed=2))
     _same(compiled, reference, _ids((2, 1), seed=3))
-    assert fx_offload.report(model).experts_ran == HOSTED
+    assert fx_offload.report(model).ran_on == HOSTED
     _state_dict_equal(model, reference)
     # restore after the fault: the plain model is the reference's
     fx_offload.restore(model)

@@ -59,7 +59,7 @@ class Report:
     # ran in the latest call ("host", "device", "split <m>": the device took each token's
     # first m picks and the cached ones), or why they are no host op ("streamed: <why>",
     # "resident: <why>")
-    experts_ran: dict[int, str] = dataclasses.field(default_factory=dict)
+    ran_on: dict[int, str] = dataclasses.field(default_factory=dict)
     # bytes of host memory the latest call's host-computed experts and MLPs read in place
     # (beside copied_bytes_last_call, what crossed the link)
     host_read_bytes_last_call: int = 0
@@ -137,8 +137,8 @@ class Report:
                          "experts there")
         if self.copied_bytes_last_call:
             lines.append(f"  the last call copied {format_bytes(self.copied_bytes_last_call)}")
-        if self.experts_ran:
-            lines.append(_host_line(self.experts_ran, self.host_read_bytes_last_call))
+        if self.ran_on:
+            lines.append(_host_line(self.ran_on, self.host_read_bytes_last_call))
             for tokens, timing in self.host_timing.items():
                 lines.append(f"    'auto' at {tokens} token(s) a call: {timing}")
         if self.planner is not None:
@@ -173,8 +173,9 @@ def _host_line(ran: dict[int, str], read: int) -> str:
     return line
 
 
-def _experts_ran(state) -> dict[int, str]:
-    """Layer -> where its experts ran in the latest call, or why they stream always."""
+def _ran_on(state) -> dict[int, str]:
+    """Layer -> where its experts or dense MLP ran in the latest call, or why they always
+    stream."""
     host = getattr(state, "host_experts", None)
     if host is None:
         return {}
@@ -275,7 +276,7 @@ def _weights_report(model: nn.Module) -> Report:
             expert_cache=_expert_cache(state),
             ahead=None if getattr(state, "ahead", None) is None else
             (len(state.ahead.ring), state.ahead.nbytes),
-            experts_ran=_experts_ran(state),
+            ran_on=_ran_on(state),
             host_read_bytes_last_call=0 if getattr(state, "host_experts", None) is None
             else state.host_experts.read_bytes,
             host_timing=_host_timing(state))
