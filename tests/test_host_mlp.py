@@ -259,6 +259,12 @@ def test_an_mlp_plan_is_named_by_the_mlps_it_streams():
     timer = trial.CallTimer()
     timer.trials[(1, 8)] = trial.Trial([4], "MLPs")
     assert timer.summary()[1].startswith("4 of 8 MLPs streamed, the rule's plan")
+    # the generate benchmark's --host-plans: one plan forced at one token a call
+    fixed = trial.FixedPlan(2)
+    assert fixed.summary() == {}
+    assert fixed.begin(1, 8, 4, (), None) == 2 and fixed.begin(7, 8, 4, (), None) == 4
+    assert fixed.summary() == {1: "2 of 8 MLPs streamed, forced"}
+    assert trial.FixedPlan(9).begin(1, 8, 4, (), None) == 8
 
 
 def test_with_the_kv_cache_on_the_host_generate_gives_the_same_tokens():

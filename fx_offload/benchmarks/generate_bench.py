@@ -37,6 +37,7 @@ import torch
 from .. import backend, compile_forward, registry, report
 from ..codecs import ans
 from ..host_compute.rates import host_rates
+from ..host_compute.trial import FixedPlan
 from ..schedule import Schedule
 from .bench import h2d_bandwidth
 from .common import (add_flags, add_generate_arguments, build_random, graphs_route, unavailable,
@@ -62,7 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
          "tokens bitwise)"),
         ("--host-compute", "auto", "comma-separated host_compute values of the fx_offload rows "
          "(auto, never, always): one row each"),
-        ("--step-clock", False, "decode: the median time between two decode steps")])
+        ("--step-clock", False, "decode: the median time between two decode steps"),
+        ("--host-plans", "", "comma-separated counts of hosted dense MLPs to stream, each forced "
+         "in turn on the host_compute=auto row's model after it ran (decode by the step "
+         "clock, one line each): the trial's choice beside every plan, in one process")])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -141,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
         if rep.host_read_bytes_last_call:       # the last decode step's: copied, read
             moved[name] = rep.copied_bytes_last_call
             host_read[name] = rep.host_read_bytes_last_call
+        if hosting == "auto" and args.host_plans:
+            _forced_plans(model, prompt, args)
         choice = registry.state_for_model(model).circular
         print(f"{rep}\n  circular prefetch at the {choice.now} after the run ({choice.moves} "
               "changes of place)", flush=True)
@@ -155,6 +161,27 @@ def run(args: argparse.Namespace) -> int:
 
     _table(rows, tokens, moved, host_read, resident_of, bandwidth)
     return 0
+
+
+def _forced_plans(model, prompt, args) -> None:
+    """Each plan of ``--host-plans`` forced on ``model``'s decode steps (one token a call),
+    its decode ms/token by the step clock and the bytes its last step moved; then the
+    model's own timer again."""
+    host = registry.state_for_model(model).host_experts
+    kept = host.timer
+    try:
+        for plan in [int(p) for p in args.host_plans.split(",") if p]:
+            host.timer = FixedPlan(plan)
+            (_, decode), _ = measure(model, prompt, args, steps=True)
+            rep = report(model)
+            where = "".join("H" if r == "host" else "S" if r == "device" else "?"
+                            for _, r in sorted(rep.ran_on.items()))
+            print(f"  forced: {plan} streamed ({where}): {decode:.2f} ms/token, "
+                  f"{rep.copied_bytes_last_call / 2**30:.2f} GiB copied, "
+                  f"{rep.host_read_bytes_last_call / 2**30:.2f} GiB read on the host",
+                  flush=True)
+    finally:
+        host.timer = kept
 
 
 def _table(rows, tokens, moved, host_read, resident_of, bandwidth) -> None:

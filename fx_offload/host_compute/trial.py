@@ -205,3 +205,31 @@ class CallTimer:
         times = ", ".join(f"{describe(m, k, trial.unit)} {t * 1e3:.2f} ms" for m, t in
                           trial.fastest().items())
         return times or "not timed yet"
+
+
+class FixedPlan:
+    """A stand-in for a model's :class:`CallTimer` that gives every call of ``tokens``
+    tokens ``plan`` and times nothing (other sizes: the rule's plan): the ``generate``
+    benchmark's ``--host-plans`` forces each plan in turn with it, in one process."""
+
+    def __init__(self, plan: int, tokens: int = 1, unit: str = "MLPs"):
+        self.plan, self.tokens, self.unit = plan, tokens, unit
+        self.model_name = "model"
+        self._k = None
+
+    def begin(self, tokens: int, k: int, rule: int, seconds, stream, near=(),
+              unit: str = "picks") -> int:
+        self._k = k
+        return min(self.plan, k) if tokens == self.tokens else rule
+
+    def end(self, stream) -> None:
+        pass
+
+    def discard(self) -> None:
+        pass
+
+    def summary(self) -> dict[int, str]:
+        if self._k is None:
+            return {}
+        return {self.tokens: f"{describe(min(self.plan, self._k), self._k, self.unit)}, forced"}
+
