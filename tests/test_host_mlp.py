@@ -267,6 +267,18 @@ def test_an_mlp_plan_is_named_by_the_mlps_it_streams():
     assert trial.FixedPlan(9).begin(1, 8, 4, (), None) == 8
 
 
+@pytest.mark.parametrize("flags, says", [
+    (["--host-plans", "0,x"], "takes counts of streamed MLPs"),
+    (["--host-compute", "never", "--host-plans", "0,2"], "add auto to --host-compute")])
+def test_host_plans_flag_refuses_what_it_cannot_force(flags, says, capsys):
+    import argparse
+    from fx_offload.benchmarks import generate_bench
+    parser = argparse.ArgumentParser()
+    generate_bench.add_arguments(parser)
+    assert generate_bench.run(parser.parse_args(flags)) == 2
+    assert says in capsys.readouterr().err
+
+
 def test_with_the_kv_cache_on_the_host_generate_gives_the_same_tokens():
     """kv_cache="host" and MLPs on the host together: greedy tokens of a static-cache
     generate equal the model's own."""

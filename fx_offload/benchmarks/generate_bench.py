@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -70,6 +71,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    plans = [p.strip() for p in args.host_plans.split(",") if p.strip()]
+    if plans and not all(p.isdigit() for p in plans):
+        print(f"--host-plans takes counts of streamed MLPs, such as 0,2,4 (got "
+              f"{args.host_plans!r})", file=sys.stderr)
+        return 2
+    if plans and "auto" not in args.host_compute.split(","):
+        print("--host-plans forces plans on the host_compute=auto row: add auto to "
+              "--host-compute", file=sys.stderr)
+        return 2
     if unavailable("generate", "transformers"):
         return 2
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -170,7 +180,7 @@ def _forced_plans(model, prompt, args) -> None:
     host = registry.state_for_model(model).host_experts
     kept = host.timer
     try:
-        for plan in [int(p) for p in args.host_plans.split(",") if p]:
+        for plan in [int(p) for p in args.host_plans.split(",") if p.strip()]:
             host.timer = FixedPlan(plan)
             (_, decode), _ = measure(model, prompt, args, steps=True)
             rep = report(model)
