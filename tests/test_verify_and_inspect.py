@@ -234,7 +234,7 @@ def test_torch_logs_turns_on_the_summary_line():
 
 def test_bench_smoke_run_on_cpu(tmp_path):
     out = subprocess.run([sys.executable, "-m", "fx_offload", "bench", "--device", "cpu",
-                          "--quick", "--configs", "g2n1s1", "--tokens", "1,16",
+                          "--quick", "--layers", "4", "--configs", "g2n1s1", "--tokens", "1,16",
                           "--budgets", "g2n1s1", "--out", str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     table = (tmp_path / "results.md").read_text()
