@@ -223,6 +223,27 @@ def test_a_moe_model_with_dense_layers_hosts_both_kinds():
         explain(reference, torch.zeros(1, 2, dtype=torch.long), **ALWAYS).plan_text()
 
 
+def test_the_host_runtime_goes_with_the_model_without_a_garbage_collection():
+    """The host runtime's parts hold no cycle: its page-locked staging is freed when the
+    model and its compiled callable go, not at some later collection."""
+    import gc
+    import weakref
+    model = _model()
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "aot_eager", **ALWAYS})
+    with torch.no_grad():
+        compiled(torch.zeros(1, 3, dtype=torch.long), use_cache=False)
+    host = weakref.ref(registry.state_for_model(model).host_experts)
+    fx_offload.restore(model)
+    gc.disable()
+    try:
+        del model, compiled
+        torch._dynamo.reset()
+        assert host() is None
+    finally:
+        gc.enable()
+
+
 def test_a_moe_models_dense_mlps_follow_a_plan_made_at_the_calls_entry(monkeypatch):
     """With experts on the host the experts' plan is the one timed, and the dense MLPs take
     the rule's plan at the call's entry: their op then does not take the call for one of
@@ -262,7 +283,8 @@ def test_an_mlp_plan_is_named_by_the_mlps_it_streams():
     # the generate benchmark's --host-plans: one plan forced at one token a call
     fixed = trial.FixedPlan(2)
     assert fixed.summary() == {}
-    assert fixed.begin(1, 8, 4, (), None) == 2 and fixed.begin(7, 8, 4, (), None) == 4
+    assert fixed.begin(7, 8, 4, (), None) == 4 and fixed.summary() == {}
+    assert fixed.begin(1, 8, 4, (), None, unit="MLPs") == 2
     assert fixed.summary() == {1: "2 of 8 MLPs streamed, forced"}
     assert trial.FixedPlan(9).begin(1, 8, 4, (), None) == 8
 

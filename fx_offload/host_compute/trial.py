@@ -212,15 +212,16 @@ class FixedPlan:
     tokens ``plan`` and times nothing (other sizes: the rule's plan): the ``generate``
     benchmark's ``--host-plans`` forces each plan in turn with it, in one process."""
 
-    def __init__(self, plan: int, tokens: int = 1, unit: str = "MLPs"):
-        self.plan, self.tokens, self.unit = plan, tokens, unit
-        self.model_name = "model"
-        self._k = None
+    def __init__(self, plan: int, tokens: int = 1):
+        self.plan, self.tokens = plan, tokens
+        self._seen = None       # (k, unit) of the latest call of that size
 
     def begin(self, tokens: int, k: int, rule: int, seconds, stream, near=(),
               unit: str = "picks") -> int:
-        self._k = k
-        return min(self.plan, k) if tokens == self.tokens else rule
+        if tokens != self.tokens:
+            return rule
+        self._seen = (k, unit)
+        return min(self.plan, k)
 
     def end(self, stream) -> None:
         pass
@@ -229,7 +230,7 @@ class FixedPlan:
         pass
 
     def summary(self) -> dict[int, str]:
-        if self._k is None:
+        if self._seen is None:
             return {}
-        return {self.tokens: f"{describe(min(self.plan, self._k), self._k, self.unit)}, forced"}
-
+        k, unit = self._seen
+        return {self.tokens: f"{describe(min(self.plan, k), k, unit)}, forced"}

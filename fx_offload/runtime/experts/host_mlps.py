@@ -17,6 +17,8 @@ has experts on the host (then the experts' plan is the one timed); which ones fr
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ...host_compute import native, split
@@ -32,7 +34,9 @@ class HostMlps:
     record of where each layer ran it shares."""
 
     def __init__(self, owner):
-        self._owner = owner
+        # a proxy: the owner holds this object, and its stream jobs' page-locked buffers are
+        # freed when the model's state goes, not at the next garbage collection
+        self._owner = weakref.proxy(owner)
         self._entries: dict = {}    # layer -> its HostWeights (remade when the masters change)
         self.hosted: list[int] = []     # the layers whose MLP is a host_mlp op, in order
         self._plan: tuple[int | None, int] | None = None    # (tokens, m) of this call
