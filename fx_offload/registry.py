@@ -174,6 +174,8 @@ def state_for_op(handle: int):
     ref = _HANDLES.get(handle)
     compiled_for = ref() if ref is not None else None
     me = threading.get_ident()
+    if compiled_for is not None and compiled_for.holder == me:
+        return compiled_for     # its own model's call: the common case, first
     active = next((s for s in reversed(getattr(_ACTIVE, "calls", ()) or ())
                    if s.holder == me), None)
     if compiled_for is not None and (compiled_for.holder == me or

@@ -4,7 +4,8 @@
 Builds a model sharded with torch's TP API, offloads every second layer's local shards on
 each rank, checks the outputs against the same TP model not offloaded (same inner compiler)
 and prints per rank: memory saved against offloaded - slots, the host-to-device rate of each
-rank alone and of all ranks at once, and the time of a call against the per-rank copy bound.
+rank alone and of all ranks at once, the time of a call against the per-rank copy bound, and
+the host's time to issue a call (offloaded and resident).
 
 * ``--model mlp`` (default): a stack of MLP layers (``ColwiseParallel`` up,
   ``RowwiseParallel`` down);
@@ -15,7 +16,8 @@ rank alone and of all ranks at once, and the time of a call against the per-rank
 ``--mode reduce-overhead`` runs the offloaded model under CUDA graphs; ``--circular-prefetch``
 sets where each slot's first layer is copied back in (default: chosen per call, see
 docs/notes/2026-11-23-chunked-copies-and-circular-prefetch.md); ``--trace DIR`` profiles three
-synchronized calls on each rank and prints where the last one's time went.  ``--device cpu``
+synchronized calls on each rank and prints where the last one's time went, on the GPU
+(``trace_bench.summarize``) and on the host (``trace_bench.host_view``).  ``--device cpu``
 runs on gloo (a smoke run: outputs and a clean exit, no timing bound).  Before the process
 group is destroyed the compiled models and their CUDA graphs are released: NCCL's communicator
 destruction waits for graphs that captured its collectives, so a job that skipped this would
@@ -119,16 +121,21 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def _time(fn, reps, device):
+def _time(fn, reps, device, issued=None):
     """Median ms of ``fn`` followed by a synchronize of every stream (a generate loop's
-    step): an event pair on the compute stream would miss the copy stream's tail."""
-    times = []
+    step): an event pair on the compute stream would miss the copy stream's tail.
+    ``issued``: a list that gets the median ms until ``fn`` returned, before the synchronize
+    (the host's time to issue the call: where it nears the call's, the host is the bound)."""
+    times, returned = [], []
     for _ in range(reps):
         _sync(device)
         start = time.perf_counter()
         fn()
+        returned.append((time.perf_counter() - start) * 1e3)
         _sync(device)
         times.append((time.perf_counter() - start) * 1e3)
+    if issued is not None:
+        issued.append(statistics.median(returned))
     return statistics.median(times)
 
 
@@ -150,7 +157,7 @@ def _h2d_rates(nbytes, reps, rank, world, device) -> tuple[float, float]:
 
 def _trace(call, folder, rank, device) -> str:
     """Where a synchronized call's GPU time went on this rank (the last of three profiled)."""
-    from .trace_bench import last_call, summarize
+    from .trace_bench import host_line, host_view, last_call, summarize
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"tp_trace_rank{rank}.json")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -164,7 +171,7 @@ def _trace(call, folder, rank, device) -> str:
     return (f"GPU time {s['span']:.2f} ms = copy stream idle before its first copy "
             f"{s['copy_idle_at_start']:.2f} + copying {s['copy']:.2f} + idle between copies "
             f"{s['copy_gaps']:.2f} + after its last {s['copy_tail']:.2f}; compute busy "
-            f"{s['compute']:.2f} ({path})")
+            f"{s['compute']:.2f} ({path})\n  rank {rank} {host_line(host_view(path))}")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -264,8 +271,9 @@ def _run(args, rank, world, device) -> bool:
         for _ in range(3):
             run()
         dist.barrier()
-        offloaded_ms = _time(run, args.reps, device)
-        resident_ms = _time(lambda: call(expected, *inputs), args.reps, device)
+        issued = []
+        offloaded_ms = _time(run, args.reps, device, issued)
+        resident_ms = _time(lambda: call(expected, *inputs), args.reps, device, issued)
         traced = _trace(run, args.trace, rank, device) if args.trace else None
     compared = (f"{str(dtype).removeprefix('torch.')} rounding: within 1% of the norm, or "
                 "twice the reference's eager-to-Inductor spread"
@@ -283,7 +291,8 @@ def _run(args, rank, world, device) -> bool:
                  f"{(rep.offloaded_bytes - rep.buffer_bytes) / 2**20:.1f}); H2D {alone:.1f} "
                  f"GB/s alone, {together:.1f} GB/s with all ranks copying; call "
                  f"{offloaded_ms:.2f} ms vs copy bound {bound_ms:.2f} ms "
-                 f"({offloaded_ms / bound_ms:.3f}x), resident {resident_ms:.2f} ms")
+                 f"({offloaded_ms / bound_ms:.3f}x), resident {resident_ms:.2f} ms; the "
+                 f"host issues a call in {issued[0]:.2f} ms ({issued[1]:.2f} resident)")
     else:
         line += f"; call {offloaded_ms:.2f} ms, resident {resident_ms:.2f} ms"
     line += (f"; circular prefetch now at the {state.circular.now}; sync loads "

@@ -122,6 +122,54 @@ def summarize(events) -> dict[str, float]:
                 copy_tail=span - last if copies else span)
 
 
+def host_view(path: str) -> dict[str, float]:
+    """The host's side of the last profiled call, ms from the call's start (its
+    ``fx_offload_call`` mark): Dynamo's guard checks (``lookup``, summed), the start of the
+    first compiled graph (``graph``), the launch of the first host-to-device copy
+    (``first_copy_issued``) and of the last operation (``issued_all``), the link's idle time
+    between copies spent waiting for the host to issue the next one (``idle_for_host``: the
+    next copy was launched after the last one ended) and the time from the GPU's last event to
+    the call's end (``after_gpu``: the synchronize's return)."""
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    mark = max((e for e in events if e.get("name") == "fx_offload_call"
+                and e.get("cat") == "user_annotation"), key=lambda e: e["ts"])
+    begin, end = mark["ts"], mark["ts"] + mark["dur"]
+    inside = [e for e in events if begin <= e["ts"] <= end]
+    launches = {e["args"]["correlation"]: e["ts"] for e in inside
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+           and e.get("args", {}).get("correlation") in launches]
+    copies = sorted((e["ts"], e["ts"] + e.get("dur", 0), launches[e["args"]["correlation"]])
+                    for e in gpu if e["cat"] == "gpu_memcpy" and "HtoD" in e["name"])
+    idle_for_host, last_end = 0.0, None
+    for t0, t1, issued in copies:
+        if last_end is not None and t0 > last_end:
+            idle_for_host += max(0.0, min(t0, issued) - last_end)
+        last_end = t1 if last_end is None else max(last_end, t1)
+    graphs = [e["ts"] for e in inside if e["name"].startswith("## Call CompiledFxGraph")]
+    ms = lambda t: (t - begin) / 1e3                                    # noqa: E731
+    return dict(
+        lookup=sum(e["dur"] for e in inside if e["name"] == "TorchDynamo Cache Lookup") / 1e3,
+        graph=ms(min(graphs)) if graphs else float("nan"),
+        first_copy_issued=ms(copies[0][2]) if copies else float("nan"),
+        first_copy=ms(copies[0][0]) if copies else float("nan"),
+        issued_all=ms(max(launches.values())) if launches else float("nan"),
+        idle_for_host=idle_for_host / 1e3,
+        after_gpu=(end - max(e["ts"] + e.get("dur", 0) for e in gpu)) / 1e3 if gpu
+        else float("nan"),
+        call=mark["dur"] / 1e3)
+
+
+def host_line(view: dict[str, float]) -> str:
+    return (f"host: call {view['call']:.2f} ms; guards {view['lookup']:.2f} ms; first graph "
+            f"at {view['graph']:.2f}; first copy issued at {view['first_copy_issued']:.2f}, "
+            f"begins at {view['first_copy']:.2f}; last operation issued at "
+            f"{view['issued_all']:.2f}; link idle waiting for the host to issue a copy "
+            f"{view['idle_for_host']:.2f} ms; synchronize returns {view['after_gpu']:.2f} ms "
+            "after the GPU's last event")
+
+
 def figure(calls: dict, path: str) -> None:
     try:
         import matplotlib

@@ -59,7 +59,7 @@ import logging
 
 import torch
 
-from ..runtime.memory.contents import capturing
+from ..runtime.memory.streams import capturing
 from . import copies
 
 log = logging.getLogger("fx_offload")

@@ -63,7 +63,7 @@ from .memory import slot_check
 from .copies.circular import CircularStart
 from .copies.slot_copies import SlotCopies
 from .memory.contents import SlotContents
-from .memory.contents import capturing as _capturing
+from .memory.streams import capturing as _capturing
 from .copies.hook_copies import HookCopies
 from .ownership.in_call import WritesInCall
 from .interrupts import GUARD

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..memory.contents import capturing
+from ..memory.streams import capturing
 
 
 class HookCopies:

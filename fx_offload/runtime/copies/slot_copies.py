@@ -21,7 +21,8 @@ import torch
 from ...schedule import Schedule
 from ..experts.ahead import copy_chunk, join_copies
 from ..memory.contents import Pending, landed
-from ..memory.contents import capturing as _capturing
+from ..memory.streams import current_stream
+from ..memory.streams import capturing as _capturing
 
 log = logging.getLogger("fx_offload")
 
@@ -102,7 +103,7 @@ class SlotCopies:
                 self.contents.fill(refill, c, None)
                 continue
             fork, done = (self.hook_copies.events if by_hook else self.events)[(refill, c.index)]
-            fork.record(torch.cuda.current_stream(self.device))     # made once, recorded again
+            fork.record(self._compute_stream())     # made once, recorded again
             copy_chunk(self.ahead, self.buffers, refill, c, self.copy_stream, fork, done,
                        capturing)       # from the ring or the host
             self.contents.fill(refill, c, Pending(done, capturing, by_hook))
@@ -125,7 +126,7 @@ class SlotCopies:
         if self.copy_stream is None:
             return
         if (capturing := _capturing()) or self.hook_copies.under_cuda_graphs:
-            join_copies(self.ahead, self.contents, torch.cuda.current_stream(self.device),
+            join_copies(self.ahead, self.contents, self._compute_stream(),
                         capturing)
 
     def wait_for(self, pending: Pending) -> None:
@@ -133,7 +134,13 @@ class SlotCopies:
         # starts every capture (a wait on it inside is refused); no event: it landed there.
         if pending.event is not None and (pending.in_capture or pending.by_hook or
                                           not _capturing()):
-            torch.cuda.current_stream(self.device).wait_event(pending.event)
+            self._compute_stream().wait_event(pending.event)
+
+    def _compute_stream(self) -> torch.cuda.Stream:
+        """The current stream of the slots' device (where the copy stream is)."""
+        if self.copy_stream is None:
+            return torch.cuda.current_stream(self.device)
+        return current_stream(self.copy_stream.device_index)
 
     def load_now(self, layer: int, chunk=None) -> None:
         """Stream-ordered load of ``layer``'s ``chunk`` (None: all) into its slot."""

@@ -45,7 +45,7 @@ import logging
 import torch
 
 from ...copy_rules import depth_wanted
-from ..memory.contents import capturing
+from ..memory.streams import capturing
 
 log = logging.getLogger("fx_offload")
 

@@ -55,7 +55,7 @@ from ...host_compute import native
 from ...host_compute import split
 from ...host_compute.rates import host_rates
 from ...host_compute.trial import CallTimer
-from ..memory.contents import capturing
+from ..memory.streams import capturing
 from ..phase import Phase
 from .host_mlps import HostMlps
 from .host_weights import HostWeights, laid_out_as

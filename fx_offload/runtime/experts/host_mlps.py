@@ -23,7 +23,7 @@ import torch
 
 from ...host_compute import native, split
 from ...selection.mlps import mlp_path
-from ..memory.contents import capturing
+from ..memory.streams import capturing
 from ..phase import Phase
 from .host_weights import HostWeights, laid_out_as
 

@@ -117,8 +117,3 @@ class SlotContents:
                     if pending.event is not None:
                         stream.wait_event(pending.event)
                     held[key] = None
-
-
-def capturing() -> bool:
-    """The current stream is being captured into a CUDA graph."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -24,7 +24,7 @@ import os
 import torch
 
 from ...errors import OffloadError
-from .contents import capturing
+from .streams import capturing
 from ..phase import Phase
 
 log = logging.getLogger("fx_offload")

@@ -32,6 +32,7 @@ from ..experts.ahead import AheadCopies
 from .compressed_layers import CompressedLayers
 from ...layout import align_for, block_tensors, in_layout_order, layout_of
 from .host_memory import HostBlock, views_into
+from .streams import on_stream
 from ..ownership.new_values import taken
 
 log = logging.getLogger("fx_offload")
@@ -195,7 +196,7 @@ class SlotBuffers:
         # stream is in it; an event from outside a capture cannot be waited on inside it)
         if self.staged is not None and (not capturing or self.staged.capturing()):
             copy_stream.wait_stream(self.staged.decode_stream)
-        with torch.cuda.stream(copy_stream):
+        with on_stream(copy_stream):
             self.copy_in(layer, chunk, non_blocking=True)
             done.record(copy_stream)
 
