@@ -35,6 +35,22 @@ def test_every_subcommand_has_a_description_and_every_flag_a_help_with_its_defau
     assert missing == []
 
 
+def test_the_tensor_parallel_job_has_a_description_and_every_flag_a_help_with_its_default():
+    """``torchrun ... -m fx_offload.tools.tp_run`` is no subcommand, but a user reads its
+    ``--help`` the same way."""
+    from fx_offload.benchmarks import tp_bench
+    parser = argparse.ArgumentParser(description=tp_bench.DESCRIPTION)
+    tp_bench.add_arguments(parser)
+    assert "example: torchrun" in parser.description
+    formatter = parser._get_formatter()
+    missing = [action.dest for action in parser._actions
+               if not isinstance(action, argparse._HelpAction) and (
+                   not (action.help or "").strip() or
+                   (action.default not in (None, False) and
+                    "default" not in formatter._get_help_string(action)))]
+    assert missing == []
+
+
 def test_every_subcommand_help_page_prints(capsys):
     for name, *_ in cli.TOOLS:
         with pytest.raises(SystemExit) as done:

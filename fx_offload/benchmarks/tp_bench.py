@@ -112,6 +112,13 @@ MODELS = {"mlp": _mlp, "llama": _llama}
 DEFAULT_SHAPE = {"mlp": (4096, 28672), "cpu": (64, 256)}      # (hidden, inner)
 
 
+DESCRIPTION = ("Tensor parallelism with offloading, one process per GPU: each rank offloads "
+               "every second layer's local shards, checks its outputs against the TP model "
+               "not offloaded and prints its call's time against its copy bound. "
+               "example: torchrun --standalone --nproc-per-node 2 -m fx_offload.tools.tp_run "
+               "--model llama")
+
+
 def _norm(a, b) -> float:
     return torch.linalg.vector_norm(a.float() - (b.float() if torch.is_tensor(b) else b)).item()
 
@@ -175,30 +182,43 @@ def _trace(call, folder, rank, device) -> str:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default="mlp", choices=sorted(MODELS))
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--model", default="mlp", choices=sorted(MODELS),
+                    help="mlp: a stack of MLP layers; llama: a Hugging Face Llama from a "
+                         "config (default: %(default)s)")
+    ap.add_argument("--layers", type=int, default=8,
+                    help="layers; every second one is offloaded (default: %(default)s)")
     ap.add_argument("--hidden", type=int, default=None,
                     help="hidden size (default: mlp 4096, llama Llama-3-8B's; 64 on cpu)")
     ap.add_argument("--inner", type=int, default=None,
                     help="MLP inner size (default: mlp 28672, llama Llama-3-8B's; 256 on "
                          "cpu)")
-    ap.add_argument("--tokens", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=1,
+                    help="tokens of a call, batch 1 (default: %(default)s)")
     ap.add_argument("--device", default=None, help="cuda (NCCL; default with a GPU) or cpu "
                                                    "(gloo: a smoke run)")
-    ap.add_argument("--inner-backend", default="inductor")
-    ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--prefetch-step", type=int, default=1)
+    ap.add_argument("--inner-backend", default="inductor",
+                    help="the compiler inside the offload backend and of the reference "
+                         "(aot_eager: outputs bitwise) (default: %(default)s)")
+    ap.add_argument("--reps", type=int, default=15,
+                    help="timed calls of each model; medians (default: %(default)s)")
+    ap.add_argument("--prefetch-step", type=int, default=1,
+                    help="option prefetch_step: slots (default: %(default)s)")
     ap.add_argument("--mode", default="default",
-                    help="Inductor mode of the offloaded model (reduce-overhead: CUDA graphs)")
-    ap.add_argument("--circular-prefetch", default="auto", choices=["auto", "end", "entry"])
+                    help="Inductor mode of the offloaded model (reduce-overhead: CUDA graphs) "
+                         "(default: %(default)s)")
+    ap.add_argument("--circular-prefetch", default="auto", choices=["auto", "end", "entry"],
+                    help="option circular_prefetch: where each slot's first layer is copied "
+                         "back in (default: %(default)s, chosen per call)")
     ap.add_argument("--trace", default=None, metavar="DIR",
-                    help="profile three synchronized calls per rank; traces go to DIR")
+                    help="profile three synchronized calls per rank and print where the "
+                         "last one's time went, on the GPU and on the host; traces go to DIR")
     ap.add_argument("--no-tp", action="store_true",
                     help="the same model unsharded, plain parameters (one rank): a baseline")
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="torchrun ... -m fx_offload.benchmarks.tp_bench")
+    ap = argparse.ArgumentParser(prog="torchrun ... -m fx_offload.benchmarks.tp_bench",
+                                 description=DESCRIPTION)
     add_arguments(ap)
     args = ap.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
