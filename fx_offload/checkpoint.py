@@ -121,30 +121,41 @@ class Checkpoint:
             if self._entries is None:
                 dest.copy_(self._mapping[name])
             elif dest.device.type == "cpu" and dest.dtype == dtype and dest.is_contiguous():
-                self._read_bytes(self._entries[name], dest)
+                self._read_bytes(name, self._entries[name], dest)
             else:
                 staging = torch.empty(shape, dtype=dtype)
-                self._read_bytes(self._entries[name], staging)
+                self._read_bytes(name, self._entries[name], staging)
                 dest.copy_(staging)
         self.bytes_read += math.prod(shape) * dtype.itemsize
 
-    def _read_bytes(self, entry: Entry, dest: torch.Tensor) -> None:
+    def _read_bytes(self, name: str, entry: Entry, dest: torch.Tensor) -> None:
         if entry.nbytes == 0:
             return
         with self._lock:
-            f = self._files.get(entry.file)
-            if f is None:
-                f = self._files[entry.file] = open(entry.file, "rb", buffering=0)
-            view = memoryview((ctypes.c_char * entry.nbytes).from_address(dest.data_ptr()))
-            view = view.cast("B")
-            f.seek(entry.offset)
-            done = 0
-            while done < entry.nbytes:
-                got = f.readinto(view[done:])
-                if not got:
-                    raise OffloadError(f"{entry.file} ends before the bytes of a tensor; the "
-                                       "file is truncated", where=WHERE)
-                done += got
+            try:
+                self._read_locked(entry, dest)
+            except OSError as error:
+                # the file was there when the checkpoint was opened: it moved, was removed
+                # or became unreadable since (a shard still downloading, a disk unmounted)
+                raise OffloadError(
+                    f"reading {name} from {entry.file} failed ({error}); it was readable when "
+                    f"{self.where} was opened. Check that every file of the checkpoint is in "
+                    "place and readable, then place the model again", where=WHERE) from None
+
+    def _read_locked(self, entry: Entry, dest: torch.Tensor) -> None:
+        f = self._files.get(entry.file)
+        if f is None:
+            f = self._files[entry.file] = open(entry.file, "rb", buffering=0)
+        view = memoryview((ctypes.c_char * entry.nbytes).from_address(dest.data_ptr()))
+        view = view.cast("B")
+        f.seek(entry.offset)
+        done = 0
+        while done < entry.nbytes:
+            got = f.readinto(view[done:])
+            if not got:
+                raise OffloadError(f"{entry.file} ends before the bytes of a tensor; the "
+                                   "file is truncated", where=WHERE)
+            done += got
 
     def close(self) -> None:
         for f in self._files.values():

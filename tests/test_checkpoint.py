@@ -357,6 +357,32 @@ def test_an_index_naming_a_missing_shard_says_which_and_places_nothing(built, tm
         assert built == "meta" or torch.equal(t, before[name]), name
 
 
+def test_a_shard_gone_after_the_checkpoint_was_opened_names_the_tensor_and_places_nothing(
+        tmp_path):
+    """A shard removed between opening the checkpoint and reading it (a download still
+    running, a disk unmounted): the project's error names the tensor, the file and what to
+    do, the model keeps its own values, and placing it again from a whole checkpoint works."""
+    reference, inputs = models.build("mlp", num_layers=4)
+    folder = save(reference, tmp_path, "sharded_folder")
+    model, _ = models.build("mlp", num_layers=4, seed=3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opened = Checkpoint.open(folder)
+    os.remove(tmp_path / "model-00002-of-00002.safetensors")
+    with pytest.raises(fx_offload.OffloadError, match=(
+            r"^fx_offload.place: reading layers\.\d\.\w+\.\w+ from .*model-00002-of-00002"
+            r"\.safetensors failed \(.*No such file.*\); it was readable when .* was opened\. "
+            r"Check that every file")):
+        fx_offload.place(model, "cpu", checkpoint=opened, group_size=2, num_in_group=1)
+    assert fx_offload.registry.state_for_model(model) is None
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, before[name]), name
+    save(reference, tmp_path, "sharded_folder")
+    fx_offload.place(model, "cpu", checkpoint=folder, group_size=2, num_in_group=1)
+    assert_same_weights(model, reference)
+    with torch.no_grad():
+        assert torch.equal(model(*inputs), reference(*inputs))
+
+
 def test_experts_saved_one_tensor_per_expert_get_a_clear_error(tmp_path):
     """transformers saves a fused MoE expert tensor ([E, ...]) as one tensor per expert and
     fuses them again as it loads; place() reads by name: it says so and what to do instead
