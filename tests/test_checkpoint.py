@@ -51,6 +51,17 @@ def assert_same_weights(model, reference):
         assert torch.equal(got[name], want[name]), name
 
 
+def assert_placed_nothing(model, before, params, values=True):
+    """A place() that raised left ``model`` as it was: no state, no hooks, its own parameter
+    objects on their devices (holding ``before``'s values where ``values``)."""
+    assert fx_offload.registry.state_for_model(model) is None
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    assert all(p is params[n] for n, p in model.named_parameters())
+    for name, t in model.state_dict().items():
+        assert t.device == before[name].device, name
+        assert not values or torch.equal(t, before[name]), name
+
+
 @pytest.mark.parametrize("kind", ["file", "sharded_folder", "mapping"])
 @pytest.mark.parametrize("name", ["mlp", "decoder"])
 def test_a_model_built_without_weights_placed_from_its_checkpoint(name, kind, tmp_path):
@@ -349,12 +360,7 @@ def test_an_index_naming_a_missing_shard_says_which_and_places_nothing(built, tm
             r"'model-00002-of-00002.safetensors', which is not in .*; it should hold 8 "
             r"tensor\(s\) \(\['layers.0.fc1.weight', 'layers.0.fc2.weight', .*\] and 3 more\)")):
         fx_offload.place(model, "cpu", checkpoint=folder, group_size=2, num_in_group=1)
-    assert fx_offload.registry.state_for_model(model) is None
-    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
-    assert all(p is params[n] for n, p in model.named_parameters())
-    for name, t in model.state_dict().items():
-        assert t.device == before[name].device, name
-        assert built == "meta" or torch.equal(t, before[name]), name
+    assert_placed_nothing(model, before, params, values=built != "meta")
 
 
 def test_a_shard_gone_after_the_checkpoint_was_opened_names_the_tensor_and_places_nothing(
@@ -366,6 +372,7 @@ def test_a_shard_gone_after_the_checkpoint_was_opened_names_the_tensor_and_place
     folder = save(reference, tmp_path, "sharded_folder")
     model, _ = models.build("mlp", num_layers=4, seed=3)
     before = {k: v.clone() for k, v in model.state_dict().items()}
+    params = dict(model.named_parameters())
     opened = Checkpoint.open(folder)
     os.remove(tmp_path / "model-00002-of-00002.safetensors")
     with pytest.raises(fx_offload.OffloadError, match=(
@@ -373,9 +380,7 @@ def test_a_shard_gone_after_the_checkpoint_was_opened_names_the_tensor_and_place
             r"\.safetensors failed \(.*No such file.*\); it was readable when .* was opened\. "
             r"Check that every file")):
         fx_offload.place(model, "cpu", checkpoint=opened, group_size=2, num_in_group=1)
-    assert fx_offload.registry.state_for_model(model) is None
-    for name, t in model.state_dict().items():
-        assert torch.equal(t, before[name]), name
+    assert_placed_nothing(model, before, params)
     save(reference, tmp_path, "sharded_folder")
     fx_offload.place(model, "cpu", checkpoint=folder, group_size=2, num_in_group=1)
     assert_same_weights(model, reference)
