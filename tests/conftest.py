@@ -9,6 +9,7 @@ import torch._dynamo
 import torch._inductor.config
 
 
+@pytest.hookimpl(optionalhook=True)     # xdist's hook: `-p no:xdist` runs without it
 def pytest_xdist_auto_num_workers(config):
     """``-n auto`` (the README's test command): a worker per core on a CPU machine, a few at
     most; none on a GPU machine, whose tests time copies against compute and share one
