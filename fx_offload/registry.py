@@ -178,12 +178,11 @@ def state_for_op(handle: int):
         return compiled_for     # its own model's call: the common case, first
     active = next((s for s in reversed(getattr(_ACTIVE, "calls", ()) or ())
                    if s.holder == me), None)
-    if compiled_for is not None and (compiled_for.holder == me or
-                                     not compiled_for.phase.called):
-        # its own model's call (the first one runs before any hook), unless another model
-        # offloaded alike is in its own call here: a copy made before the original's second
-        # call (its hooks never ran yet) runs the graph Dynamo shares with it
-        if compiled_for.holder == me or active is None or active is compiled_for or not (
+    if compiled_for is not None and not compiled_for.phase.called:
+        # its model's first call (it runs before any hook), unless another model offloaded
+        # alike is in its own call here: a copy made before the original's second call (its
+        # hooks never ran yet) runs the graph Dynamo shares with it
+        if active is None or active is compiled_for or not (
                 active.schedule == compiled_for.schedule and
                 active.learned.layout == compiled_for.learned.layout):
             return compiled_for

@@ -13,25 +13,34 @@ from fx_offload.tools import cli, demo, models
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _without_help(name, parser) -> list[str]:
+    """What of ``parser``'s page a user would miss: a description with an example, a help
+    for each flag, the default in each help where there is one."""
+    missing = []
+    if "example: " not in (parser.description or ""):
+        missing.append(f"{name}: description with an example")
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        flag = f"{name} {'/'.join(action.option_strings) or action.dest}"
+        if not (action.help or "").strip():
+            missing.append(f"{flag}: help")
+        elif (action.option_strings and action.help != argparse.SUPPRESS
+              and action.default not in (None, False)
+              and "default" not in formatter._get_help_string(action)):
+            missing.append(f"{flag}: its default ({action.default!r}) in its help")
+    return missing
+
+
 def test_every_subcommand_has_a_description_and_every_flag_a_help_with_its_default():
     _, parsers = cli.build_parser()
     assert sorted(parsers) == sorted(name for name, *_ in cli.TOOLS) and len(parsers) >= 12
     missing = []
     for name, parser in parsers.items():
-        if not (parser.description or "").strip() or "example: python -m fx_offload " + name \
-                not in parser.description:
-            missing.append(f"{name}: description with an example")
-        formatter = parser._get_formatter()
-        for action in parser._actions:
-            if isinstance(action, argparse._HelpAction):
-                continue
-            flag = f"{name} {'/'.join(action.option_strings) or action.dest}"
-            if not (action.help or "").strip():
-                missing.append(f"{flag}: help")
-            elif (action.option_strings and action.help != argparse.SUPPRESS
-                  and action.default not in (None, False)
-                  and "default" not in formatter._get_help_string(action)):
-                missing.append(f"{flag}: its default ({action.default!r}) in its help")
+        if "example: python -m fx_offload " + name not in (parser.description or ""):
+            missing.append(f"{name}: description with its own example")
+        missing += _without_help(name, parser)
     assert missing == []
 
 
@@ -42,13 +51,7 @@ def test_the_tensor_parallel_job_has_a_description_and_every_flag_a_help_with_it
     parser = argparse.ArgumentParser(description=tp_bench.DESCRIPTION)
     tp_bench.add_arguments(parser)
     assert "example: torchrun" in parser.description
-    formatter = parser._get_formatter()
-    missing = [action.dest for action in parser._actions
-               if not isinstance(action, argparse._HelpAction) and (
-                   not (action.help or "").strip() or
-                   (action.default not in (None, False) and
-                    "default" not in formatter._get_help_string(action)))]
-    assert missing == []
+    assert _without_help("tp_run", parser) == []
 
 
 def test_every_subcommand_help_page_prints(capsys):

@@ -137,9 +137,8 @@ class SlotCopies:
             self._compute_stream().wait_event(pending.event)
 
     def _compute_stream(self) -> torch.cuda.Stream:
-        """The current stream of the slots' device (where the copy stream is)."""
-        if self.copy_stream is None:
-            return torch.cuda.current_stream(self.device)
+        """The current stream of the slots' device (where the copy stream is: every caller
+        has a copy's event, so the device is CUDA)."""
         return current_stream(self.copy_stream.device_index)
 
     def load_now(self, layer: int, chunk=None) -> None:

@@ -4,7 +4,7 @@ environment) and the device on every call, several times the cost of the query.
 
     capturing()          the current stream is being captured into a CUDA graph
     current_stream(i)    torch.cuda.current_stream(i), for an initialized device index i
-    on_stream(s)         torch.cuda.stream(s), where s is on the current device
+    on_stream(s)         torch.cuda.stream(s); the cheap way where s is on the current device
 """
 from __future__ import annotations
 
