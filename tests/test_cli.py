@@ -122,3 +122,17 @@ def test_train_smoke_run_trains_the_adapters_offloaded_as_resident(capsys):
     rows = [line for line in capsys.readouterr().out.splitlines()
             if line.startswith("| fx_offload")]
     assert len(rows) == 1 and rows[0].rstrip(" |").endswith("0.00e+00"), rows
+
+
+def test_a_host_compute_rows_bound_takes_the_fastest_read_the_host_was_seen_making():
+    # a probe that read slower than the plain sum would make the bound no floor (x bound < 1)
+    from fx_offload.benchmarks.common import fastest_host_read, plain_read_rate
+    from fx_offload.host_compute.rates import HostRates
+    plain = plain_read_rate(gib=1 / 64, reps=3)
+    assert 1e8 < plain < 1e13       # a real rate in bytes/s, not seconds or GB/s
+    slow = HostRates(read_rate=plain / 4, flop_rate=1e9, latency=1e-4,
+                     shared_read_rate=plain / 3)
+    assert fastest_host_read(slow, plain) == plain
+    fast = HostRates(read_rate=plain * 2, flop_rate=1e9, latency=1e-4,
+                     shared_read_rate=plain * 3)
+    assert fastest_host_read(fast, plain) == plain * 3

@@ -1,8 +1,10 @@
-"""What the benchmarks share: their common flags, the argparse check of a count, and the
-Hugging Face models they build with random weights."""
+"""What the benchmarks share: their common flags, the argparse check of a count, the
+Hugging Face models they build with random weights, and the host's read rate."""
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
 import torch
 
@@ -101,3 +103,26 @@ def with_accelerate(build, layers):
     for layer in layers(model):
         cpu_offload(layer, execution_device=torch.device("cuda"))
     return model
+
+
+def plain_read_rate(gib: float = 1.0, reps: int = 5) -> float:
+    """Bytes/s the host's cores read summing ``gib`` GiB of fp32 (page-locked where CUDA is
+    present, as offloaded weights are), the median of ``reps`` sums after one unmeasured."""
+    a = torch.empty(int(gib * 2 ** 30) // 4, dtype=torch.float32,
+                    pin_memory=torch.cuda.is_available())
+    a.uniform_(-1, 1)       # written: an untouched page reads as the zero page
+    a.sum()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        a.sum()
+        times.append(time.perf_counter() - start)
+    return a.numel() * 4 / statistics.median(times)
+
+
+def fastest_host_read(rates, plain: float) -> float:
+    """The fastest the host was seen reading its memory: ``host_compute``'s probe alone or
+    beside the link (``rates``, a ``HostRates``) or a plain sum (``plain`` bytes/s).  A
+    bound at a slower rate is no floor: on one machine the probe read 49 GB/s while the
+    model's own host jobs read over 60."""
+    return max(rates.read_rate, rates.read_beside_link, plain)

@@ -9,7 +9,8 @@ with Llama-3-8B layer shapes (random weights, bf16), timed side by side in one p
   torchao first (their packed bytes move; "x bf16" compares decode with the bf16 row); with
   ``--host-compute never,auto`` a row for each (``auto``, the default, computes some
   offloaded layers' MLPs on the host: its bound is the larger of its copies' time and its
-  host reads' time at the read rate measured beside the link);
+  host reads' time at the fastest rate the host was seen reading, see
+  :func:`.common.fastest_host_read`);
 * accelerate's ``cpu_offload`` on the same layers (eager), where accelerate is installed.
 
 With ``--cuda-graphs`` every row decodes through transformers' own compile route instead: a
@@ -41,8 +42,8 @@ from ..host_compute.rates import host_rates
 from ..host_compute.trial import FixedPlan
 from ..schedule import Schedule
 from .bench import h2d_bandwidth
-from .common import (add_flags, add_generate_arguments, build_random, graphs_route, unavailable,
-                     with_accelerate)
+from .common import (add_flags, add_generate_arguments, build_random, fastest_host_read,
+                     graphs_route, plain_read_rate, unavailable, with_accelerate)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -199,11 +200,13 @@ def _table(rows, tokens, moved, host_read, resident_of, bandwidth) -> None:
     print(f"\ncopy bound of a decode step: bytes copied per forward at {bandwidth / 1e9:.1f} "
           "GB/s; " + ", ".join(f"{k}: {m / 2**30:.2f} GiB = {m / bandwidth * 1e3:.1f} ms"
                               for k, m in moved.items() if k == "bf16" or k not in rows))
-    host_rate = host_rates(torch.device("cuda")).read_beside_link if host_read else 0.0
+    host_rate = fastest_host_read(host_rates(torch.device("cuda")), plain_read_rate()) \
+        if host_read else 0.0
     if host_read:
         print(f"host compute rows: bound = max(bytes copied / {bandwidth / 1e9:.1f} GB/s, "
-              f"bytes the host read / {host_rate / 1e9:.1f} GB/s, its measured read rate "
-              "beside the link); " + ", ".join(
+              f"bytes the host read / {host_rate / 1e9:.1f} GB/s, the fastest it was seen "
+              "reading: host_compute's probe alone or beside the link, or a sum of 1 GiB); "
+              + ", ".join(
                   f"{name}: {moved[name] / 2**30:.2f} GiB copied, {read / 2**30:.2f} GiB read"
                   for name, read in host_read.items()))
     bf16 = next((decode for name, (_, decode) in rows.items()
