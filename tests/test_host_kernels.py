@@ -171,12 +171,14 @@ def test_a_call_from_another_thread_gives_the_same_result():
     assert torch.equal(got["y"], want)
 
 
-def test_a_job_the_stream_runs_gives_the_kernels_result_and_counts_its_experts():
+def test_a_job_the_stream_runs_gives_the_kernels_result_counts_its_experts_and_times_itself():
     """The job a CUDA stream runs as a host function (cuLaunchHostFunc), run here by the
     caller: its arguments packed as the C struct reads them, from a thread of its own (the
-    driver's, there), sentinel ids skipped."""
+    driver's, there), sentinel ids skipped; its record holds its start and end on the clock
+    ``time.monotonic_ns`` reads (the report's host jobs line)."""
     import ctypes
     import threading
+    import time
     from fx_offload.host_compute import native
     lib = native.library()
     if lib is None:
@@ -187,16 +189,19 @@ def test_a_job_the_stream_runs_gives_the_kernels_result_and_counts_its_experts()
     want = routed_experts(x, ids, gates, gate_up, down, path="loops")
     floats, ints = native.scratch_sizes(ids.numel(), H, I, E)
     y = torch.full((3, H), float("nan"))
-    picked, job = ctypes.c_int64(-1), native.ExpertsJob()
+    record, job = native.JobRecord(-1, -1, -1), native.ExpertsJob()
     scratch = torch.empty(floats), torch.empty(ints, dtype=torch.int64)   # alive till it ran
-    native.fill_job(job, gate_up, down, "silu", x, ids, gates, *scratch, y, picked, 2)
+    native.fill_job(job, gate_up, down, "silu", x, ids, gates, *scratch, y, record, 2)
     assert job.done == 0
+    before = time.monotonic_ns()
     worker = threading.Thread(target=lib.fx_experts_run, args=(ctypes.addressof(job),))
     worker.start()
     worker.join()
+    after = time.monotonic_ns()
     assert torch.equal(y, want)
     valid = ids[(ids >= 0) & (ids < E)]
-    assert picked.value == valid.unique().numel() and job.done == 1
+    assert record[0] == valid.unique().numel() and job.done == 1
+    assert before <= record[1] <= record[2] <= after
 
 
 def test_host_threads_is_torchs_pool():

@@ -6,6 +6,7 @@ its reason; ``"auto"``'s rule streams a prompt and shares a decode step between 
 the host.  CPU here: the "device" is the CPU (``"auto"`` means ``"never"`` on it, so these
 use ``"always"``)."""
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -64,6 +65,11 @@ def test_always_gives_the_models_logits_and_copies_no_mlp_weight(family, inner):
     others = sum(rep.layer_bytes.values()) - _mlp_bytes(model, 1) - _mlp_bytes(model, 3)
     assert 0 < rep.copied_bytes_last_call <= others, (rep.copied_bytes_last_call, others)
     assert "computed the experts or MLPs of layers [1, 3] on the host" in str(rep)
+    # on a CPU no job is queued on a stream; where they are (CUDA), the report times them
+    assert rep.host_jobs_last_call is None and "host job(s)" not in str(rep)
+    timed = dataclasses.replace(rep, host_jobs_last_call=(8, 2_800_000_000, 0.022, 0.036))
+    assert ("its 8 host job(s) on the stream ran 22.00 ms, reading 127.3 GB/s; 14.00 ms "
+            "passed between them") in str(timed)
     # each of the three weights is a chunk of its own (none shares a copy with a norm)
     chunks = registry.state_for_model(model).learned.layout[1]
     assert [c.suffixes for c in chunks[-3:]] == [
@@ -199,6 +205,8 @@ def test_on_a_gpu_the_stream_runs_the_mlp_and_the_logits_agree(mode):
         assert set(rep.ran_on.values()) == {"host"}
         assert registry.state_for_model(model).host_experts._jobs is not None
         assert rep.host_read_bytes_last_call == _mlp_bytes(model, 1) + _mlp_bytes(model, 3)
+        count, nbytes, ran, span = rep.host_jobs_last_call     # both jobs timed by the host
+        assert count == 2 and nbytes == rep.host_read_bytes_last_call and 0 < ran <= span
     else:
         assert 2 in rep.host_timing, rep.host_timing
 

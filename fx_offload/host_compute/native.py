@@ -30,6 +30,7 @@ SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 /* one register of fp32: 16 lanes with AVX-512, else 8 (wider types would live on the stack) */
 #ifdef __AVX512F__
@@ -268,18 +269,26 @@ void fx_experts(int wt, const void* gate, const void* up, int64_t stride, const 
 }
 
 /* One layer's routed experts as a job the CUDA stream runs (cuLaunchHostFunc): the call's
-   arguments, and what it leaves behind (how many distinct experts it read; done = 1 once
-   finished, so the caller knows the job's arguments may be written again). */
+   arguments, and what it leaves behind: record[0] the distinct experts it read, record[1]
+   and record[2] the monotonic clock (ns) at its start and end; done = 1 once finished, so
+   the caller knows the job's arguments may be written again. */
 typedef struct {
     int32_t wt, act, threads, done;
     const void *gate, *up, *down;
     int64_t stride, n_experts, hidden, inter, tokens, k;
     const float* x; const int64_t* ids; const float* gates;
-    float *xp, *h, *gp; int64_t* is; float* y; int64_t* picked;
+    float *xp, *h, *gp; int64_t* is; float* y; int64_t* record;
 } fx_experts_job;
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
 
 void fx_experts_run(void* arg) {
     fx_experts_job* j = (fx_experts_job*)arg;
+    int64_t began = now_ns();
     unsigned char seen[j->n_experts > 0 ? j->n_experts : 1];
     memset(seen, 0, sizeof seen);
     int64_t distinct = 0;
@@ -289,7 +298,9 @@ void fx_experts_run(void* arg) {
     }
     fx_experts(j->wt, j->gate, j->up, j->stride, j->down, j->n_experts, j->hidden, j->inter, j->x, j->tokens,
                j->k, j->ids, j->gates, j->act, j->xp, j->h, j->gp, j->is, j->y, j->threads);
-    *j->picked = distinct;
+    j->record[0] = distinct;
+    j->record[1] = began;
+    j->record[2] = now_ns();
     __atomic_store_n(&j->done, 1, __ATOMIC_RELEASE);
 }
 """
@@ -364,7 +375,12 @@ class ExpertsJob(ctypes.Structure):
                 ("hidden", ctypes.c_int64), ("inter", ctypes.c_int64),
                 ("tokens", ctypes.c_int64), ("k", ctypes.c_int64),
                 *((name, ctypes.c_void_p) for name in
-                  ("x", "ids", "gates", "xp", "h", "gp", "is_", "y", "picked"))]
+                  ("x", "ids", "gates", "xp", "h", "gp", "is_", "y", "record"))]
+
+
+# what a job leaves behind: the distinct experts it read, and the monotonic clock (ns) at its
+# start and end (``time.monotonic_ns`` reads the same clock)
+JobRecord = ctypes.c_int64 * 3
 
 
 def scratch_sizes(pairs: int, hidden: int, inter: int, experts: int) -> tuple[int, int]:
@@ -385,7 +401,7 @@ def gate_and_up(gate_up) -> tuple[int, int, int]:
 
 def fill_job(job: ExpertsJob, gate_up, down: torch.Tensor, act: str,
              x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor, floats: torch.Tensor,
-             ints: torch.Tensor, y: torch.Tensor, picked: ctypes.c_int64,
+             ints: torch.Tensor, y: torch.Tensor, record: JobRecord,
              threads: int) -> None:
     """``job``'s fields for the experts on ``x`` (fp32), ``ids`` (int64), ``gates`` (fp32)
     into ``y`` (fp32), host tensors that stay alive until the job has run.  ``gate_up``:
@@ -400,7 +416,7 @@ def fill_job(job: ExpertsJob, gate_up, down: torch.Tensor, act: str,
     job.n_experts, job.hidden, job.inter, job.tokens, job.k = E, H, I, T, k
     job.x, job.ids, job.gates = x.data_ptr(), ids.data_ptr(), gates.data_ptr()
     job.xp, job.h, job.gp = base, base + f * pairs * H, base + f * pairs * (H + I)
-    job.is_, job.y, job.picked = ints.data_ptr(), y.data_ptr(), ctypes.addressof(picked)
+    job.is_, job.y, job.record = ints.data_ptr(), y.data_ptr(), ctypes.addressof(record)
 
 
 _driver: list = []

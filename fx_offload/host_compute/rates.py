@@ -177,12 +177,12 @@ class _ReadProbe:
         floats, ints = native.scratch_sizes(PROBE_PICKS, PROBE_HIDDEN, PROBE_INNER,
                                             PROBE_EXPERTS)
         scratch = (torch.empty(floats), torch.empty(ints, dtype=torch.int64))
-        y, picked, job = torch.empty(1, PROBE_HIDDEN), ctypes.c_int64(0), native.ExpertsJob()
+        y, record, job = torch.empty(1, PROBE_HIDDEN), native.JobRecord(), native.ExpertsJob()
 
         def run() -> None:          # as a queued job runs: its own thread and team
             for ids in sets():
                 native.fill_job(job, self.gate_up, self.down, "silu", self.x, ids,
-                                self.gates, *scratch, y, picked, kernels.job_threads())
+                                self.gates, *scratch, y, record, kernels.job_threads())
                 start = time.perf_counter()
                 lib.fx_experts_run(ctypes.byref(job))
                 seconds.append(time.perf_counter() - start)

@@ -63,6 +63,9 @@ class Report:
     # bytes of host memory the latest call's host-computed experts and MLPs read in place
     # (beside copied_bytes_last_call, what crossed the link)
     host_read_bytes_last_call: int = 0
+    # the latest call's host jobs queued on the stream: (how many, bytes they read, seconds
+    # they ran, seconds from the first one's start to the last one's end); None: none queued
+    host_jobs_last_call: tuple[int, int, float, float] | None = None
     # host_compute="auto": per call size (tokens), the timed calls' medians and what stays
     # (host_compute.trial), in words
     host_timing: dict[int, str] = dataclasses.field(default_factory=dict)
@@ -139,6 +142,8 @@ class Report:
             lines.append(f"  the last call copied {format_bytes(self.copied_bytes_last_call)}")
         if self.ran_on:
             lines.append(_host_line(self.ran_on, self.host_read_bytes_last_call))
+            if self.host_jobs_last_call:
+                lines.append(_jobs_line(*self.host_jobs_last_call))
             for tokens, timing in self.host_timing.items():
                 lines.append(f"    'auto' at {tokens} token(s) a call: {timing}")
         if self.planner is not None:
@@ -171,6 +176,13 @@ def _host_line(ran: dict[int, str], read: int) -> str:
     if streamed:
         line += "; " + "; ".join(f"layer {layer} {r}" for layer, r in streamed.items())
     return line
+
+
+def _jobs_line(count: int, nbytes: int, ran: float, span: float) -> str:
+    rate = f", reading {nbytes / ran / 1e9:.1f} GB/s" if ran > 0 else ""
+    return (f"    its {count} host job(s) on the stream ran {ran * 1e3:.2f} ms{rate}; "
+            f"{max(span - ran, 0.0) * 1e3:.2f} ms passed between them (the layers' device "
+            "work and round trips)")
 
 
 def _ran_on(state) -> dict[int, str]:
@@ -279,6 +291,8 @@ def _weights_report(model: nn.Module) -> Report:
             ran_on=_ran_on(state),
             host_read_bytes_last_call=0 if getattr(state, "host_experts", None) is None
             else state.host_experts.read_bytes,
+            host_jobs_last_call=None if getattr(state, "host_experts", None) is None
+            else state.host_experts.jobs_timed,
             host_timing=_host_timing(state))
     kept = registry.nothing_offloaded(model)
     if kept is not None:

@@ -41,7 +41,6 @@ on the device, and the fastest stays.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import weakref
 
@@ -84,7 +83,7 @@ class _StreamJobs:
         self.queued = [False] * self.RING
         self.next = 0
         self.buffers: dict[str, torch.Tensor] = {}
-        self.picked: dict[int, ctypes.c_int64] = {}
+        self.records: dict[int, native.JobRecord] = {}   # layer -> its latest job's record
         # the jobs' stream, and the events between it and the compute stream
         self.stream = self.entered = self.left = None
 
@@ -148,11 +147,11 @@ class _StreamJobs:
                 view.copy_(there, non_blocking=True)
                 staged.append(view)
             y = self.buffer("y", T * H, torch.float32, side).view(T, H)
-            picked = self.picked.setdefault(layer, ctypes.c_int64(0))
+            record = self.records.setdefault(layer, native.JobRecord())
             job = self.job(side)
             native.fill_job(job, gate_up, down, "silu", *staged,
                             self.buffer("floats", floats, torch.float32, side, False),
-                            self.buffer("ints", ints, torch.int64, side, False), y, picked,
+                            self.buffer("ints", ints, torch.int64, side, False), y, record,
                             self.threads)
             native.launch_host_function(self.lib, side.cuda_stream, job)
             y_there.copy_(y, non_blocking=True)
@@ -183,7 +182,7 @@ class HostExperts:
         self.on_host_now = mode == "always"     # this call's prediction, for the prefetches
         self.ran: dict[int, str] = {}   # layer -> "host", "device", "split <m>", latest call
         self._read = 0              # host memory the latest call's kernels read (waited)
-        self._queued_reads: list = []   # (counter, bytes an expert) of its queued jobs
+        self._queued_reads: list = []   # (job record, bytes an expert) of its queued jobs
         self._jobs = None           # _StreamJobs, made at the first queued call
         self._predictions: dict[tuple, tuple] = {}    # (layer, tokens, k) -> _predicted's
         # "auto": the rule's choice timed against the host alone and streaming, per call
@@ -243,7 +242,22 @@ class HostExperts:
     def read_bytes(self) -> int:
         """Host memory the latest call's kernels read; waits for its queued jobs."""
         self.synchronize()
-        return self._read + sum(c.value * b for c, b in self._queued_reads)
+        return self._read + sum(r[0] * b for r, b in self._queued_reads)
+
+    @property
+    def jobs_timed(self) -> tuple[int, int, float, float] | None:
+        """The latest call's jobs queued on the stream: (how many, bytes they read, seconds
+        they ran, seconds from the first one's start to the last one's end), None where none
+        was queued; waits for them.  They run one after another on one stream, so the span
+        less the time they ran is the time the host's cores waited between them."""
+        self.synchronize()
+        done = [(r[0] * size, r[1], r[2]) for r, size in self._queued_reads
+                if r[2] >= r[1] > 0]
+        if not done:
+            return None
+        return (len(done), sum(n for n, _, _ in done),
+                sum(e - b for _, b, e in done) / 1e9,
+                (max(e for _, _, e in done) - min(b for _, b, _ in done)) / 1e9)
 
     def skips(self, layer: int, chunk) -> bool:
         """The prefetch of ``layer``'s ``chunk`` copies nothing: its experts, or its dense
@@ -280,7 +294,7 @@ class HostExperts:
         if self._jobs is None:
             self._jobs = _StreamJobs(native.library(), job_threads())
         out = self._jobs.run(entry, layer, x, ids, gates, device_part)
-        self._queued_reads.append((self._jobs.picked[layer], entry.expert_bytes))
+        self._queued_reads.append((self._jobs.records[layer], entry.expert_bytes))
         return out
 
     def run_mlp(self, layer: int, chunks, x: torch.Tensor) -> torch.Tensor:
