@@ -40,12 +40,9 @@ def depth_wanted(layers: int) -> int:
 
     The count follows the measurements, not a model of them (why eight pay at 48 layers
     and not at 8 was not traced; the fills begun as a call ends, which can use only the
-    host's time between calls, are one candidate).  Measured with Hugging Face
-    ``generate`` under CUDA graphs, Qwen3-30B-A3B's layer shapes, one slot
-    (docs/notes/2026-11-27-moe-ring-ahead.md): at 8 layers four buffers were faster than
-    eight at batch 1 (19.10 against 19.71 ms/token) and as fast at batch 8; at 48 layers
-    eight were 2.9% faster than four (108.14 against 111.32), and sixteen no faster than
-    eight."""
+    host's time between calls, are one candidate): at 8 layers four buffers were faster
+    than eight, at 48 layers eight faster than four and sixteen no faster than eight
+    (docs/notes/2026-11-27-moe-ring-ahead.md)."""
     value = os.environ.get("FX_OFFLOAD_AHEAD", "").strip()
     default = min(MOST, max(DEPTH, layers // PER_BUFFER))
     if not value:

@@ -111,11 +111,7 @@ class OffloadOptions:
     def placement_key(self) -> tuple:
         """The options that decide what is offloaded and where; the inner compiler is not
         part of it, so one model may be compiled by several inner backends."""
-        return (self.group_size, self.num_in_group, self.prefetch_step,
-                self.offload_params, self.layers, self.copy_chunks,
-                self.circular_prefetch, self.compress, self.uncompressed_weights,
-                self.experts, self.expert_cache, self.host_compute) + tuple(
-                    getattr(self, name) for name in PLANNER_KEYS)
+        return tuple(getattr(self, name) for name in PLACEMENT_KEYS)
 
     def describe(self, placement_only: bool = False) -> str:
         if self.planned:
@@ -130,16 +126,8 @@ class OffloadOptions:
         if self.layers is not None:
             shown = self.layers if isinstance(self.layers, str) else list(self.layers)
             parts.append(f"layers={shown!r}")
-        if self.copy_chunks != OffloadOptions.copy_chunks:
-            parts.append(f"copy_chunks={self.copy_chunks}")
-        if self.circular_prefetch != OffloadOptions.circular_prefetch:
-            parts.append(f"circular_prefetch={self.circular_prefetch!r}")
-        if self.compress != OffloadOptions.compress:
-            parts.append(f"compress={self.compress!r}")
-        if self.uncompressed_weights != OffloadOptions.uncompressed_weights:
-            parts.append(f"uncompressed_weights={self.uncompressed_weights!r}")
-        if self.experts != OffloadOptions.experts:
-            parts.append(f"experts={self.experts!r}")
+        parts += [f"{name}={getattr(self, name)!r}" for name in _SHOWN_WHEN_SET
+                  if getattr(self, name) != getattr(OffloadOptions, name)]
         if self.expert_cache_asked:
             parts.append(f"expert_cache={format_bytes(self.expert_cache, as_option=True)}")
         if self.host_compute != OffloadOptions.host_compute:
@@ -161,6 +149,9 @@ VALID_KEYS = tuple(f.name for f in dataclasses.fields(OffloadOptions))
 PLANNER_KEYS = ("memory_budget", "plan_tokens", "flop_rate", "memory_bandwidth",
                 "h2d_bandwidth", "launch_overhead")
 HAND_PICKED_KEYS = ("group_size", "num_in_group", "prefetch_step")
+# described only where they differ from the default, in this order
+_SHOWN_WHEN_SET = ("copy_chunks", "circular_prefetch", "compress", "uncompressed_weights",
+                   "experts")
 PLACEMENT_KEYS = HAND_PICKED_KEYS + ("offload_params", "layers", "copy_chunks",
                                      "circular_prefetch", "compress", "uncompressed_weights",
                                      "experts", "expert_cache", "host_compute") + PLANNER_KEYS

@@ -27,20 +27,10 @@ Paths (``path=``; ``None`` picks per shape, see :func:`pick`):
 
 The choice: ``loops`` everywhere, except fp32 weights at one token, where MKL's fp32
 matrix-vector product (``native``) reads at the memory's rate already.  Why: torch's paths
-run one matmul after another, and at decode an expert's matmul is 1.5 to 3 MiB, too small
-to keep 16 or 32 cores busy (bf16 ``torch.mv`` reads at 37 of 86 GB/s on 16 cores); one
-region over the row blocks of all eight experts keeps every core streaming.  ``upcast``
-reads each weight three times.  Measured on the H200 machine's host (16 cores, reading 106
-GB/s), bf16 experts of Qwen3-30B-A3B at 1 token: loops 74.7 GB/s, inductor 57.1, native
-28.5, upcast 9.3; at 8 tokens 69.3, 65.6, 21.1, 20.2; Llama-3-8B's dense layers at 1 token:
-loops 70-72, native 50-54 (at 8 tokens native was ahead on q/k/v/o, 62 to 45, before loops
-took two rows at once).  Those were measured before the kernel's prefetch, on experts a
-large last-level cache (300 MiB there) partly held; from 4.5 GiB of experts, 8 of 128 at
-random a call, ``loops`` read 59-71 GB/s on 16 threads without the prefetch and 72-85
-with its 4 KiB prefetch (a plain read of the same bytes: about 100).  Its row blocks go to
-threads as they free up: on a 32-core host a Llama-3-8B MLP then read 132 GB/s at 1 token and
-101 at 8 (109 and 73 with an equal share dealt out ahead; a sum read 127).  ``python -m
-fx_offload host --paths all`` times every path.
+run one matmul after another, and at decode an expert's matmul (1.5 to 3 MiB) is too small
+to keep every core busy; one region over the row blocks of all the experts keeps them all
+streaming, each block handed to a thread as it frees up.  The paths' measured rates are in
+docs/host_compute.md (Host kernels); ``python -m fx_offload host --paths all`` times them.
 
 Threads: every path runs on torch's intra-op pool (OpenMP), whose size is
 ``torch.get_num_threads()``; torch sizes it to the physical cores by default and
@@ -82,10 +72,7 @@ def job_threads() -> int:
     """Threads of a job the stream runs: ``FX_OFFLOAD_HOST_THREADS`` where set, else torch's
     pool less an eighth of it (at least one fewer).  The job runs while the Python thread
     enqueues the next layers and the driver's threads serve the copies; a team on every core
-    slows all three.  Measured on the H200 machine (16 cores), 8 Qwen3-30B-A3B layers at
-    batch 1: 8 threads 21.3 ms/token, 12 18.8, 15 19.4, 16 22.4; the kernel alone as a
-    stream job, 1 / 8 tokens: 12 threads 65 / 67 GB/s, 14 77 / 82 (16 threads, with a 1 KiB
-    prefetch: 49 / 54 where 14 read 66 / 69)."""
+    slows all three (measured: docs/host_compute.md, threads of a queued job)."""
     value = os.environ.get("FX_OFFLOAD_HOST_THREADS", "").strip()
     if value:
         try:

@@ -175,9 +175,7 @@ static inline int64_t lesser(int64_t a, int64_t b) { return a < b ? a : b; }
    and as many tasks for each thread (2048 rows on 16 threads: 8 tasks of 16 rows each).
    The tasks are handed out as threads free up (schedule(dynamic)), not dealt out ahead:
    threads reading memory at once do not progress evenly, and a static share leaves the
-   region waiting for the slowest.  Measured on a 32-core host (a Llama-3-8B MLP, 28 threads,
-   from 2.6 GiB of page-locked weights): 1 token 109 -> 136 GB/s, 8 tokens 73 -> 107, where a
-   sum over the same memory read 127. */
+   region waiting for the slowest (a fifth to a third slower, docs/host_compute.md). */
 static inline int64_t block_for(int64_t rows, int threads) {
     int64_t per = (rows + 16 * threads - 1) / (16 * threads);
     int64_t block = (rows + threads * per - 1) / (threads * per);
@@ -310,10 +308,8 @@ ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
 
 # Bytes ahead of the row being read that the kernel asks the memory for.  A gate/up row of a
 # 2048-wide bf16 expert is one 4 KiB page, and the hardware's prefetcher starts again at every
-# page; asking a page ahead keeps each core's reads in flight across it.  Measured on the
-# H200 machine's host (16 cores; 8 of 128 Qwen3-30B-A3B experts a call from 4.5 GiB, a stream
-# job of 14 threads, GB/s, 1 / 8 tokens): none 61 / 60, 1 KiB 55 / 73, 2 KiB 70 / 76,
-# 4 KiB 77 / 82; the non-temporal hint was slower at every distance (41-56).
+# page; asking a page ahead keeps each core's reads in flight across it (the distances
+# measured: docs/host_compute.md).
 PREFETCH = 4096
 
 _lock = threading.Lock()
@@ -456,8 +452,8 @@ def experts(lib, x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor,
     (T, H), k = x.shape, ids.shape[1]
     E, I, pairs = gate_up.shape[0], down.shape[2], T * ids.shape[1]
     out = torch.empty(T, H, dtype=torch.float32)
-    floats = torch.empty(pairs * (H + I + 1), dtype=torch.float32)
-    ints = torch.empty(3 * E + 3 * pairs + 2, dtype=torch.int64)
+    nfloats, nints = scratch_sizes(pairs, H, I, E)
+    floats, ints = torch.empty(nfloats), torch.empty(nints, dtype=torch.int64)
     base, f = floats.data_ptr(), 4
     lib.fx_experts(WEIGHT_CODES[gate_up.dtype], *gate_and_up(gate_up), down.data_ptr(), E, H,
                    I, x.data_ptr(), T, k, ids.data_ptr(), gates.data_ptr(), ACT_CODES[act], base,

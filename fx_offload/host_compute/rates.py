@@ -38,8 +38,7 @@ log = logging.getLogger("fx_offload")
 
 NAMES = ("read_rate", "flop_rate", "latency", "link_rate", "shared_read_rate",
          "shared_link_rate")
-# (v1 read its probe's weights from the cache; v2 had no shared rates; v3 ran the kernel
-# without its prefetch and a smaller team, v4 dealt its tasks out statically: measured again)
+# a new version whenever the probe or the kernel changes, so that each machine measures again
 KEY = "host experts v5"
 # the read probe: bf16 experts of Qwen3-30B-A3B's size (9 MiB each), 8 picked a call of 64
 # (576 MiB: more than any last-level cache); the flop probe's matmul

@@ -4,10 +4,10 @@ take turns with the rule's split, the host alone and streaming, and the faster s
 The rule (:func:`.split.device_picks`) weighs rates measured apart from the model: the
 link's, the host's reads and arithmetic, a round trip.  A decode step has costs those do
 not see: a layer's host job waits for that layer's attention and the next layer waits for
-the job, the Python thread's launches, the job's wake-up.  On the H200 machine the rule's
-split at batch 1 took 20.97 ms a token against 18.51 streamed (8 layers of Qwen3-30B-A3B),
-while at batch 8 it took 58.23 against 89.98.  So the rule proposes and the calls decide,
-in ``ROUNDS`` rounds of blocks, a block being one plan's warm-up call and its timed call::
+the job, the Python thread's launches, the job's wake-up (on the H200 machine the rule's
+split lost to streaming at batch 1 and won at batch 8: docs/host_compute.md).  So the rule
+proposes and the calls decide, in ``ROUNDS`` rounds of blocks, a block being one plan's
+warm-up call and its timed call::
 
     call:    1      2      3      4      5      6      7      8      9 ... 12   13 ...
     plan:    rule   rule   host   host   stream stream rule   rule   ...  stream best
@@ -19,26 +19,21 @@ The events are read once done, never waited for (a block runs on until its timed
 read; the calls past it are not counted). The plan whose fastest timed call was fastest
 wins for that size of call, for good (a new size of call has a trial of its own).
 
-Why blocks: a change of plan has a cost of its own (on the H200 machine, a first version
-that changed plan every call timed every plan's calls about 45 ms longer than its decode
-steps once kept: the prefetches and slots set up for the plan before), which the warm-up
-call takes.  Why rounds and the fastest call: with one block each, the plan tried first
-timed slowest by far even with calls that compiled left out (not yet profiled: a size's
-first calls pay costs of their own): on the H200 machine the split at batch 8 timed 358 ms
-a call against 114 on the host alone, where its decode steps once kept took 58 ms against
-66. A second block of each plan, after the others, gives every plan a call clear of that.
-Plans that are the same (the rule says stream, or host alone) are tried once. Under a CUDA
-graph capture nothing is timed. Only plans the rule predicts at most ``TRY_WITHIN`` times
-slower than its own are tried: a prompt is never tried on the host alone.
-A plan is a call's, named by the rule's ``m`` for its first routed layer: ``0`` and ``k``
-hold for every layer, any other value lets each layer take its own rule's ``m`` (the layers
-of one model predict alike). At most ``MAX_SIZES`` call sizes get a trial; past them a new
-size runs the rule's plan.
+Why blocks: a change of plan has a cost of its own (the prefetches and slots set up for the
+plan before), which the warm-up call takes.  Why rounds and the fastest call: with one block
+each, the plan tried first timed slowest by far, even with calls that compiled left out (a
+size's first calls pay costs of their own); a second block of each plan, after the others,
+gives every plan a call clear of that.  Plans that are the same (the rule says stream, or
+host alone) are tried once. Under a CUDA graph capture nothing is timed. Only plans the
+rule predicts at most ``TRY_WITHIN`` times slower than its own are tried: a prompt is never
+tried on the host alone.  A plan is a call's, named by the rule's ``m`` for its first routed
+layer: ``0`` and ``k`` hold for every layer, any other value lets each layer take its own
+rule's ``m`` (the layers of one model predict alike). At most ``MAX_SIZES`` call sizes get
+a trial; past them a new size runs the rule's plan.
 
 A call during which Dynamo compiled a graph is not timed: the device waits for the compile
-(seconds), which says nothing of the plan. Under ``dynamic=True`` the second decode step
-compiles again (the first size seen is compiled static), and on the H200 machine that
-compile landed in the rule's timed calls: 11.6 s a call, so the split lost to streaming.
+(seconds), which says nothing of the plan (under ``dynamic=True`` the second decode step
+compiles again).
 """
 from __future__ import annotations
 

@@ -497,10 +497,8 @@ def _hosts_experts(options: OffloadOptions, device: torch.device) -> bool:
     """Where the host computes routed experts (``host_compute`` "auto" or "always" on a
     GPU), a plan offloads expert tensors alone: the host reads them in place and only
     activations cross the link, while any other offloaded weight (attention, norms, the
-    router) would cross it every call; the streaming cost model below cannot see that.  On
-    the H200, 48 Qwen3-30B-A3B-shape layers under ``memory_budget="32GiB"`` took 130.5 ms a
-    token with 23 whole layers offloaded (the streaming model's choice, 0.82 GiB copied a
-    step), against 82.5 with every layer offloaded and nothing kept on the device."""
+    router) would cross it every call; the streaming cost model below cannot see that (the
+    measured case: docs/planner.md, a MoE layer's experts alone)."""
     return options.experts == "routed" and \
         options.host_compute_in(device.type, options.mode) != "never"
 
