@@ -34,8 +34,8 @@ routers and norms, the planner offloads their expert tensors alone).  Needs a GP
 ``--host-compute`` runs the routed rows with each ``host_compute`` value asked for: the
 experts computed on the host's cores read their weights in place (``host GiB``, from
 ``report``), and such a step's bound is the larger of its copies over the link and its host
-reads over the host's read rate, each at its rate measured while the other runs
-(``host_compute``'s own shared rates: both read the host's memory).  Before a row's timed
+reads over the host's read rate: the link's rate measured while the host reads, the host's
+the fastest it was seen reading (:func:`.common.fastest_host_read`).  Before a row's timed
 calls at each batch, ``"auto"`` is let finish timing its plans (its trial) at that batch's
 prompt and decode sizes, so the rows time the plan it keeps.
 """
@@ -49,8 +49,8 @@ import torch
 
 from .. import backend, compile_forward, registry, report
 from .bench import gather_bandwidth, h2d_bandwidth
-from .common import (add_flags, add_generate_arguments, build_random, unavailable,
-                     with_accelerate)
+from .common import (add_flags, add_generate_arguments, build_random, fastest_host_read,
+                     plain_read_rate, unavailable, with_accelerate)
 from .common import graphs_route as _graphs
 from .generate_bench import measure
 from ..host_compute.trial import ROUNDS
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     rows_of += [("routed", "auto", b, None, h) for b in args.memory_budget.split(",") if b
                 for h in hosts]
     default_depth = os.environ.get("FX_OFFLOAD_AHEAD")
-    rates = _host_rates() if any(h != "never" for h in hosts) else None
+    rates = _host_rates() if any(h != "never" for h in hosts) else (None, None)
     for experts, cache, budget, depth, host in rows_of if "fx_offload" in methods else []:
         torch._dynamo.reset()
         _set_env("FX_OFFLOAD_AHEAD", default_depth if depth is None else depth)
@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
                                                          steps=True)
         del model
     torch.cuda.empty_cache()
-    _print_table(rows, tokens, moved, bandwidth, gathering, rates)
+    _print_table(rows, tokens, moved, bandwidth, gathering, *rates)
     return 0
 
 
@@ -210,11 +210,14 @@ def _host_rates():
     """The host's rates as ``host_compute`` measured them (cached per machine)."""
     from ..host_compute.rates import host_rates
     rates = host_rates(torch.device("cuda"))
+    plain = plain_read_rate()
     print(f"host read rate {rates.read_rate / 1e9:.1f} GB/s alone, "
           f"{rates.read_beside_link / 1e9:.1f} while the link copies (at "
-          f"{rates.link_beside_reads / 1e9:.1f} GB/s; {rates.link_rate / 1e9:.1f} alone): "
+          f"{rates.link_beside_reads / 1e9:.1f} GB/s; {rates.link_rate / 1e9:.1f} alone), "
+          f"a plain sum {plain / 1e9:.1f}; the bound takes the fastest, "
+          f"{fastest_host_read(rates, plain) / 1e9:.1f}: "
           "host_compute's measurements", flush=True)
-    return rates
+    return rates, fastest_host_read(rates, plain)
 
 
 def _profile(model, prompt, extra, new_tokens: int = 6) -> None:
@@ -243,7 +246,8 @@ def _profile(model, prompt, extra, new_tokens: int = 6) -> None:
           f"{link_gaps(events, after, kernels=('_gather_rows',))}", flush=True)
 
 
-def _print_table(rows, tokens, moved, bandwidth, gathering, rates=None) -> None:
+def _print_table(rows, tokens, moved, bandwidth, gathering, rates=None,
+                 host_read=None) -> None:
     print(f"\n{'method':88s} {'batch':>5s} {'prefill ms':>10s} {'decode ms/tok':>13s} "
           f"{'GiB/step':>8s} {'host GiB':>8s} {'x bound':>8s} {'x gather':>8s} {'cached':>8s} "
           f"{'x routed':>8s} {'x whole':>8s} {'same tokens':>11s}")
@@ -252,9 +256,9 @@ def _print_table(rows, tokens, moved, bandwidth, gathering, rates=None) -> None:
         same = "-" if ref is None or name.startswith("resident") else (
             "yes" if torch.equal(tokens[(name, b)], ref) else "NO")
         nbytes, cached, gathered, host = moved.get((name, b), (None, 0, 0, 0))
-        # a step's bound: its copies over the link and its host reads over the host's read
-        # rate, both at once (each at its rate beside the other), so the larger of the two
-        floor = max(nbytes / rates.link_beside_reads, host / rates.read_beside_link) \
+        # a step's bound: its copies over the link (at its rate beside the host's reads) and
+        # its host reads over the fastest the host was seen reading, the larger of the two
+        floor = max(nbytes / rates.link_beside_reads, host / host_read) \
             if nbytes and host and rates else nbytes / bandwidth if nbytes else None
         bound = decode / (floor * 1e3) if floor else float("nan")
         # the gathered rows at the gather kernel's rate, the rest at the copy engine's
