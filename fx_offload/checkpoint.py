@@ -3,7 +3,7 @@ them, and models built without weights to receive them.
 
 A model too big for the GPU is often too big to hold twice in host memory, so
 :func:`fx_offload.place` never loads a whole state dict: each tensor is read from its file
-into its final place (a layer's host block, or a staging tensor on its way to the device)::
+into its final place::
 
     safetensors file ──read──▶ host block view        (an offloaded layer's weight)
                      ──read──▶ staging ──copy──▶ device tensor   (everything else)
@@ -11,15 +11,9 @@ into its final place (a layer's host block, or a staging tensor on its way to th
 A safetensors file is an 8-byte little-endian header length, a JSON header giving each
 tensor's dtype, shape and byte range, then the bytes; reading a range with ``readinto``
 into the destination's memory is the whole loader.  Page cache is the kernel's, not the
-process's: peak resident memory is what the model keeps plus one staging tensor.
-
-Sources: a ``.safetensors`` file; a folder written by ``save_pretrained`` (one
-``model.safetensors``, or ``model.safetensors.index.json`` and its shards); or any mapping of
-name to tensor (a state dict, ``torch.load(path, mmap=True)``), whose tensors are copied.
-
-:func:`empty_weights` builds a model with its parameters on the meta device and its buffers
-real: buffers that are not saved (rotary frequencies, masks) are computed as usual, which a
-model built under ``torch.device("meta")`` cannot recover.
+process's: peak resident memory is what the model keeps plus one staging tensor.  A mapping
+of name to tensor is copied from instead.  The sources, the conversions and
+:func:`empty_weights`: docs/usage.md (A model bigger than the GPU).
 """
 from __future__ import annotations
 

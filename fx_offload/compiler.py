@@ -1,6 +1,7 @@
-"""The ``prefetch_offload`` Dynamo backend: its three entry routes and, for each graph Dynamo
-hands it, the compile sequence :func:`compile_graph`:
+"""The ``prefetch_offload`` Dynamo backend: its three entry routes and, for each graph
+Dynamo hands it, the compile sequence :func:`compile_graph`:
 
+0. the host KV cache's layers rerouted through their slots (``kv``);
 1. inputs: which model and which parameters the placeholders are (``graph_inputs``);
 2. choice: at the model's first compile, what is offloaded (``selection.choose``) and a new
    integer handle for its ops; later compiles of the same model reuse its state's;
@@ -8,14 +9,14 @@ hands it, the compile sequence :func:`compile_graph`:
    choice and the handle alone; what it learns from the graph (the copy chunks, the
    routing) goes into the model's ``learned.Learned``, never into the choice;
 4. state: at the first compile, the model's offload state (``runtime``), built from the
-   choice, the handle and what the pass learned, which the ops reach through the handle
-   at run time;
+   choice, the handle and what the pass learned; the ops reach it through the handle;
 5. inner compile: Inductor, ``aot_eager`` or ``eager`` (``inner``);
 6. materialize: only now, at the first compile, move the weights to host masters and point
    the parameters at their slots, so a failure in steps 1-5 leaves the model untouched;
 7. summary: one INFO line (``TORCH_LOGS=fx_offload``).
 
-So the phases run one way: selection -> pass -> runtime.
+So the phases run one way: selection -> pass -> runtime.  The routes: docs/usage.md (Four
+ways in); the sequence: docs/design.md (The pieces).
 """
 from __future__ import annotations
 

@@ -8,20 +8,15 @@ it holds an eighth of the layer)::
     slot  [ in_norm q k v o | post_norm gate | up | down ]
             chunk 0           chunk 1          2    3
 
-The pass places one wait per chunk, before the first read of that chunk, and starts the copy
-of the next occupant's chunk ``d`` right after the last read of the chunks it overwrites
-(:mod:`fx_offload.passes.plan`): the next layer's attention weights copy while this layer's
-MLP runs, and the next layer begins its attention while its MLP weights still copy.
-
-Parameters first read by the same node (a linear's weight and bias) stay in one chunk.  An
-expert tensor, and each weight of a dense MLP the host may compute (``Choice.mlps``), is a
-chunk of its own: a call that computes it elsewhere copies none of it.  The
-order comes from the model's first graph; a layer that graph does not read takes the order of
-a layer with the same parameters.  A model placed before any graph (``fx_offload.place``)
-takes the chunks an instance of its class got from a graph with the same options, or else
-small parameters (norms, biases) first, then the rest in declaration order; a copy of an
-offloaded model (``deepcopy``, pickling) offloaded again keeps the chunks it had.  The
-layout is arranged once per model, before its host blocks are filled, and never changes.
+An expert tensor, and each weight of a dense MLP the host may compute (``Choice.mlps``), is
+a chunk of its own: a call that computes it elsewhere copies none of it.  A model placed
+before any graph (``fx_offload.place``) takes the chunks an instance of its class got from a
+graph with the same options (Dynamo shares that graph among the instances), or else small
+parameters (norms, biases) first, then the rest in declaration order; a copy of an offloaded
+model offloaded again keeps the chunks it had.  The layout is arranged once per model,
+before its host blocks are filled, and never changes.  Where the pass puts each chunk's wait
+and start, and the order taken from the first graph: docs/design.md (The inserted op
+pattern).
 """
 from __future__ import annotations
 

@@ -1,31 +1,29 @@
 """nvCOMP's ANS codec for the records of ``compress="lossless"`` on a GPU, where nvCOMP's
 library (the ``nvidia-libnvcomp-cu13`` wheel) is installed; :mod:`.lossless` is the codec
 elsewhere.  Called through nvCOMP's batched C API (``ctypes``): its decode is kernel
-launches on the stream it is given, with device arrays we own, so a CUDA graph can capture it
-(nvCOMP's Python API keeps its arrays alive from a host callback, which a replayed graph runs
-again on objects long freed).
+launches on the stream it is given, with device arrays we own, so a CUDA graph can capture
+it (nvCOMP's Python API keeps its arrays alive from a host callback, which a replayed graph
+runs again on objects long freed).
 
-A chunk (:mod:`fx_offload.layout`) is cut into ``PIECE``-byte pieces, each compressed on its
-own by rANS over its bf16 words read as 16-bit floats (the exponent's skew is what it codes);
-the record holds nvCOMP's pieces and the table its decode reads on the device::
+A chunk (:mod:`fx_offload.layout`) is cut into ``PIECE``-byte pieces, each compressed on
+its own by rANS over its bf16 words read as 16-bit floats (the exponent's skew is what it
+codes); the record holds nvCOMP's pieces and the table its decode reads on the device::
 
     record of a chunk of n bytes in P = ceil(n / PIECE) pieces (int64 fields)
     [ P | PIECE | table: 4 rows of P                    | piece 0 | piece 1 | ... | room ]
-      16 B        where each piece is in the record,     each at a multiple     1/128 + 64 B:
-                  its bytes; where it goes in the chunk, of 16 bytes            new weights
-                  its raw bytes                                                 of the same
-                                                                                kind fit
+      16 B        where each piece is in the record,     each at a multiple    1/128 + 64 B:
+                  its bytes; where it goes in the chunk, of 16 bytes           new weights
+                  its raw bytes                                                of the same
+                                                                               kind fit
 
     decode (on the stream it is called on, no host synchronisation):
         from = record's address + table[0];  to = slot's address + table[2]   (two adds)
         nvcompBatchedANSDecompressAsync(from, table[1], table[3], ..., to, stream)
 
-About 0.69 of the raw bytes on normally drawn weights (ours: 0.752), decoded at over 1.2 TB/s
-on an H200 (docs/notes/2026-11-24-lossless-compression.md has the comparison).  The record's
-size is fixed when it is first made (the staged copy and a captured graph move that many
-bytes); the table says where the pieces end, so the room is never decoded.  The checks are
-those of :mod:`.lossless`: each record is decoded once as it is made and compared with the raw
-bytes (with nvCOMP's status of every piece), and carries a checksum of its bytes.
+The record's size is fixed when it is first made (the staged copy and a captured graph move
+that many bytes); the table says where the pieces end, so the room is never decoded.  The
+checks are those of :mod:`.lossless`.  The two codecs' ratios and rates: docs/compression.md
+(the two codecs) and docs/notes/2026-11-24-lossless-compression.md.
 """
 from __future__ import annotations
 

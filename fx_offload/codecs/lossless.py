@@ -1,38 +1,28 @@
 """fx_offload's own lossless codec of bfloat16 weights for the host-to-device copy
-(``compress="lossless"``).
+(``compress="lossless"``): the codec of the CPU and of every GPU without nvCOMP; where
+nvCOMP's library is installed, its ANS (:mod:`.ans`) codes a GPU's records instead.
 
-A bf16 word is a sign bit, an 8-bit exponent and a 7-bit mantissa.  In trained weights and in
-normally initialised ones alike the exponent carries about 2.6 bits of information (most
-values lie within a few octaves of the layer's scale), the sign and mantissa close to their
-8.  One chunk of a layer's host block (:mod:`fx_offload.layout`) is stored as one record::
+One chunk of a layer's host block (:mod:`fx_offload.layout`) is stored as one record::
 
     record of a chunk of n bf16 words (each section at a multiple of 16 bytes)
     [ base | sign+mantissa          | codes               | escapes: where   | exponent ]
       16 B   n bytes, (s << 7) | m    n/2 bytes, 4 bits     E int32 indices    E bytes
                                       each (2 words a byte)
 
-    word i = sign << 15 | (base + code_i) << 7 | mantissa     (code 15: the escape's exponent)
+    word i = sign << 15 | (base + code_i) << 7 | mantissa   (code 15: the escape's exponent)
 
 ``base`` starts the window of 15 consecutive exponents that holds the most of the chunk's
 words; the rare others (values many octaves below the layer's scale, padding, inf/NaN) are
-escapes, listed apart.  That is 12 bits a word plus the escapes: 0.75 of the bytes, and a
-decode that is a few integer operations per pair of words with no lookup (a Triton kernel
-reading the record from a staging buffer on the device and writing the slot, 16 bits in and
-32 out per pair), so copy and decode keep up with the link.  The codes are of fixed
-width on purpose: any GPU decodes them fast, and the CPU with torch ops.  Where nvCOMP's
-library is installed, its ANS (:mod:`.ans`) codes a GPU's records instead: an entropy coder,
-0.69 of the bytes, and its decode keeps up with the link too (both are measured in
-docs/notes/2026-11-24-lossless-compression.md); this codec serves the CPU and every GPU
-without nvCOMP.
+escapes, listed apart.  The codes are of fixed width on purpose: a decode is a few integer
+operations per pair of words with no lookup, so any GPU decodes them fast enough for copy
+and decode to keep up with the link, and the CPU decodes them with torch ops.
 
-Records are checked three times: the encoder decodes each record it made and compares it
-with the raw bytes (a wrong record never leaves it); each record carries a checksum, which
-:func:`check` verifies before every decode on the CPU and :mod:`.record_check` at every copy
-on a GPU; and a record whose sizes do not match its header is refused before any decode.
-The GPU decode writes only inside its chunk whatever a record holds (an escape's position is
-bounded), so a corrupt record can at worst fill its own chunk with wrong bytes, which the
-device check then replaces.  A chunk that is not all bf16, or that would
-not shrink below ``WORTH`` of its size, is stored raw and copied as it is.
+The decode writes only inside its chunk whatever a record holds (an escape's position is
+bounded, on the GPU and in the torch decode alike), so a corrupt record can at worst fill
+its own chunk with wrong bytes, which the device check (:mod:`.record_check`) then
+replaces.  A chunk that is not all bf16, or that would not shrink below ``WORTH`` of its
+size, is stored raw and copied as it is.  Why the exponent alone is coded, the ratio, the
+checks of every record and the staged decode: docs/compression.md (the two codecs; Checks).
 """
 from __future__ import annotations
 

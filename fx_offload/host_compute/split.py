@@ -1,11 +1,9 @@
 """One routed MoE layer's picks split between the device and the host, so that the link and
-the host's cores work on the same layer at once (``host_compute="auto"``).
+the host's cores work on the same layer at once (``host_compute="auto"``); and which dense
+MLPs stream, whole layers at a time (:func:`mlps_streamed`, :func:`streamed_mlps`).
 
-A decode step's layer picks ``k`` experts a token.  Computed wholly on the host, the link
-carries only the layer's other chunks (attention, norms, router) meanwhile and then idles;
-streamed wholly, the host idles.  Split, each token's first ``m`` picks (the router's
-strongest) and every pick the device's expert cache holds run on the device, the rest on
-the host::
+Each token's first ``m`` picks (the router's strongest) and every pick the device's expert
+cache holds run on the device, the rest on the host::
 
     keep     = (position < m) | cached[ids]            on the device, no host wait
     ids_dev  = where(keep, ids, E)                     E: the sentinel nobody reads
@@ -13,15 +11,13 @@ the host::
     wait_routed(ids_dev)   -> the device's picks cross the link (or come from the cache)
     y = device_experts(x, ids_dev, gates, keep) + host kernel(x, ids_host, gates)
 
-The two parts run at once: the host's part on a stream of its own (its host function holds
-that stream, not the compute stream), the device's on the compute stream.  ``m`` is chosen
-per layer and call shape from the measured rates so that both finish together
-(:func:`device_picks`): ``m = k`` streams the layer (a prompt: the host's arithmetic is the
-cost), ``m = 0`` computes it wholly on the host; the expert cache's hits are free extras on
-the device.  The rule counts what else crosses the link for the layer (with every layer
-offloaded, its attention and norms): the link's share is the time it has left.  Where
-both work (``m < k``), each runs at its rate measured beside the other (both read the
-host's memory: :mod:`.rates`' shared rates); a streamed layer has the link to itself.
+``m`` is chosen per layer and call shape from the measured rates so that both finish
+together (:func:`device_picks`): ``m = k`` streams the layer, ``m = 0`` computes it wholly
+on the host; the expert cache's hits are free extras on the device.  Where both work, each
+runs at its rate measured beside the other (:mod:`.rates`' shared rates); a streamed layer
+has the link to itself.  The streams the two parts run on, the rule's terms and the trial
+that checks it: docs/host_compute.md (Split between the device and the host; The rule
+checked against the clock; Dense MLPs on the host).
 """
 from __future__ import annotations
 

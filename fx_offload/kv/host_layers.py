@@ -1,27 +1,19 @@
-"""Under ``memory_budget``: which layers of a static cache live on the host.
+"""Under ``memory_budget``: which layers of a static cache live on the host (:func:`choose`,
+giving a :class:`KVPlan`).
 
-The budget holds the weights and the KV cache, the cache counted at its full length (its
-``max_cache_len``, what it takes however few tokens it holds yet).  Where both fit, the
-cache stays on the device.  Otherwise, under ``kv_cache="auto"`` (the default), host layers
-are chosen before any weight is offloaded: per byte of device memory it frees, a host KV
-layer moves at most as many bytes per decode step as an offloaded weight layer (its valid
-blocks: all of them only once the cache is full; a weight layer moves all of its bytes
-every step).  The fewest host layers whose freed bytes cover the excess are taken from the
-end of the cache (the layers computed before the first host layer hide its fill); each
-frees its bytes but the slots (``kv_slots``, one layer each) take theirs back, so fewer
-than ``kv_slots + 1`` host layers free nothing.  Where every movable layer on the host is
-not enough, weights are offloaded anyway, and all of them go, except where the whole cache
-is a small share of the budget (``SMALL_SHARE``): then only layers of at least
-``WORTH_MOVING`` bytes go.  A host layer costs a decode step about 0.15 ms besides its
-bytes' copy (its fill, write-back and ops), which a small layer does not repay (a 7.5 MiB
-cache over 48 layers, beside 57 GiB of weights and a 32 GiB budget, stays on the device);
-a cache that is a large share of the budget goes whatever its layers' size, since what it
-frees may decide whether the weights fit at all.  The weight planner plans for
-``memory_budget`` less the cache's device bytes (:func:`fx_offload.kv.reserved`).
+Where every movable layer on the host is not enough, weights are offloaded anyway, and all
+of those layers go, except where the whole cache is a small share of the budget
+(``SMALL_SHARE``): then only layers of at least ``WORTH_MOVING`` bytes go.  A host layer
+costs a decode step about 0.15 ms besides its bytes' copy (its fill, write-back and ops),
+which a small layer does not repay; a cache that is a large share of the budget goes
+whatever its layers' size, since what it frees may decide whether the weights fit at all.
+The weight planner plans for ``memory_budget`` less the cache's device bytes
+(:func:`fx_offload.kv.reserved`).
 
-With ``kv_cache="host"`` the layers are the ones asked for (``kv_layers``, or all), with
-``"device"`` none; the budget counts the cache either way.  If the weights were planned
-first (the model ran without a cache before), the cache gets what their plan left.
+The rule itself (the cache at full length, KV layers before weights, the fewest from the
+end, the slots' bytes taken back, ``kv_cache="host"`` and ``"device"``, a cache met after
+the weights were planned): docs/planner.md, "The KV cache's share", and
+docs/huggingface.md, "The KV cache on the host", the bullet "Under ``memory_budget``".
 """
 from __future__ import annotations
 

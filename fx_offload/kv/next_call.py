@@ -1,12 +1,9 @@
-"""The next call's first fills, begun as a call ends.
+"""The next call's first fills, begun as a call ends: :class:`NextCall` for eager calls,
+:class:`BeforeReplay` for the call hooks around the replays of ``mode="reduce-overhead"``.
 
-A decode step's link time is its host layers' fills end to end.  Those of the first
-``kv_slots`` host layers would otherwise begin only when the next call's graph starts, after
-everything the caller does between two steps (``generate`` samples the token, checks its
-stopping criteria and waits for the device; Dynamo checks its guards), a gap the link would
-sit idle through.  So the update of each slot's last layer in a call begins the fill of the
-slot's first layer for the next call, queued on the copy stream behind the fills still to
-come, and the link runs on from the call's last fill into the next call's first::
+The update of each slot's last layer in a call begins the fill of the slot's first layer
+for the next call, queued on the copy stream behind the fills still to come, so the link
+runs on from the call's last fill into the next call's first::
 
     compute stream            copy stream                 write-back stream
     update C (slot 0's last)  fill D -> slot 1            C's tokens -> host
@@ -16,40 +13,22 @@ come, and the link runs on from the call's last fill into the next call's first:
     join: wait write-backs    keeps A's and B's fills if every host layer was updated
     (the caller, between calls: the link works)
     begin: A, B found filled  (no copy)
-    update A: wait fill A ...
 
 A slot that holds one layer only holds that layer's next prefix already (the update wrote
 the step's tokens into it): nothing is copied.  Where a slot's last layer began no fill (a
 graph that does not update it), the join begins it, after the call's reads and write-backs.
-
-What a slot then holds is recorded (the host tensors, autograd's version counters, the
-tokens covered), and the next call's begin takes the fill as its own only if it still holds:
-the same host tensors (the runtime's own records of them, not only their addresses, which
-freed memory may hand on), unwritten since (any in-place write by the user, ``cache.reset()``
-among them, moves a version counter; the write-backs are the runtime's own kernels, which
-do not, and were recorded before), and no more valid tokens than were filled.  Otherwise the begin fills the slot anew,
-after the stale fill on the same copy stream.
-
 A call that raises leaves its begun fills unkept: the next call fills again, after waiting
 for them.  Not inside a graph: a replay's captured fill would not be ordered after a fill
-begun outside it, nor would the replay of another graph see what the slot holds; a runtime
-that has seen a capture stops these fills for good.
+begun outside it, nor would the replay of another graph see what the slot holds.
 
-Under ``mode="reduce-overhead"`` the call hooks, which run around each replay, do it instead
-(:class:`BeforeReplay`): the hook after a call begins the first slots' fills on the copy
-engine, queued behind the replay; the hook before the next call checks them as above, makes
-the replay wait for them, and sets a device flag per layer that the captured fill kernel of
-that layer reads and returns on; the call's join clears the flags::
-
-    after call k (hook)     copy stream: wait call k; fill A -> slot 0, B -> slot 1 (lengths
-                            read before call k + its tokens)
-    (generate samples, checks, waits; the link works)
-    before call k+1 (hook)  lengths read; A, B still as filled?  done[A] = done[B] = 1
-    replay k+1              fill A (copy stream): wait the hook's fill of A (an external
-                            event), done[A] set: return ... update A ... join: done[:] = 0
-
-so the replay's first layer waits for its own fill alone, and the next layer's refill is
+Under CUDA graphs each first layer's fill by the hook ends on an external event of its own,
+so a replay's first layer waits for its own fill alone, and the next layer's refill is
 queued behind the hook's fills while they still run.
+
+The gap this closes, the check that a begun fill still holds (why the runtime's records of
+the host tensors and the version counters are compared), and what the hooks do around a
+replay: docs/host_kv_cache.md, the paragraph "The link's busy time per step", and "Under
+CUDA graphs".
 """
 from __future__ import annotations
 

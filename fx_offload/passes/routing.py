@@ -1,27 +1,24 @@
-"""Which chunks of expert tensors a graph reads only through its router's picks: those get
-a ``wait_routed`` instead of a ``wait_prefetch``, and only the picked experts cross the link.
+"""Which chunks of expert tensors a graph reads only through its router's picks: those
+get a ``wait_routed`` instead of a ``wait_prefetch``, and only the picked experts cross the
+link.
 
 A chunk of an MoE layer made only of expert tensors (:mod:`fx_offload.selection.experts`) is
-routed when, in this graph:
+routed when, in this graph, the layer computes exactly one top-k over as many scores as the
+tensors have experts (its indices, ``ids``, are what ``wait_routed`` is given), and every
+read of the chunk's bytes takes rows the ids name (:mod:`.picks` says which nodes hold only
+values of ``ids``)::
 
-* the layer computes exactly one top-k over as many scores as the tensors have experts
-  (the router's); its indices (``ids``) are what ``wait_routed`` is given;
-* every read of the chunk's bytes takes rows the ids name (:mod:`.picks` says which
-  nodes hold only values of ``ids``)::
+    ids = topk(scores[T, E], k)[1]
+    w[idx]                        # idx holds values of ids   (eager loop, batched_mm)
+    index_select(w, 0, idx)
+    grouped_mm(x, w.mT, offs=o)   # o counts the ids per expert: rows of experts no
+                                  # token picked are read by no group  (grouped_mm)
 
-      ids = topk(scores[T, E], k)[1]
-      w[idx]                        # idx holds values of ids   (eager loop, batched_mm)
-      index_select(w, 0, idx)
-      grouped_mm(x, w.mT, offs=o)   # o counts the ids per expert: rows of experts no
-                                    # token picked are read by no group  (grouped_mm)
-
-  and nothing else reads the tensor's values (its shape may be read).
-
-Anything else (a dense product over every expert, weighted by zero gates; rows taken by
-ids remapped through a table) would read rows no copy filled, so the chunk then moves
-whole, and :func:`route` records why in ``learned.routing`` (``report`` and ``explain``
-show it).  The verifier re-checks the same rule on the rewritten graph
-(:func:`unrouted_read`).
+Nothing else may read the tensor's values (its shape may be read).  Any other read would
+read rows no copy filled, so the chunk then moves whole, and :func:`route` records why in
+``learned.routing`` (``report`` and ``explain`` show it).  The verifier re-checks the same
+rule on the rewritten graph (:func:`unrouted_read`).  Which reads keep the picks and which
+end them: docs/routed_experts.md (What is routed).
 """
 from __future__ import annotations
 

@@ -13,20 +13,20 @@ that produced it, and simulates the slots byte range by byte range in program or
   that chunk (a start of it, or the entry state); it makes the chunk readable;
 * a read of a weight of ``L``'s chunk ``c`` is legal only while that chunk is readable:
   after its wait and before a start overwrites any of its bytes;
-* ``wait_routed(L, c, ids)`` (a chunk of expert tensors) is a wait that fills only the rows
-  ``ids`` picks: every read of the chunk's tensors must take rows by values computed from
-  ``ids`` (:mod:`.routing`), or it would read rows no copy filled;
+* ``wait_routed(L, c, ids)`` fills only the rows ``ids`` picks: every read of the chunk's
+  tensors must take rows by values computed from ``ids`` (:mod:`.routing`);
 * ``start(L -> T, d)`` fills ``T``'s chunk ``d`` in ``slot(L)``; ``T`` must belong to that
-  slot; every chunk whose bytes it overlaps is gone (no longer readable, nor waitable).
+  slot; every chunk whose bytes it overlaps is gone (no longer readable, nor waitable);
 * ``host_experts(x, ids, gates, L, chunks)`` reads no slot when it computes on the host,
   but when it streams it waits for ``L``'s ``chunks`` itself: it is legal only where the
-  last fill of their bytes was for them (no refill of another layer started over them
-  before it), and the graph reads those chunks' weights nowhere (the op is their only
-  reader: there is no wait for a read to follow);
+  last fill of their bytes was for them, and the graph reads those chunks' weights nowhere
+  else (the op is their only reader: there is no wait for a read to follow);
 * a graph that ends the model's forward must leave every slot holding every chunk of what
-  the schedule says a call ends with (``Schedule.call_exit``): the next call's entry
-  assumes it, or (at the entry) refills over it.
+  ``Schedule.call_exit`` says a call ends with: the next call's entry assumes it, or (at
+  the entry) refills over it.
+
 Violations raise :class:`ScheduleError` naming the node, the layer, the chunk and the slot.
+The rules in words, for users: docs/inspecting.md (Slot-safety verifier).
 """
 from __future__ import annotations
 

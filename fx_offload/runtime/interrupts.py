@@ -18,7 +18,9 @@ front of the SIGINT handler that was there::
 A handler that does not raise (one that only records the signal) leaves the calls running.
 One guard for the process, so that nested calls of two offloaded models give the handler
 back as they found it.  Only the main thread receives signals; a ``KeyboardInterrupt``
-raised by code rather than by the signal leaves its hold behind (:mod:`.turns`).
+raised by code rather than by the signal leaves its hold behind (:mod:`.turns`).  The
+user's side: docs/ownership.md, the paragraph "One thread at a time holds the slots", and
+docs/usage.md, "Who owns the weights".
 """
 from __future__ import annotations
 

@@ -1,47 +1,30 @@
-"""Run-time state of one offloaded model: who holds the weights, which layer each slot holds,
-the copies in flight.
+"""Run-time state of one offloaded model: who holds the weights, which layer each slot
+holds, the copies in flight.
 
-Ownership.  The parameters hold the true weights: an offloaded parameter's ``.data`` is its
-view into the layer's host block (page-locked on CUDA), one copy, and every PyTorch path
-that touches parameters (``state_dict`` of any submodule, ``load_state_dict``, ``copy_``,
-``deepcopy``, ``apply``, pickling) acts on the truth.  The slots are this state's private
-cache.  Only while a call of the model runs (:meth:`OffloadState.enter` ... :meth:`leave`,
-driven by the model's hooks) do the parameters point at their slots, so the compiled graph,
-its guards and a CUDA graph captured from it always see the same device tensors at fixed
-addresses, and the copies below change what those hold.  At the start of each call the
-state takes up what the user changed since the last one: a parameter written in place
-(autograd's version counter moved) has its slot reloaded; a parameter given new storage of
-the same shape and dtype is copied into its host block.  Calls are serialized: one thread
-at a time holds the slots.
-
-The compiled graph reaches this state through an integer handle passed to the custom ops in
-:mod:`fx_offload.ops`.  Which slot a layer lives in and which layer refills it come from the
-schedule (:mod:`fx_offload.schedule`); a layer moves chunk by chunk (:mod:`fx_offload.layout`),
-and the state keeps, per slot, which layer's chunks its bytes hold.
-
-Correctness never depends on the schedule being followed: :meth:`OffloadState.wait` checks
-that the slot holds the chunk asked for and loads it synchronously if anything (a partial
-call, eager use of a layer, a graph break) left other bytes there.
-
-On CUDA the copies run on one copy stream per device.  ``start`` records an event on the
-compute stream and makes the copy stream wait for it before overwriting the chunk's bytes, so
-the copy cannot begin before the kernels that read what they held; ``wait`` makes the
-compute stream wait on the copy's done event.  Both events of every chunk are made once, when
-the slots are, and recorded again on every call.  Both work inside CUDA-graph capture, where the
-fork (event wait) pulls the copy into the capture; ``join`` ends a captured forward by joining
-copies that were forked during the capture (and, for a model compiled for CUDA graphs, an
-eager call too).  The call hook's entry refills (:mod:`.hook_copies`) run outside any
-capture, on external events a capture can wait for.
+The parameters hold the true weights (an offloaded parameter's ``.data`` is its view into
+the layer's host block, one copy); the slots are this state's private cache.  Only while a
+call of the model runs (:meth:`OffloadState.enter` ... :meth:`leave`, driven by the model's
+hooks) do the parameters point at their slots, so the compiled graph, its guards and a CUDA
+graph captured from it always see the same device tensors at fixed addresses.  The compiled
+graph reaches this state through an integer handle passed to the custom ops in
+:mod:`fx_offload.ops`.  The state keeps, per slot, which layer's chunks its bytes hold,
+and :meth:`OffloadState.wait` loads a chunk synchronously where they hold other bytes:
+correctness never depends on the schedule being followed.
 
 The state is composed, not inherited: it runs a call's steps in one order (:meth:`enter`,
 :meth:`leave`) and forwards the ops, over parts each built from what it needs (the choice,
 the parameters, the slot contents) and handed the rest as arguments, never reaching back
 into the state: ``versions`` (:mod:`.versions`), ``ownership`` (:mod:`.ownership`),
 ``writes`` (:mod:`.in_call`), ``hook_copies`` (:mod:`.hook_copies`), ``copies``
-(:mod:`.slot_copies`), ``turns`` (:mod:`.turns`); once materialized, ``buffers``
-(:mod:`.slots`) and ``routed`` (:mod:`.routed`).  Where it is in its life is one value,
-``phase`` (:mod:`.phase`: planned, materialized, on slots, on truth, restored), and each
-move is checked.
+(:mod:`.slot_copies`), ``turns`` (:mod:`.turns`: one thread at a time holds the slots),
+``contents`` (:mod:`.contents`), ``circular`` (:mod:`.circular`); once materialized,
+``buffers`` (:mod:`.slots`) and ``routed`` (:mod:`.routed`).  Where it is in its life is
+one value, ``phase`` (:mod:`.phase`: planned, materialized, on slots, on truth, restored),
+and each move is checked.
+
+The user's changes taken up at each call, and the threads: docs/ownership.md (Who owns the
+weights; The state's parts).  The copy stream's events, and what CUDA-graph capture needs
+of them: docs/design.md (Copies on CUDA; What CUDA-graph capture needs).
 """
 from __future__ import annotations
 

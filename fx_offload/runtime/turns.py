@@ -1,35 +1,27 @@
 """Whose turn it is to hold one offloaded model's slots, and holds left behind.
 
-One thread at a time holds them, in one of three ways:
+One thread at a time holds them (:class:`Turns`): as a ``"call"``, from its first hook to
+its last (calls of layers inside it nest); as a ``"load"``, a ``load_state_dict`` into a
+module owning offloaded parameters, from its pre-hook to that module's post-hook, after its
+children's loads; or as a plain hold (``update_weights``, ``restore``).  Taking the turn
+and naming its holder, and giving it back, are one step for Ctrl-C (a section of
+:data:`.interrupts.GUARD`).
 
-* ``"call"``: a call, from its first hook to its last (the parameters point at the slots in
-  between; calls of layers inside it nest);
-* ``"load"``: a ``load_state_dict`` into a module owning offloaded parameters (its
-  pre-hook takes the turn and that module's post-hook gives it back, after its children's
-  loads), so the values land in the host blocks, not in a slot another thread's call is
-  reading;
-* a plain hold (``update_weights``, ``restore``): a ``with`` statement.
-
-Taking the turn and naming its holder, and giving it back, are one step for Ctrl-C (a
-section of :data:`.interrupts.GUARD`).  A hold is given back by the code that took it,
-except where torch skips that code: the hooks that end a call run on ``Exception`` only
-(Ctrl-C's signal is handled in :mod:`.interrupts`; a ``KeyboardInterrupt`` or
-``SystemExit`` raised by code is not), and a load's post-hook does not run when the load
-raises.  Such a hold is ended (:meth:`Turns.end_left`):
-
-* by a thread that has waited :data:`STALL_S` for the turn and finds the holder's thread no
-  longer running what took it (a call of this model, the module's load, the function that
-  held it), or gone;
-* by the holder's own thread at its next touch (a call, a load, ``update_weights``).
-
-A call that Ctrl-C ended is noted by its outermost frame calling the model: where the
-``KeyboardInterrupt`` is swallowed on its way out (Dynamo's guard evaluation does) and that
-frame runs on, the call's next op or compile raises it again
-(:meth:`Turns.stop_if_interrupted`).
+A hold is given back by the code that took it, except where torch skips that code: the
+hooks that end a call run on ``Exception`` only, and a load's post-hook does not run when
+the load raises.  Such a hold is ended (:meth:`Turns.end_left`) by a thread that has waited
+:data:`STALL_S` for the turn and finds the holder's thread gone or no longer running what
+took it, or by the holder's own thread at its next touch (a call, a load,
+``update_weights``).  A call that Ctrl-C ended and that runs on, because something
+swallowed the ``KeyboardInterrupt`` (Dynamo's guard evaluation does), stops at its next op
+or compile (:meth:`Turns.stop_if_interrupted`).
 
 Frames are told by their code objects (``Module._call_impl``, the ``load`` inside
 ``Module.load_state_dict``, which Dynamo never compiles) and the module they run, read from
 those frames only: no frame of the user's code is looked into.
+
+Why each kind of hold, and how Ctrl-C's hold ends: docs/ownership.md, the paragraph "One
+thread at a time holds the slots".
 """
 from __future__ import annotations
 

@@ -1,27 +1,21 @@
-"""The planner behind ``memory_budget``: which layers (and parameters) to offload, how many
-slots, predicted from the graph's costs.
+"""The planner behind ``memory_budget``: which layers (and parameters) to offload and how
+many slots, chosen at a model's first compile from the graph's per-layer costs
+(:mod:`.costs`) and the device's rates (:mod:`.device_rates`).
 
-At a model's first compile, with the graph's per-layer costs (:mod:`fx_offload.costs`) and the
-device's rates (:mod:`fx_offload.device_rates`):
+It lists candidate plans; keeps those whose device memory for weights,
+``resident weights - offloaded bytes + slot buffers`` (a slot is as large as the largest
+layer it holds), fits what the budget leaves once the KV cache's, the expert cache's and a
+training step's (:mod:`.training_memory`) shares are set aside; predicts each one's forward
+time at the plan's token counts (:func:`simulate`: compute in order, one copy stream, each
+layer moved in chunks, a chunk's copy starting when the layer leaving the slot has read
+what it overwrites); and chooses the lowest mean predicted slowdown against the resident
+model.  Plans predicted within 0.5% of it (``NEAR``) count as equal, and of those the one
+that copies, then pins, the fewest bytes with the fewest slots wins; the runner-ups are
+kept for ``report``/``inspect``.
 
-1. list candidate plans: a set of offloaded layers (spread evenly over the stack, or every
-   ``group_size``/``num_in_group`` pattern), a slot count (1..8), and, with
-   ``offload_params``, a subset of its patterns;
-2. keep those whose device memory for weights fits the budget:
-   ``resident weights - offloaded bytes + slot buffers`` (a slot is as large as the largest
-   layer it holds), after what else the device must hold is set aside: the KV cache's
-   device bytes, the expert cache the option asks for, and for a model being trained a
-   training step's (:mod:`.training_memory`);
-3. predict each one's forward time at the plan's token counts by simulating the schedule the
-   pass builds (:func:`simulate`: compute in order, one copy stream, each layer moved in
-   chunks: a chunk's copy starts when the layer leaving the slot has read what it overwrites,
-   a layer waits for each chunk before the compute that reads it);
-4. choose the lowest mean predicted slowdown against the resident model; plans predicted
-   within 0.5% of it count as equal, and of those the one that copies, then pins, the fewest
-   bytes with the fewest slots wins; the runner-ups are kept for ``report``/``inspect``.
-
-The break-even token count of a plan is the smallest ``T`` at which its predicted time is
-within 1% of the resident model's: from there on the copies are hidden.
+The steps, the break-even token count and the rules for MoE layers: docs/planner.md (The
+planner: ``memory_budget``; The KV cache's share; A training step's share; The expert
+cache's share; A MoE layer's experts alone).
 """
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """The planner's cost model: FLOPs and bytes of each layer, read from the traced graph.
 
-Every call node of the Dynamo graph is run once more on its fake example values under
-``torch.utils.flop_counter.FlopCounterMode`` (with the shape environment's guards suppressed,
-so nothing is specialized or guarded).  Under ``dynamic=True`` the counts come out as sympy
-expressions in the graph's size symbols; they are then written in one variable, the token
-count ``T`` (the product of the leading dimensions of the model's first input), so each node's
-cost is a function of ``T``:
+Every call node is run once more on its fake values under ``FlopCounterMode``, with the
+shape environment's guards suppressed, so nothing is specialized or guarded.  The counts are
+written in one variable, the token count ``T`` (the product of the leading dimensions of the
+model's first input), so each node's cost is a function of ``T``::
 
     node   flops(T)          weight bytes   activation bytes(T)   kernel?
     ----   ---------------   ------------   -------------------   -------
@@ -13,16 +11,16 @@ cost is a function of ``T``:
     view   0                 0              0                     no (aliases its input)
     silu   0                 0              T*28672               yes, fused with its run
 
-A graph traced with static shapes has numbers instead; they are scaled linearly with ``T``
-from the traced token count (attention's quadratic term is then linear: trace with
-``dynamic=True`` for exact counts).
+A graph traced with static shapes is scaled linearly with ``T`` from the traced token count
+(attention's quadratic term is then linear: trace with ``dynamic=True`` for exact counts).
 
-A segment (the nodes before the first layer, one layer, the nodes after the last) takes, on a
-GPU, ``max(sum over nodes of max(flops / rate(flops), bytes / memory_bandwidth), kernels *
-launch_overhead)``, where ``rate`` is the device's measured FLOP rate for a matrix multiply
-(or an attention kernel) of that size: a roofline per node, or the host's launch rate where that is slower.
-Kernels are the FLOP-counted nodes plus one per run of other non-view nodes, as Inductor
-fuses such runs.  On the CPU the two add up.
+A segment (the nodes before the first layer, one layer, the nodes after the last) takes,
+on a GPU, ``max(sum over nodes of max(flops / rate(flops), bytes / memory_bandwidth),
+kernels * launch_overhead)``, where ``rate`` is the device's measured FLOP rate for a
+matrix multiply (or an attention kernel) of that size.  Kernels are the FLOP-counted nodes
+plus one per run of other non-view nodes, as Inductor fuses such runs.  On the CPU the two
+add up.  The counting and the rates: docs/planner.md (The planner: ``memory_budget``, steps
+1, 2, 4).
 """
 from __future__ import annotations
 

@@ -11,27 +11,20 @@ stays idle and leaves the copy to the next entry::
     caller    ............................................ (waits for the device, or not)
     call k+1  hook: landed?  -> choose for call k+1 | entry start: copy l_s unless held ...
 
-The end is the better place where the caller lets the copy run on past the call (calls back
-to back, a loop that waits only for its outputs, as Hugging Face ``generate`` does): the copy
-then overlaps whatever the host does between calls.  Where the caller waits for the device
-(a synchronize after each call, a benchmark, a server step that times itself) a copy begun at
-the end only lengthens that wait, and the entry is better: the copy overlaps the next call's
-first steps instead.  The tell, read at the next call's entry without waiting for anything:
-whether the copy the previous call began at its end has landed.  Still running: the caller
-did not wait for it; the end stays.  Landed at ``LANDED_CALLS`` entries in a row: the caller
-waits (or idles long enough that either place hides the copy); the entry takes over, and one
-call in ``RECHECK_EVERY`` tries the end again, in case the caller changed.
+An end copy found landed at ``LANDED_CALLS`` entries in a row means the caller waits for
+the device (or idles long enough that either place hides the copy): the entry takes over,
+and one call in ``RECHECK_EVERY`` tries the end again, in case the caller changed.
 
-The entry is chosen only where something runs before the first offloaded layer (a resident
-layer): its compute is what hides a copy begun at the entry.  Where the call's first layer is
-offloaded, it waits for that copy at once, and a caller that waits for the device pays the
-copy either way (in its wait, or at the next call's start); the end stays, since it also
-hides the copy behind whatever the host does between calls (Hugging Face ``generate``'s
-token handling: the copy lands there, which alone would have looked like a waiting caller).
+The entry is chosen only where something runs before the first offloaded layer (a
+resident layer): its compute is what hides a copy begun at the entry.  Where the call's
+first layer is offloaded, it waits for that copy at once, and a caller that waits for the
+device pays the copy either way (in its wait, or at the next call's start); the end stays,
+since it also hides the copy behind whatever the host does between calls (Hugging Face
+``generate``'s token handling: the copy lands there, which alone would have looked like a
+waiting caller).
 
-Correctness never depends on the choice: a wait never trusts the schedule, and the entry
-start copies whatever the slot does not hold.  Inside a CUDA-graph capture the end start
-stays idle, so a captured graph behaves as with the circular prefetch at the entry.
+Which place suits which caller, the tell, and why correctness never depends on the choice:
+docs/design.md, "Slot rotation" (the bullet "chosen per call").
 """
 from __future__ import annotations
 

@@ -1,23 +1,20 @@
 """The entry refills begun by the model's call hook, outside the compiled graph (the state's
 ``hook_copies``, built from the choice and the state's slot contents; what it copies with is
-passed to each method).
+passed to each method).  Begun from the hook, the copy of each slot's first layer ``l_s``
+overlaps host work the graph cannot hide: Dynamo's guards, the compiled region's prelude
+and, under CUDA graphs, the replay's launch::
 
-Where the circular prefetch starts at a call's entry (:mod:`fx_offload.schedule`), each
-slot's first layer ``l_s`` comes back into the slot when the next call begins.  Begun from
-the call hook rather than from the graph, the copy overlaps host work the graph cannot hide:
-Dynamo's guards, the compiled region's prelude and, under CUDA graphs, the replay's launch::
+    call k+1  call hook: copy l_s ... guards, prelude ... [graph: wait(l_s) ... reads l_s]
 
-    call k+1  call hook: copy l_s ... guards, prelude ... [graph: wait(l_s) ... reads l_s ...]
+Under CUDA graphs the hook settles and forgets what it last knew of the slot and copies
+each time, even where the slot is known to hold the layer (a call that stopped early, or a
+replay, which left later layers there without our knowing).  A capture that found no hook
+copy would take the slot's contents at capture time as given, and its replays would not
+wait for the hook's later copies (``Pending.by_hook``).
 
-Under CUDA graphs the copies run outside the replayed graph, on events made with
-``external=True``: the capture waits for them through event-wait nodes, so every replay
-waits for the copy the hook began before it (``Pending.by_hook``).  A replay runs none of
-our Python, so the runtime cannot tell what it left in the slots: under CUDA graphs the
-hook settles and forgets what it last knew of the slot and copies each time, even where the
-slot is known to hold the layer (a call that stopped early, or a replay, which left later
-layers there without our knowing).  A capture that found no hook copy would take the slot's
-contents at capture time as given, and its replays would not wait for the hook's later
-copies.
+The external events every replay waits for, the layers left to the graph, a capture of the
+whole call and one that raised: docs/design.md, "What CUDA-graph capture needs", and "Slot
+rotation" (the bullet "at the entry").
 """
 from __future__ import annotations
 

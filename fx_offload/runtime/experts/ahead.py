@@ -1,41 +1,28 @@
 """The other chunks of routed MoE layers, fetched ahead into a small ring of device buffers.
 
-Where a layer's expert tensors are routed (:mod:`.routed`), its slot is mostly those
-tensors, which the gathers fill after the router runs; the layer's other chunks (attention,
-norms, router: 36 MiB beside 1.2 GB of experts at Qwen3-30B-A3B's shapes) are copied into
-the slot once the layer leaving it has read what they overwrite.  With one slot that is the
-layer just before, so those bytes can cross only while it computes, and between the gathers
-the link idles: the next layer's attention and router must finish before its gather can
-begin, and nothing else is free to cross.  A second slot would let them run a layer ahead,
-at the price of a whole layer, experts included.  These buffers, ``depth`` of them, each as
-large as one layer's other chunks, let them run ``depth`` layers ahead at a small fraction
-of that; one more buffer, ``depth + 1`` in all (``R``), lets each fill begin where the link
-would idle::
+:class:`AheadCopies` holds one model's ring: ``depth + 1`` buffers (``R``), each as large as
+one layer's other chunks (attention, norms, router), filled ``depth`` layers ahead of their
+copy into the slot.  :func:`copy_chunk` takes a start's bytes from the ring where a usable
+fill holds them, else from the host as before::
 
     S = the other chunks of routed layers refilled within a call, in the order they are read
-
-    call ends, or begins (hook, after the look at the user's changes):
-        fill(0 .. depth-1)                          on the ahead stream
+    call ends, or begins (hook, after the look at the user's changes): fill(0 .. depth-1)
     start of S[i] (same place in the graph as before: behind a layer's gather):
         slot[chunk] <- ring[i % R]                  copy stream, after the fork and fill(i)
         fill(i + depth) into ring[(i - 1) % R]      ahead stream, after the fork and after
                                                     S[i-1]'s copy read that buffer
     fill(j):  ring[j % R] <- host block[chunk S[j]]            crosses the link
 
-The fill goes into the buffer the start before emptied, not the one this start is reading:
-the copy into the slot runs on the SMs (a CUDA graph runs a copy within device memory as a
-kernel), so it waits for the layer's expert kernels that hold them, and a fill behind it
-began only after those; the link idled meanwhile.  Behind the fork alone, the fill crosses
-while the layer computes on the rows just gathered.
+A fill is usable only in the call that began it, and inside a CUDA-graph capture only if it
+was recorded there or begun by the call hook (on an external event, which every replay
+waits for: the hook fills before every call, so each replay reads a fill of its own call).
+A fill begun as the last call ended is kept only where its layer's weights did not change
+since (the call's look at the user's changes), so each fill used holds the weights the call
+must see.
 
-The copy into the slot stays where the pass put it (after the last read of the bytes it
-overwrites), so what the graph proves is unchanged; only its source moves from the host to
-the ring, a copy within device memory, and a start whose fill is not usable copies from the
-host as before.  A fill is usable only in the call that began it, and inside a CUDA-graph
-capture only if it was recorded there or begun by the call hook (on an external event, which
-every replay waits for: the hook fills before every call, so each replay reads a fill of its
-own call).  Each fill reads the host block after the call's look at the user's changes, so
-it holds the weights the call must see.
+Why the ring and not a second slot, why one buffer more than ``depth``, the depth itself,
+and why a capture of the whole call begins no fills: docs/routed_experts.md, "The other
+chunks, fetched ahead".
 """
 from __future__ import annotations
 

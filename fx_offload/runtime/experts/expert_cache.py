@@ -1,30 +1,18 @@
 """A device-resident cache of each routed MoE layer's most-picked experts (option
-``expert_cache``, bytes): a picked expert held there is copied into the slot from device
-memory, so it does not cross the link.  The gather (:mod:`.gather`) takes each picked row
-from one place or the other::
+``expert_cache``, bytes): :class:`ExpertCache` holds their device rows and, per layer,
+``where`` (expert -> its row, -1 for none) and the pick counts.  A picked expert held there
+is copied into the slot from device memory, so it does not cross the link; the gather
+(:mod:`.gather`) takes each picked row from one place or the other::
 
-    gather_rows(host, slot, mask, cache, where)   # program (e, b): if mask[e], block b of
-                                                  # row e from cache[where[e]] where that is
-                                                  # >= 0, else from host[e] (across the link)
-    counts[L] += mask                             # how often each expert was picked
+    gather_rows(host, slot, mask, cache, where)  # program (e, b): if mask[e], block b of
+                                                 # row e from cache[where[e]] where that is
+                                                 # >= 0, else from host[e] (across the link)
+    counts[L] += mask                            # how often each expert was picked
 
-*How many.*  Each routed layer keeps the same number of experts, as many as the budget
-holds of one expert of every such layer (all its expert tensors).  The tensors are made
-when the slots are, before any CUDA graph is captured: a graph's gather reads them at fixed
-addresses, and what they hold may change between replays.
-
-*Which.*  The device counts the picks of every gather (a replayed graph counts too).
-Between calls, after 4, 8, 16, 32 and 64 calls and every 64 after that, the most-picked
-experts of each layer replace those cached, every held row is copied from the host block
-again, and the counts are halved, so that recent calls weigh most.  A refresh waits for
-the device.  A layer whose graph moves its experts whole keeps none.
-
-*Correctness.*  The cache is a copy of the weights, as a slot is: a layer whose weights
-changed since its rows were copied (the version counters, or the call's look at what the
-user did) has them copied again as the call begins, before anything reads them.  A write
-no counter sees (through ``.data``) reaches them at the next refresh.  A row being written
-is unpublished first, so an error part-way leaves none that ``where`` names half-filled.
-Outputs do not depend on what is cached: a row comes from the cache or from the host.
+How many experts each layer keeps, which ones and when they are chosen again
+(``FIRST_REFRESHES``, ``REFRESH_EVERY``), why the tensors are made before the host blocks
+and any capture, and how a change of the weights reaches the cached rows:
+docs/routed_experts.md, "The expert cache".
 """
 from __future__ import annotations
 

@@ -1,22 +1,14 @@
-"""Copy the rows of an expert tensor that a routing picked, driven from the device.
-
-An offloaded expert tensor ``[E, ...]`` lives in page-locked host memory; after the router
-runs, the ids of the picked experts exist only on the device.  Reading them back to the host
-would be a synchronization (and impossible inside a CUDA graph), so the device drives the
-copy: a mask of the picked experts is built with two stream-ordered ops, then one Triton
-kernel, whose programs each own a block of one expert's row, reads the host rows of the
-picked experts through their device address (page-locked memory is mapped into the device's
-address space) and writes them into the slot::
+"""Copy the rows of an expert tensor that a routing picked, driven from the device: after
+the router the ids exist only there, so one Triton kernel reads the picked experts' rows of
+the page-locked host tensor through its device address and writes them into the slot::
 
     mask[:] = 0 ; mask[ids] = 1                 # on the compute stream, after the router
     gather_rows(host[E, row], slot[E, row], mask)    # program (e, b): if mask[e], copy
                                                       # block b of row e across the link
                                                       # (or from the device's expert cache)
 
-The rows of experts not picked are not touched (they hold whatever the slot held: the
-layer's reads of them are what the pass proves absent).  Only the union of the picked
-experts crosses the link, once each, however many tokens picked them.  The CPU path uses
-``index_copy_`` on the picked rows.
+The CPU path uses ``index_copy_`` on the picked rows.  Why the device drives the copy, and
+why the rows not picked may hold anything: docs/routed_experts.md, "At run time".
 """
 from __future__ import annotations
 

@@ -1,9 +1,12 @@
-"""The ``host_experts`` op at run time (option ``host_compute``): a routed MoE layer's experts
-computed on the host from their weights' host block, or streamed, call by call.
+"""The ``host_experts`` op at run time (option ``host_compute``): a routed MoE layer's
+experts computed on the host from their weights' host block, or streamed, call by call.
 
-On the host (``"always"``, or ``"auto"`` where its rule says so), on a CUDA device, for
-transformers' fused experts layout, everything is enqueued on streams and the caller never
-waits::
+:class:`HostExperts` holds one model's ops: where each layer's experts ran, the staging
+buffers, what the latest call read on the host and ``"auto"``'s plan for the call
+(:func:`~fx_offload.host_compute.split.device_picks`, checked against the clock by
+:mod:`~fx_offload.host_compute.trial`).  On a CUDA device, for transformers' fused experts
+layout, :class:`_StreamJobs` queues each host job on a stream of its own and the caller
+never waits::
 
     compute stream: x, ids, gates -> fp32/int64 buffers of ours        -> event
     job stream:     (waits the event) -> page-locked staging copies
@@ -12,32 +15,13 @@ waits::
     compute stream: the device's share of the picks, if any (split.py)
                     (waits the event) y + that share -> x's dtype
 
-The stream runs the kernel on a driver thread once the copies before it landed, and the
-copy back waits for it; meanwhile the caller goes on enqueuing the next layers' work (their
-attention kernels, their weights' prefetches), so a decode step's Python and kernel launches
-hide behind the host's arithmetic instead of adding to it.  Staging, scratch and each job's
-arguments are reused layer after layer: stream order keeps a layer's job from reading what
-the next layer's copies write.  Elsewhere (a CPU device, another layout, no C compiler)
-the op stages, waits for the stream once, computes with :mod:`~fx_offload.host_compute.
-kernels` (or the module's own ``forward`` on host views) and copies back.
+Elsewhere (a CPU device, another layout, no C compiler) :meth:`HostExperts.on_host` stages,
+waits for the stream once, computes and copies back.  A call predicted to run on the host
+skips its expert chunks' prefetches (:meth:`HostExperts.skips`).
 
-The expert tensors' chunk is not copied for such a call (its prefetch is skipped, see
-:meth:`HostExperts.skips`).  An experts module of another layout or activation runs its own
-``forward`` on the host tensors instead.  Streamed, the op does what the graph did without
-it: a routed wait for each chunk (the picked experts cross the link, or the whole chunk was
-prefetched), then the experts module's own ``forward``, whose parameters point at the slot
-during a call.
-
-``"auto"``'s rule, per layer and call shape (:func:`~fx_offload.host_compute.split.
-device_picks`), from the call's tokens, the layer's expert sizes, the bytes of its other
-chunks and the rates of :mod:`fx_offload.host_compute.rates` (measured once per machine and
-cached beside the device's): of each token's ``k`` picks the device takes the first ``m``
-(gathered over the link, or from the expert cache) and the host the rest, ``m`` chosen so
-that the link and the host finish together; ``m = k`` streams the layer (a prompt: the
-host's arithmetic is the cost), ``m = 0`` computes it wholly on the host.  The rule's
-choice is then checked against the clock (:mod:`~fx_offload.host_compute.trial`): at each
-call size the calls take turns with the rule's split, the host alone and streaming, timed
-on the device, and the fastest stays.
+Why the stream, the reused staging, the plain path, what streaming does, the rule and the
+trial: docs/host_compute.md, "Routed experts on the host", "Split between the device and
+the host (``"auto"``)" and "The rule checked against the clock".
 """
 from __future__ import annotations
 

@@ -1,21 +1,16 @@
-"""Routed expert chunks at run time: a chunk of an MoE layer's expert tensors that the pass
-proved is read only through its router's picks (:mod:`fx_offload.passes.routing`) moves only
-the picked experts, copied by the device after the router runs (:mod:`.gather`).
-
-Per call, the first routed wait sees how many tokens the call routes and decides for it:
-
-* few tokens (decode: the expected share of experts picked at most :data:`WHOLE_ABOVE`):
-  the prefetch of a routed chunk copies nothing, and its ``wait_routed`` copies the picked
-  experts on the compute stream (no host synchronization: a CUDA graph captures it);
-* many tokens (prefill: most experts picked): the chunk is prefetched whole, as any other,
-  hidden behind earlier layers, and ``wait_routed`` only waits for it.
+"""Routed expert chunks at run time (:class:`RoutedExperts`): a chunk of an MoE layer's
+expert tensors that the pass proved is read only through its router's picks
+(:mod:`fx_offload.passes.routing`) moves only the picked experts, copied by the device
+after the router runs (:mod:`.gather`), in a call whose expected share of experts picked is
+at most :data:`WHOLE_ABOVE`; in a call that picks more, the chunk is prefetched whole.
 
 A chunk whose slot holds it whole (prefetched before the tokens were known) is only waited
-for.  After a gather the slot holds only the picked rows, so the chunk is recorded as not
-held: any other reader (a graph without the routed wait, eager use) loads it whole.  Inside
-a CUDA-graph capture a chunk held from before the capture is gathered again: a replay
-cannot know what the slot will hold then.  Outputs never depend on the prediction: only
-how many bytes move does.
+for.  Inside a CUDA-graph capture a chunk held from before the capture is gathered again: a
+replay cannot know what the slot will hold then.
+
+How the share is predicted at a call's entry and corrected at each routed wait, why a
+gathered chunk is recorded as not held, and why outputs never depend on the prediction:
+docs/routed_experts.md, "At run time" and "Prefill".
 """
 from __future__ import annotations
 

@@ -1,30 +1,19 @@
-"""One offloaded layer's compressed host copy (``compress="lossless"``): the records of its
-chunks (by :mod:`fx_offload.codecs`: nvCOMP's ANS on a GPU with nvCOMP, else ours) in one
-page-locked block, and the copy of a chunk through a staging buffer on the device::
-
-    host block (the truth)  [ chunk 0 | chunk 1 | chunk 2 ]      raw bytes, as without
-                               encode     encode    raw (not all bf16, or not worth it)
-    compressed block        [ record 0 | record 1 ]               page-locked
-                               | H2D (its bytes only)
-    staging (device)        [ record ]  --decode-->  slot[chunk.start:chunk.end]
-
-A prefetch (:class:`StagedCopies`) copies the record into one of two staging buffers on the
-copy stream and decodes it on a decode stream of its own, so the link never waits for a
-decode or for the slot to be free: only the decode waits for the slot's last reader::
+"""One offloaded layer's compressed host copy (``compress="lossless"``).
+:class:`CompressedBlock` holds the records of its chunks (by :mod:`fx_offload.codecs`) in
+one page-locked block, beside the raw host block that stays the truth; a chunk not all
+bf16, or not worth it, has no record and is copied raw.  :class:`StagedCopies` copies a
+record into one of two staging buffers on the device and decodes it into the slot::
 
     compute   ... layer reads slot | fork ....................... wait(done) | next reads
     copy      H2D rec k -> staging[k] | staged[k]   H2D rec k+1 -> staging[k+1] ...
     decode              wait(staged[k], fork) decode -> slot, check | free[k], done
 
-Each copy to a GPU verifies the record's checksum on the device around its decode
-(:mod:`.record_check`: a corrupt record's chunk becomes NaN and the next call raises).
-
 A synchronous load copies and decodes on the compute stream through a staging buffer of
-its own.
-Each record's size is fixed when it is first made: a weight update is encoded into the same
-sizes (room was kept for escapes), so the addresses and sizes a captured CUDA graph recorded
-stay right.  The raw host block stays the truth, so ``state_dict``, ``restore`` and every
-other reader of the weights never decode anything.
+its own.  The check after each decode on a GPU is :mod:`.record_check`.
+
+Why a decode stream of its own, why record sizes are fixed when first made, and why no
+reader of the weights decodes: docs/compression.md, the paragraph "A prefetch copies the
+record", and "Checks".
 """
 from __future__ import annotations
 

@@ -1,24 +1,20 @@
 """On a GPU, every compressed record is verified where it lands, in stream order and with no
-host synchronisation, so a record corrupted in host memory never decodes silently into wrong
-weights (on the CPU, :func:`.lossless.check` verifies a record before its decode)::
+host synchronisation (on the CPU, :func:`fx_offload.codecs.lossless.check` verifies a record
+before its decode)::
 
     copy stream     H2D record -> staging[k]
-    decode stream   decode(staging[k]) -> slot chunk        the codec (its sizes and addresses
-                                                            from trusted memory, not the record)
-                    check(staging[k], sums[c]):             one launch: each program adds its
-                        tally[k] += its share                block's share of lossless.checksum;
-                        the last program to finish:          the last one compares the total
-                          total != sums[c]:
-                            slot chunk := 0xFFFF words       the call computes with NaN
-                            flags[c] := 1                    page-locked, written through its
-                          tally[k] := 0                      device address
-    next call       flags set -> OffloadError naming the chunk (runtime.ownership.ownership)
+    decode stream   decode(staging[k]) -> slot chunk   (sizes, addresses: trusted memory)
+                    check, one launch: each program adds its block's share of the checksum
+                    into tally[k]; the last to finish compares the total with sums[c] and,
+                    where they differ, fills the chunk with 0xFFFF words (a bf16 NaN) and
+                    sets flags[c] (page-locked); it leaves tally[k] zero
+    next call       flags set -> OffloadError naming the chunk
 
-A corrupt record thus makes the call that copies it compute with NaN (for a bf16 weight, 0xFFFF
-is a NaN), and every later call raise until the record is encoded again (new weights for its
-layer) or the model restored.  The checksums live on the device, so a captured CUDA graph
-reads the current ones after an update encodes a record anew.  The cost
-(docs/compression.md): one read of the record on the device and one kernel launch per chunk.
+The next call's entry raises it, reading the flags without waiting for the device
+(:meth:`.compressed_layers.CompressedLayers.raise_if_corrupt`).  The check costs one read of
+the record on the device and one kernel launch per chunk.  Why the call that copies a
+corrupt record computes with NaN and the next one raises, and the cost measured:
+docs/compression.md, "Checks".
 """
 from __future__ import annotations
 

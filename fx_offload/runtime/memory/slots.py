@@ -1,25 +1,24 @@
-"""The memory of one offloaded model: host masters and device slots, and the copy between.
+"""The memory of one offloaded model: host masters and device slots, and the copy between
+(:class:`SlotBuffers`).
 
-Masters hold the true weights of offloaded layers.  On CUDA each layer's masters are views
-into one page-locked host block (:mod:`.host_memory`); on the CPU the original storage is the
-master and nothing is copied (unless the weights come from a checkpoint, or are compressed:
-then into a plain host block).  A compressed layer's block may live in a file instead
-(:mod:`.compressed_layers`, :mod:`.file_backed`).  Each slot is one flat device buffer as
-large as the largest layer that uses it, and each layer sees its parameters as views into its
-slot laid out as its host block::
+Masters hold the true weights of offloaded layers.  On the CPU the original storage is the
+master and nothing is copied, unless the weights come from a checkpoint or are compressed:
+then into a plain host block.  Each layer sees its parameters as views into its slot laid
+out as its host block, and moves in one copy per chunk (:mod:`fx_offload.layout`)::
 
     slot 0  [ layer 1: fc1.weight | fc1.bias | ... ]         one copy per chunk:
             [ layer 3 (an MoE layer): gate | experts... ]    block[a:b] -> slot[a:b]
-
-so layers of different shapes may share a slot (a dense-then-MoE stack, several stacks),
-and a layer moves in one copy per chunk (:mod:`fx_offload.layout`: its parameters in the
-order its forward reads them, split where the pass waits and starts per chunk).
 
 The slots are allocated first, then the host blocks one layer at a time; ``hand_over`` lets
 each layer's parameters take their block as soon as it is filled, so the storage they held
 is freed before the next block is allocated (host memory holds each weight once, plus one
 layer).  A failure part-way leaves every parameter holding its values: the old storage, or
 a block that holds the same.
+
+Page-locked blocks (:mod:`.host_memory`), slots shared by layers of different shapes, the
+packed copy: docs/design.md, "Copies on CUDA"; a compressed layer's raw block in a file
+(:mod:`.compressed_layers`, :mod:`.file_backed`): docs/compression.md, "Where the raw block
+lives".
 """
 from __future__ import annotations
 
