@@ -1,31 +1,27 @@
-"""Training on a frozen offloaded base: the backward streams the frozen weights a second time.
+"""Training a frozen offloaded base: the backward streams the frozen weights a second time.
 
-A model trained with its offloaded layers' weights frozen (``requires_grad=False``) and its
-trainable parameters elsewhere (LoRA adapters inside ``q_proj``, a head, norms: those stay
-resident, ``selection.params``) still needs the frozen weights in backward, for the gradients
-of the activations.  AOTAutograd saves them for backward as the forward's graph inputs (or
-views of them); by the time backward runs, the forward's refills have put later layers (or,
-with the circular prefetch, the first ones) into their slots, and the call that pointed the
-parameters at their slots has ended.  So the backward graph gets ops of its own: the same
-``wait_prefetch`` / ``start_prefetch`` the forward has, in the order backward reads the
-layers (reverse), into the same slots, and a pair that makes backward a call of the model::
+By the time backward runs, the forward's refills have put other layers into the slots
+whose weights AOTAutograd saved for it (as the forward's graph inputs, or views of them),
+and the call that pointed the parameters at their slots has ended.  So the backward graph
+gets ops of its own: the same ``wait_prefetch`` / ``start_prefetch`` the forward has, in
+the order backward reads the layers (reverse), into the same slots, and a pair that makes
+backward a call of the model::
 
-    forward graph (as for inference)          backward graph (this module adds the ops)
-    wait(L0) ... L0 ... start(L0 -> L2)        d = empty(0)       the chain our ops mutate
-    wait(L1) ... L1 ... start(L1 -> L3)        backward_enter([d])   params -> slots
-    wait(L2) ... L2 ... start(L2 -> L0)        start([d], L3 -> L3)  whatever the slot holds
-    wait(L3) ... L3 ... start(L3 -> L1)        wait([d, g3], L3) ... L3's reads ... start(L3 -> L1)
-                                               start([d], L2 -> L2)
-                                               wait([d, g2], L2) ... L2's reads ... start(L2 -> L0)
-                                               wait([d, g1], L1) ... L1's reads
-                                               wait([d, g0], L0) ... L0's reads
-                                               backward_leave([d], grads)  params -> host
+    forward graph (as for inference)      backward graph (this module adds the ops)
+    wait(L0) ... L0 ... start(L0 -> L2)   d = empty(0)           the chain our ops mutate
+    wait(L1) ... L1 ... start(L1 -> L3)   backward_enter([d])    params -> slots
+    wait(L2) ... L2 ... start(L2 -> L0)   start([d], L3 -> L3)   whatever the slot holds
+    wait(L3) ... L3 ... start(L3 -> L1)   wait([d, g3], L3) ... reads ... start(L3 -> L1)
+                                          start([d], L2 -> L2)
+                                          wait([d, g2], L2) ... reads ... start(L2 -> L0)
+                                          wait([d, g1], L1) ... reads
+                                          wait([d, g0], L0) ... reads
+                                          backward_leave([d], grads)    params -> host
 
 (two slots; ``g``: the values the layer's first reads take besides its weights, live at the
-wait.)  The backward's order is the ring's reversed: a slot's layers are read last first, so
-each start refills the slot with the previous layer of the same slot, and each slot's first
-wait is preceded by a start of that layer itself, which copies only where the slot does not
-hold it already (what the forward left there depends on where its circular prefetch ran).
+wait.)  Each slot's first wait in backward is preceded by a start of that layer itself,
+which copies only where the slot does not hold it already (what the forward left there
+depends on where its circular prefetch ran).
 
 Which backward inputs are offloaded weights: the forward compiler reads, from its graph's
 placeholders (one per input Dynamo passed, in order), the fake tensors of the offloaded
@@ -34,17 +30,17 @@ weight itself, or a view the partitioner chose to save).  Reads are followed thr
 (which read nothing until their consumer does).  Every op mutates ``d`` (and a wait, its
 layer's ``g``), so Inductor keeps them in program order and orders every read of the layer's
 weights after its wait; every start reads the outputs of its layer's reads.  The verifier
-(``passes.verify``) then proves the backward's schedule as it does the forward's, from slots
-holding nothing known at entry.
+(``passes.verify``) then proves the backward's schedule from slots holding nothing known at
+entry.
 
 ``backward_enter`` makes the backward a call of the model as the forward's hooks do
-(``Ownership.enter``: the turn, what the user changed taken up, the parameters pointed at
-their slots, since the saved weights may be the parameter objects themselves);
+(``OffloadState.enter``: the turn, what the user changed taken up, the parameters pointed
+at their slots, since the saved weights may be the parameter objects themselves);
 ``backward_leave`` ends it.  A backward after ``fx_offload.restore`` is refused (views of
-freed slots may be among its saved tensors).
-
-The forward and backward compilers: ``aot_eager``'s own (our ops called in place, then run as
-they are), Inductor's ``compile_fx_inner`` behind ``compile_fx``'s ``inner_compile``.
+freed slots may be among its saved tensors).  The compilers: ``aot_eager``'s own (our ops
+called in place, then run as they are), Inductor's ``compile_fx_inner`` behind
+``compile_fx``'s ``inner_compile``.  What trains and what is refused, and why:
+docs/training.md, "How the backward gets the weights" and "What works and what is refused".
 """
 from __future__ import annotations
 

@@ -2,24 +2,20 @@
 
 A layer's host cache ``[B, H, T, D]`` is page-locked host memory that the device reads and
 writes through its mapped address; its slot is a device buffer of the same shape.  Each of
-the ``B * H`` rows (one sequence, one head) holds its ``T`` tokens contiguously, so the valid
-tokens of a row are one prefix of it::
+the ``B * H`` rows (one sequence, one head) holds its ``T`` tokens contiguously, so the
+valid tokens of a row are one prefix of it::
 
     fill        host[r, :hi] -> slot[r, :hi]   hi = min(ceil(pos / block) * block, T)
     write_back  slot[r, idx] -> host[r, idx]   idx: the positions the step wrote
 
 ``pos`` (the tokens the cache held when the step began) and ``idx`` live on the device, in
-buffers of the runtime's own: no length is read back to the host, so a decode step stays
-capturable in a CUDA graph, and the copy moves only the valid blocks (a 2k-token context in
-a 128k cache moves 2k tokens, rounded up to a block).  Each is one Triton kernel whose
-programs own a piece of one row and return at once where it lies past ``hi``; the CPU path
-(tests, CPU runs) does the same with ``.item()`` and ``index_copy_``.
-
-Outside a CUDA-graph capture the call hook reads the lengths back once per call, and the
-fill runs on the copy engine instead (``fill_known``): the kernel reads the host memory
-through SMs that the step's own compute also wants, and on an H100 a decode step's fills ran
-at about 37 GB/s that way against the copy engine's 54
-(docs/notes/2026-11-25-host-kv-cache.md).
+buffers of the runtime's own: no length is read back to the host, so a step stays
+capturable in a CUDA graph.  Each copy is one Triton kernel whose programs own a piece of
+one row and return at once where it lies past ``hi``; the CPU path (tests, CPU runs) does
+the same with ``.item()`` and ``index_copy_``.  Outside a CUDA-graph capture the fill runs
+on the copy engine instead (:func:`fill_known`): the kernel reads the host memory through
+SMs that the step's own compute also wants.  Where the lengths come from, in a capture and
+outside one: docs/host_kv_cache.md, the paragraph "Lengths".
 """
 from __future__ import annotations
 

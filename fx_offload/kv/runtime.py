@@ -16,8 +16,9 @@ step, for host layers ``A, B, C`` and two slots::
       pos[C] = len(C)         wait A's write-back, then
                               fill C -> slot 0
     update B ...              ...
-    join: wait the write-back stream
-                              fill A, B -> slots 0, 1 for the next call (.ahead)
+    update C: as A; C is slot 0's last layer, so it also begins the next call's fill of
+              A into slot 0 (:mod:`.next_call`; B, alone in slot 1, stays current there)
+    join: wait the write-back stream; begin the next call's fills no update began
 
 so the slot is overwritten only after its layer's clone and write-back read it, and a host
 block is read (by a later step's fill) only after the write-back that wrote it: the join
@@ -169,7 +170,7 @@ class HostKV:
         write-back reads it."""
         self.begun.add(layer)
         if previous is None and self.next_call.found(self, layer, keys, values):
-            return                  # filled as the last call ended (.ahead)
+            return                  # filled as the last call ended (.next_call)
         k_slot, v_slot, _ = self.views(layer, keys, values)
         mark = self.pos[layer]
         mark.copy_(pos.reshape(-1)[:1])          # in stream order: before this step's write
@@ -254,7 +255,7 @@ class HostKV:
 
     def join(self) -> None:
         """The end of a call: every write-back has landed before anything reads the host;
-        the next call's first fills begin (.ahead)."""
+        the next call's first fills begin (.next_call)."""
         if self.write_stream is not None and self.written_now:
             torch.cuda.current_stream(self.device).wait_stream(self.write_stream)
             if not torch.cuda.is_current_stream_capturing():

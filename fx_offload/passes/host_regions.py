@@ -1,42 +1,37 @@
 """Routed MoE experts and dense gated MLPs computed where the runtime chooses, call by call:
-option ``host_compute`` (docs/host_compute.md).
+option ``host_compute`` (docs/host_compute.md).  Each region becomes one op, whose weights
+are no input of it.
 
 For an offloaded MoE layer whose chunks of expert tensors are routed (:mod:`.routing`), the
-nodes traced inside its experts module (``nn_module_stack``; transformers'
-``Qwen3MoeExperts``, ``MixtralExperts``: ``forward(x (T, H), ids (T, k), gates (T, k)) ->
-(T, H)``) become one op::
+nodes traced inside its experts module (``nn_module_stack``) become one op::
 
     ids = topk(softmax(router(x)), k)[1]        ids = topk(softmax(router(x)), k)[1]
     wait_routed([x], ids, h, L, c)
     ...  grouped_mm(x_g, w_L.mT, offs) ...  ->  y = host_experts(x, ids, gates, h, L, [c])
     y = ...                                     ...  (the layer's other chunks: as before)
 
-Its kernel (:mod:`fx_offload.runtime.experts.host_experts`) either copies ``x``, ``ids`` and
-``gates`` to the host, computes the experts there from the expert tensors' host block (read
-in place: the weights are no input of the graph's op) and copies the result back, or streams:
-the routed wait the graph had, then the experts module's own forward on the slot.  So the
-graph is the same whichever way a call goes, and ``host_compute="auto"`` decides per call.
-The chunks' wait leaves the graph (the op waits itself when it streams); the refills that
-overwrite them start after the op, their last reader (:mod:`.plan` counts it as one).
+A dense MLP (:mod:`fx_offload.selection.mlps`: its three weights chunks of their own)
+becomes one op the same way::
 
-The region is replaced only where it is clean: its inputs from outside are the router's ids,
-one activation shaped like its output (``x``), one shaped like the ids (``gates``), the
-routed chunks' weights and nothing else (other weights, a graph input); its nodes are read
-outside it only through that one output (sizes computed from outside values alone stay in
-the graph: the tracer shares them); it writes nothing outside it.  Otherwise the layer
-streams as before and ``learned.hosting`` records why (``report`` and ``explain`` show it).
-
-A dense MLP (:mod:`fx_offload.selection.mlps`: its three weights chunks of their own) becomes
-one op the same way, its weights no input of it::
-
-    wait_prefetch([h], L, c_gate) ...
+    wait_prefetch([h], handle, L, c_gate) ...
     g = linear(h, w_gate); u = linear(h, w_up)
     y = linear(silu(g) * u, w_down)          ->  y = host_mlp(h, handle, L, [c_g, c_u, c_d])
 
-where the nodes traced in the module are exactly those five, read from one input shaped
-like the output, none read outside but ``y``.  The chunks' waits leave the graph; their
-refills start after ``y``, and at run time, for a call that computes it on the host, at
-once (:meth:`fx_offload.runtime.experts.host_mlps.HostMlps.run`).
+The chunks' waits leave the graph (the op waits itself when it streams); the refills that
+overwrite them start after the op, their last reader (:mod:`.plan` counts it as one), and,
+for a call that computes an MLP on the host, at once
+(:meth:`fx_offload.runtime.experts.host_mlps.HostMlps.run`).
+
+A region is replaced only where it is clean; otherwise the layer streams as before and
+``learned.hosting`` records why (``report`` and ``explain`` show it).  The experts' region:
+its inputs from outside are the router's ids, one activation shaped like its output (``x``),
+one shaped like the ids (``gates``), the routed chunks' weights and nothing else (other
+weights, a graph input); its nodes are read outside it only through that one output (sizes
+computed from outside values alone stay in the graph: the tracer shares them); it writes
+nothing outside it.  The MLP: the nodes traced in the module are exactly those five, read
+from one input shaped like the output, none read outside but ``y``.  What each op does at
+run time, computed or streamed (:mod:`fx_offload.runtime.experts.host_experts`):
+docs/host_compute.md, "Routed experts on the host" and "Dense MLPs on the host".
 """
 from __future__ import annotations
 

@@ -5,26 +5,22 @@ moves chunk by chunk (:mod:`fx_offload.layout`); for every offloaded layer prese
 graph the plan holds:
 
 * one :class:`ChunkWait` per chunk the graph reads, immediately before the chunk's first
-  read (``first_use``), declaring mutated the values live there from which the reads of the
-  chunk's weights are computed (``acts``), so every such read is ordered after it.  A graph
-  input is never declared mutated (that would make it a mutated input of the compiled
-  graph); where a read depends on graph inputs alone, the plan clones one
-  (``clone_inputs``).  A chunk whose reads depend on weights alone shares the wait before it;
+  read (``first_use``), tied to the values live there that the reads are computed from
+  (``acts``), or, where they depend on graph inputs alone (never declared mutated), to a
+  clone of one (``clone_inputs``).  A chunk whose reads depend on weights alone shares
+  the wait before it;
 * where the slot is refilled, one :class:`ChunkStart` per chunk of the refill, immediately
-  after the last read of this layer's chunks whose bytes it overwrites (``after``): it
-  declares that node mutated and reads every other read of those chunks, so no read of the
-  old bytes is ordered after the copy that overwrites them.  A refill chunk that overwrites
-  nothing this graph reads (a larger layer sharing the slot) starts after the layer's last
-  node, tied to its outputs as a whole-layer start would be;
+  after the last read of this layer's chunks whose bytes it overwrites (``after``), or
+  after the layer's last node where it overwrites nothing this graph reads;
 * in the graph that runs the call's first offloaded layer, the :class:`EntryStarts`: the
-  refills a call begins with (each slot's first layer over the previous call's last), at the
-  top of the graph, before any compute, tied to an anchor (an empty tensor shaped like the
-  smallest graph input); the first wait of each layer they refill is tied to that anchor
-  too, so it stays after them.
+  refills a call begins with, at the top of the graph, tied to an anchor to which the first
+  wait of each layer they refill is tied too.
 
 Layer membership comes from ``nn_module_stack``; weights of an offloaded layer read outside
 it, or a layer output that aliases an offloaded weight, are refused with an error naming the
-node, because either would be read after the slot is refilled.
+node.  Why each op is tied to what it is tied to, and where the entry refills go:
+docs/design.md, "The inserted op pattern" (with "Why each op depends on what it does") and
+"Slot rotation".
 """
 from __future__ import annotations
 

@@ -1,21 +1,16 @@
 """A cheap test, run as each call begins, that nothing was done to the offloaded parameters
-since the last full look at them.
+since the last full look at them (:meth:`~.ownership.Ownership.look`).  Between calls the
+user rarely touches the weights, so while the test holds the full look is skipped.
 
-:meth:`~.ownership.Ownership.look` looks at every parameter as a call begins
-(new storage, an in-place write, a new object, a new shape): a few function calls each,
-about 6 microseconds a parameter on a slow host.  A 48-layer MoE has over 500 of them, and
-under CUDA graphs the device waits for that host time between decode steps.  Between calls
-the user rarely touches the weights, so the full look leaves a :class:`Fingerprint` of what
-it saw: per parameter, the object its module holds, its storage address, autograd's version
-counter (every in-place write moves it) and its shape.  While the fingerprint taken now is
-the same, the full look would find nothing to do, and is skipped.
-
-A tensor subclass (a quantized weight) is fingerprinted by its inner tensors (the objects
-its attributes hold, their storage, version and shape) and by its own version counter, which is what moves when it is written
-through its API (torchao's ``copy_`` writes the inner tensors below autograd), and so is its
-host twin (``OffloadedParam.host``), which the module holds between calls on a GPU.  A
-DTensor's shard is written around the counters this reads, so a model with DTensor
-parameters always takes the full look.
+A :class:`Fingerprint` keeps, per parameter, the object its module holds, its storage
+address, autograd's version counter (every in-place write moves it) and its shape.  A
+tensor subclass (a quantized weight) is fingerprinted by its inner tensors (the objects
+its attributes hold, their storage, version and shape) and by its own version counter,
+which is what moves when it is written through its API (torchao's ``copy_`` writes the
+inner tensors below autograd), and so is its host twin (``OffloadedParam.host``), which
+the module holds between calls on a GPU.  A DTensor's shard is written around the counters
+this reads, so a model with DTensor parameters always takes the full look.  Why the look's
+host time matters: docs/routed_experts.md, the paragraph "One host cost was ours".
 """
 from __future__ import annotations
 
