@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     rows_of += [("routed", "auto", b, None, h) for b in args.memory_budget.split(",") if b
                 for h in hosts]
     default_depth = os.environ.get("FX_OFFLOAD_AHEAD")
-    rates = _host_rates() if any(h != "never" for h in hosts) else (None, None)
+    rates, host_read = _host_rates() if any(h != "never" for h in hosts) else (None, None)
     for experts, cache, budget, depth, host in rows_of if "fx_offload" in methods else []:
         torch._dynamo.reset()
         _set_env("FX_OFFLOAD_AHEAD", default_depth if depth is None else depth)
@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
                                                          steps=True)
         del model
     torch.cuda.empty_cache()
-    _print_table(rows, tokens, moved, bandwidth, gathering, *rates)
+    _print_table(rows, tokens, moved, bandwidth, gathering, rates, host_read)
     return 0
 
 
@@ -207,7 +207,8 @@ def _static_cache(model, longest: int) -> None:
 
 
 def _host_rates():
-    """The host's rates as ``host_compute`` measured them (cached per machine)."""
+    """The host's rates as ``host_compute`` measured them (cached per machine), and the
+    fastest rate the host was seen reading (a step's bound holds its host reads to it)."""
     from ..host_compute.rates import host_rates
     rates = host_rates(torch.device("cuda"))
     plain = plain_read_rate()

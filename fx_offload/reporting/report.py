@@ -181,8 +181,8 @@ def _host_line(ran: dict[int, str], read: int) -> str:
 def _jobs_line(count: int, nbytes: int, ran: float, span: float) -> str:
     rate = f", reading {nbytes / ran / 1e9:.1f} GB/s" if ran > 0 else ""
     return (f"    its {count} host job(s) on the stream ran {ran * 1e3:.2f} ms{rate}; "
-            f"{max(span - ran, 0.0) * 1e3:.2f} ms passed between them (the layers' device "
-            "work and round trips)")
+            f"{max(span - ran, 0.0) * 1e3:.2f} ms passed between them (the device's work "
+            "between them, the round trips, and any wait for the Python thread's launches)")
 
 
 def _ran_on(state) -> dict[int, str]:
