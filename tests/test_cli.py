@@ -136,3 +136,37 @@ def test_a_host_compute_rows_bound_takes_the_fastest_read_the_host_was_seen_maki
     fast = HostRates(read_rate=plain * 2, flop_rate=1e9, latency=1e-4,
                      shared_read_rate=plain * 3)
     assert fastest_host_read(fast, plain) == plain * 3
+
+
+def test_a_benchmark_generates_until_autos_trial_has_kept_a_plan(monkeypatch):
+    # the timed calls must measure the plan kept, not the trial's turns; a model with no
+    # trial (not "auto", or no size timed) is not generated on needlessly
+    from types import SimpleNamespace
+    from fx_offload import registry
+    from fx_offload.benchmarks.common import settle_trials
+    trial = SimpleNamespace(best=None)
+    timer = SimpleNamespace(trials={})
+    state = SimpleNamespace(host_experts=SimpleNamespace(timer=timer))
+    built = []
+
+    class Model:
+        calls = 0
+
+        def generate(self, prompt, **kwargs):
+            self.calls += 1
+            built.append(True)
+            timer.trials[(1, 8)] = trial
+            if self.calls == 3:
+                trial.best = 0
+
+    monkeypatch.setattr(registry, "state_for_model", lambda m: state if built else None)
+    model = Model()
+    assert settle_trials(model, None) == 3 and model.calls == 3
+    assert settle_trials(model, None) == 0 and model.calls == 3     # settled: none more
+    trial.best, model.calls = None, -100
+    assert settle_trials(model, None, most=4) == 4                   # bounded
+    timer.trials.clear()
+    quiet = SimpleNamespace(generate=lambda prompt, **kw: built.append(True))
+    assert settle_trials(quiet, None) == 1      # one generate, and no size was on trial
+    state.host_experts = None                   # host_compute="never": no trial at all
+    assert settle_trials(model, None) == 0

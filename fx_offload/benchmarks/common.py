@@ -126,3 +126,24 @@ def fastest_host_read(rates, plain: float) -> float:
     bound at a slower rate is no floor: on one machine the probe read 49 GB/s while the
     model's own host jobs read over 60."""
     return max(rates.read_rate, rates.read_beside_link, plain)
+
+
+def settle_trials(model, prompt, extra=None, most: int = 6) -> int:
+    """``generate`` on ``model`` until ``host_compute="auto"`` has kept a plan at each call
+    size it times (:mod:`fx_offload.host_compute.trial`), at most ``most`` times: the timed
+    calls then measure the plan kept, not the trial.  Returns the generates run."""
+    from .. import registry
+    for run in range(most):
+        state = registry.state_for_model(model)      # (built at the first call)
+        timer = getattr(getattr(state, "host_experts", None), "timer", None)
+        if state is not None:
+            if not hasattr(timer, "trials") or (run and not timer.trials):
+                return run          # no trial: not "auto", or no call size timed
+            if timer.trials and all(t.best is not None for t in timer.trials.values()):
+                return run
+        with torch.no_grad():
+            model.generate(prompt, max_new_tokens=33, min_new_tokens=33, do_sample=False,
+                           **(extra or {}))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    return most

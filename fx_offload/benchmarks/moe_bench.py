@@ -53,11 +53,11 @@ from .common import (add_flags, add_generate_arguments, build_random, fastest_ho
                      plain_read_rate, unavailable, with_accelerate)
 from .common import graphs_route as _graphs
 from .generate_bench import measure
-from ..host_compute.trial import ROUNDS
+from ..host_compute.trial import ROUNDS, SETTLE
 
 # generate calls (and the decode steps of the first) that let "auto" time each plan's blocks
 # at a batch's sizes, with calls read late
-_SETTLE_CALLS = ROUNDS * 3 * 2 + 4
+_SETTLE_CALLS = SETTLE + ROUNDS * 3 * 2 + 4
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -7,11 +7,11 @@ not see: a layer's host job waits for that layer's attention and the next layer 
 the job, the Python thread's launches, the job's wake-up (on the H200 machine the rule's
 split lost to streaming at batch 1 and won at batch 8: docs/host_compute.md).  So the rule
 proposes and the calls decide, in ``ROUNDS`` rounds of blocks, a block being one plan's
-warm-up call and its timed call::
+warm-up call and its timed call, after ``SETTLE`` calls of the rule's plan::
 
-    call:    1      2      3      4      5      6      7      8      9 ... 12   13 ...
-    plan:    rule   rule   host   host   stream stream rule   rule   ...  stream best
-    timed:   -      yes    -      yes    -      yes    -      yes    ...  yes
+    call:    1-4    5      6      7      8      9      10     11 ... 22     23 ...
+    plan:    rule   rule   rule   host   host   stream stream rule ... stream best
+    timed:   -      -      yes    -      yes    -      yes    -   ... yes
 
 A call is timed on the device, from an event at its entry to one at its end: the time the
 device spent on it, waits for the host's jobs and for the Python thread's launches included.
@@ -19,12 +19,15 @@ The events are read once done, never waited for (a block runs on until its timed
 read; the calls past it are not counted). The plan whose fastest timed call was fastest
 wins for that size of call, for good (a new size of call has a trial of its own).
 
-Why blocks: a change of plan has a cost of its own (the prefetches and slots set up for the
-plan before), which the warm-up call takes.  Why rounds and the fastest call: with one block
-each, the plan tried first timed slowest by far, even with calls that compiled left out (a
-size's first calls pay costs of their own); a second block of each plan, after the others,
-gives every plan a call clear of that.  Plans that are the same (the rule says stream, or
-host alone) are tried once. Under a CUDA graph capture nothing is timed. Only plans the
+Why settle first: a size's first calls run beside one-time work (the next size's compile,
+the host jobs' first thread team, staging grown), which can slow both blocks of a plan and
+keep a slower one (docs/host_compute.md, "The trial settles first").  Why blocks: a change
+of plan has a cost of its own (the prefetches and slots set up for the plan before), which
+the warm-up call takes.  Why rounds and the fastest call: with one block each, the plan
+tried first timed slowest by far, even with calls that compiled left out; later blocks of
+each plan, after the others, give every plan calls clear of that, and noise only ever
+slows a call.  Plans that are the same (the rule says stream, or host alone) are tried
+once. Under a CUDA graph capture nothing is timed. Only plans the
 rule predicts at most ``TRY_WITHIN`` times slower than its own are tried: a prompt is never
 tried on the host alone.  A plan is a call's, named by the rule's ``m`` for its first routed
 layer: ``0`` and ``k`` hold for every layer, any other value lets each layer take its own
@@ -44,7 +47,8 @@ from torch._dynamo.utils import counters
 
 log = logging.getLogger("fx_offload")
 
-ROUNDS = 2          # blocks of each plan (a warm-up call, then a timed one), plan after plan
+ROUNDS = 3          # blocks of each plan (a warm-up call, then a timed one), plan after plan
+SETTLE = 4          # calls of a size that run the rule's plan untimed before its blocks begin
 # call sizes tried at most: beyond, a new size runs the rule's plan untimed (a server's
 # prompts of every length would otherwise keep a trial each)
 MAX_SIZES = 64
@@ -67,11 +71,15 @@ class Trial:
         self.block = 0          # the block in progress (numbered from 1), its plan, and how
         self._block_plan: int | None = None     # many of its calls were read so far
         self._read = 0
+        self.settling = SETTLE  # calls still to run the rule's plan before the first block
 
     def next_plan(self) -> tuple[int, int]:
         """The plan of the coming call, and the block it belongs to (-1 once settled)."""
         if self.best is not None:
             return self.best, -1
+        if self.settling:       # block 0: no block, not timed
+            self.settling -= 1
+            return self.plans[0], 0
         plan = next(m for m in self.plans if len(self.times[m]) < self.round)
         if plan != self._block_plan:
             self._block_plan, self.block, self._read = plan, self.block + 1, 0
@@ -80,7 +88,8 @@ class Trial:
     def timed(self, plan: int, block: int, seconds: float) -> bool:
         """A call of ``plan`` begun in ``block`` took ``seconds`` on the device; True once
         this settles the trial."""
-        if self.best is not None or block != self.block or plan != self._block_plan:
+        if self.best is not None or block <= 0 or block != self.block \
+                or plan != self._block_plan:
             return False                # a call of a block already done
         self._read += 1
         if self._read != 2:             # the block's warm-up, or a call past its timed one
@@ -144,7 +153,7 @@ class CallTimer:
             trial = self.trials[(tokens, k)] = Trial(plans, unit)
         plan, block = trial.next_plan()
         self._start = None
-        if trial.best is None:
+        if trial.best is None and block > 0:
             start = torch.cuda.Event(enable_timing=True)
             start.record(stream)
             self._start = (trial, plan, block, start, k, tokens)
