@@ -27,8 +27,8 @@ from .reporting.explain import Explanation, explain
 from .reporting.report import Report, report
 from .runtime.ownership.weights import named_weights, restore, update_weights
 
-__all__ = ["backend", "prefetch_offload", "compile_forward", "place", "empty_weights", "report", "restore", "explain",
-           "Explanation",
+__all__ = ["backend", "prefetch_offload", "compile_forward", "place", "empty_weights", "report",
+           "restore", "explain", "Explanation",
            "named_weights", "update_weights", "OffloadError",
            "Report", "OffloadOptions", "PrefetchOffloadBackend", "parse_options"]
 

@@ -12,9 +12,10 @@ The compiler makes one at a model's first compile, hands it to the pass, then to
 run-time state (``OffloadState.learned``), and hands the state's to the pass of every later
 graph.  The model's call hook holds it too, so a copy of the model (``deepcopy``, pickling),
 offloaded again at its first call, starts from a copy of it: the graphs Dynamo shares with
-the original fit it.  The runtime and the reports read it; only the pass and :mod:`fx_offload.layout`
-write it.  The dicts are filled in place: the parts of the state built before a layout is
-arranged (``place`` arranges at materialization) hold the same dicts.
+the original fit it.  The runtime and the reports read it; only the pass and
+:mod:`fx_offload.layout` write it.  The dicts are filled in place: the parts of the state
+built before a layout is arranged (``place`` arranges at materialization) hold the same
+dicts.
 """
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ nothing and mutates nothing is dead code), and every later reader of a mutated a
 ordered after it, so Inductor cannot hoist a layer's compute above its wait or sink it below
 its start.  Parameters are never declared mutated: that would make them mutated graph inputs
 (CUDA graphs refused) and would hide from the compiler that slots alias across layers.
+The ops::
 
     wait_prefetch(acts, h, layer, chunk)   acts: values the reads of the chunk's weights are
                                            computed from; chunk -1: every chunk of the layer

@@ -6,9 +6,9 @@ Two routes lead here.  :func:`place` is the one for a model bigger than the devi
 without weights (``fx_offload.empty_weights()``) or on the host, ``fx_offload.place(model,
 "cuda", checkpoint=folder, **options)`` puts each offloaded layer straight into its host
 block (read from the checkpoint, or moved from the host copy; never on the device) and
-everything else on the device, then ``torch.compile(model, backend="prefetch_offload")``.  Compiling a model
-that already sits on the device places it at its first compile instead (the backend calls
-:func:`activate`).
+everything else on the device, then ``torch.compile(model, backend="prefetch_offload")``.
+Compiling a model that already sits on the device places it at its first compile instead
+(the backend calls :func:`activate`).
 
 A model that carries the root hooks but has no live state (a ``copy.deepcopy`` of an
 offloaded model, or one unpickled with ``torch.load``) is offloaded again at its first call

@@ -1,11 +1,11 @@
 """Where one offload state is in its life, as one value (:class:`Phase`), and the moves it may
 make::
 
-    PLANNED --materialize--> MATERIALIZED --enter--> ON_SLOTS --leave, a write begins--> ON_TRUTH
-       |                          |                  |    ^                                 |
-       |                          |                  |    +------enter, the write ends------+
-       |                          |                  |                                      |
-       +---------detach-----------+------detach------+-----> RESTORED <------detach---------+
+    PLANNED -materialize-> MATERIALIZED -enter-> ON_SLOTS -leave, a write begins-> ON_TRUTH
+       |                        |                |    ^                             |
+       |                        |                |    +----enter, the write ends----+
+       |                        |                |                                  |
+       +--------detach----------+-----detach-----+---> RESTORED <-------detach------+
 
 ``PLANNED``: built from a choice; no host blocks or slots yet (the first compile's pass runs
 here).  ``MATERIALIZED``: the host blocks hold the truth and the slots are filled, but no call

@@ -146,7 +146,8 @@ class Experts(nn.Module):
 
     def __init__(self, num_experts: int, hidden: int, inner: int):
         super().__init__()
-        self.w13_weight = nn.Parameter(torch.randn(num_experts, 2 * inner, hidden) / math.sqrt(hidden))
+        self.w13_weight = nn.Parameter(
+            torch.randn(num_experts, 2 * inner, hidden) / math.sqrt(hidden))
         self.w13_weight_scale = nn.Parameter(torch.rand(num_experts, 2 * inner, 1) + 0.5)
         self.w2_weight = nn.Parameter(torch.randn(num_experts, hidden, inner) / math.sqrt(inner))
         self.w2_weight_scale = nn.Parameter(torch.rand(num_experts, hidden, 1) + 0.5)
@@ -289,5 +290,6 @@ def build(name: str, **kwargs):
     try:
         builder = BUILDERS[name]
     except KeyError:
-        raise ValueError(f"unknown built-in model {name!r}; choose one of {sorted(BUILDERS)}") from None
+        raise ValueError(f"unknown built-in model {name!r}; choose one of "
+                         f"{sorted(BUILDERS)}") from None
     return builder(**kwargs)

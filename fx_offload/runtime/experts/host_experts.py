@@ -310,7 +310,8 @@ class HostExperts:
                 return self._queued(entry, layer, chunks, x, ids, gates, m)
         return self.on_host(entry, x, ids, gates)
 
-    def _queued(self, entry: HostWeights, layer: int, chunks, x, ids, gates, m: int) -> torch.Tensor:
+    def _queued(self, entry: HostWeights, layer: int, chunks, x, ids, gates,
+                m: int) -> torch.Tensor:
         """The host job queued on a stream; where ``m`` (``"auto"``'s rule) or the expert
         cache give the device picks of its own, they split (:mod:`~fx_offload.host_compute.
         split`), which needs the routed gather."""
