@@ -67,9 +67,12 @@ def test_always_gives_the_models_logits_and_copies_no_mlp_weight(family, inner):
     assert "computed the experts or MLPs of layers [1, 3] on the host" in str(rep)
     # on a CPU no job is queued on a stream; where they are (CUDA), the report times them
     assert rep.host_jobs_last_call is None and "host job(s)" not in str(rep)
-    timed = dataclasses.replace(rep, host_jobs_last_call=(8, 2_800_000_000, 0.022, 0.036))
+    timed = dataclasses.replace(rep, host_jobs_last_call=(8, 2_800_000_000, 0.022, 0.036,
+                                                          0.0006, 0.0021))
     assert ("its 8 host job(s) on the stream ran 22.00 ms, reading 127.3 GB/s; 14.00 ms "
             "passed between them") in str(timed)
+    assert ("the Python thread took 0.60 ms to queue one and launched it 2.10 ms before it "
+            "began (medians") in str(timed)
     # each of the three weights is a chunk of its own (none shares a copy with a norm)
     chunks = registry.state_for_model(model).learned.layout[1]
     assert [c.suffixes for c in chunks[-3:]] == [
@@ -205,8 +208,11 @@ def test_on_a_gpu_the_stream_runs_the_mlp_and_the_logits_agree(mode):
         assert set(rep.ran_on.values()) == {"host"}
         assert registry.state_for_model(model).host_experts._jobs is not None
         assert rep.host_read_bytes_last_call == _mlp_bytes(model, 1) + _mlp_bytes(model, 3)
-        count, nbytes, ran, span = rep.host_jobs_last_call     # both jobs timed by the host
+        count, nbytes, ran, span, queueing, ahead = rep.host_jobs_last_call
         assert count == 2 and nbytes == rep.host_read_bytes_last_call and 0 < ran <= span
+        # the Python thread's clock and the jobs' are one: a job begins after its launch
+        # (or as the launch returns), within the call
+        assert 0 < queueing < 1 and -1e-4 < ahead < 1
     else:
         assert 2 in rep.host_timing, rep.host_timing
 

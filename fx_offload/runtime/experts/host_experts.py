@@ -26,6 +26,8 @@ the host (``"auto"``)" and "The rule checked against the clock".
 from __future__ import annotations
 
 import logging
+import statistics
+import time
 import weakref
 
 import torch
@@ -70,6 +72,7 @@ class _StreamJobs:
         self.records: dict[int, native.JobRecord] = {}   # layer -> its latest job's record
         # the jobs' stream, and the events between it and the compute stream
         self.stream = self.entered = self.left = None
+        self.launched = 0           # the host's monotonic clock (ns) at the latest launch
 
     def buffer(self, name: str, numel: int, dtype: torch.dtype, stream,
                pinned: bool = True, device=None) -> torch.Tensor:
@@ -138,6 +141,7 @@ class _StreamJobs:
                             self.buffer("ints", ints, torch.int64, side, False), y, record,
                             self.threads)
             native.launch_host_function(self.lib, side.cuda_stream, job)
+            self.launched = time.monotonic_ns()     # the clock the jobs note
             y_there.copy_(y, non_blocking=True)
             self.left.record(side)
         mine = device_part() if device_part is not None else None
@@ -166,7 +170,9 @@ class HostExperts:
         self.on_host_now = mode == "always"     # this call's prediction, for the prefetches
         self.ran: dict[int, str] = {}   # layer -> "host", "device", "split <m>", latest call
         self._read = 0              # host memory the latest call's kernels read (waited)
-        self._queued_reads: list = []   # (job record, bytes an expert) of its queued jobs
+        # its queued jobs: (job record, bytes an expert, the Python thread's monotonic clock
+        # (ns) as it began queueing the job and once it had launched it)
+        self._queued_reads: list = []
         self._jobs = None           # _StreamJobs, made at the first queued call
         self._predictions: dict[tuple, tuple] = {}    # (layer, tokens, k) -> _predicted's
         # "auto": the rule's choice timed against the host alone and streaming, per call
@@ -226,22 +232,27 @@ class HostExperts:
     def read_bytes(self) -> int:
         """Host memory the latest call's kernels read; waits for its queued jobs."""
         self.synchronize()
-        return self._read + sum(r[0] * b for r, b in self._queued_reads)
+        return self._read + sum(r[0] * b for r, b, _, _ in self._queued_reads)
 
     @property
-    def jobs_timed(self) -> tuple[int, int, float, float] | None:
+    def jobs_timed(self) -> tuple[int, int, float, float, float, float] | None:
         """The latest call's jobs queued on the stream: (how many, bytes they read, seconds
-        they ran, seconds from the first one's start to the last one's end), None where none
-        was queued; waits for them.  They run one after another on one stream, so the span
-        less the time they ran is the time the host's cores waited between them."""
+        they ran, seconds from the first one's start to the last one's end, the median
+        seconds the Python thread took to launch one, the median seconds from its launch to
+        its start), None where none was queued; waits for them.  They run one after another
+        on one stream, so the span less the time they ran is the time the host's cores
+        waited between them; a job that begins as soon as it is launched waited for the
+        Python thread (both clocks are the host's monotonic clock)."""
         self.synchronize()
-        done = [(r[0] * size, r[1], r[2]) for r, size in self._queued_reads
-                if r[2] >= r[1] > 0]
+        done = [(r[0] * size, r[1], r[2], began, queued)
+                for r, size, began, queued in self._queued_reads if r[2] >= r[1] > 0]
         if not done:
             return None
-        return (len(done), sum(n for n, _, _ in done),
-                sum(e - b for _, b, e in done) / 1e9,
-                (max(e for _, _, e in done) - min(b for _, b, _ in done)) / 1e9)
+        return (len(done), sum(n for n, *_ in done),
+                sum(e - b for _, b, e, _, _ in done) / 1e9,
+                (max(e for _, _, e, _, _ in done) - min(b for _, b, _, _, _ in done)) / 1e9,
+                statistics.median(q - g for *_, g, q in done) / 1e9,
+                statistics.median(b - q for _, b, _, _, q in done) / 1e9)
 
     def skips(self, layer: int, chunk) -> bool:
         """The prefetch of ``layer``'s ``chunk`` copies nothing: its experts, or its dense
@@ -277,8 +288,10 @@ class HostExperts:
         """``layer``'s host job queued on a stream (:class:`_StreamJobs`), its read counted."""
         if self._jobs is None:
             self._jobs = _StreamJobs(native.library(), job_threads())
+        began = time.monotonic_ns()     # the clock the jobs note (CLOCK_MONOTONIC)
         out = self._jobs.run(entry, layer, x, ids, gates, device_part)
-        self._queued_reads.append((self._jobs.records[layer], entry.expert_bytes))
+        self._queued_reads.append((self._jobs.records[layer], entry.expert_bytes, began,
+                                   self._jobs.launched))
         return out
 
     def run_mlp(self, layer: int, chunks, x: torch.Tensor) -> torch.Tensor:
