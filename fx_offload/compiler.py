@@ -101,7 +101,15 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
     # 1. inputs
     gi = read_graph_inputs(gm, example_inputs)
     if gi.root is None or not gi.params:
-        log.debug("fx_offload: graph reads no model parameters; compiled without offloading")
+        found = sum(isinstance(v, nn.Parameter) for v in example_inputs)
+        if gi.root is None and found:       # parameters of a model it could not find
+            log.warning("fx_offload: this graph reads %d parameter(s) of a model that the "
+                        "compiled frame does not name, so nothing is offloaded; compile the "
+                        "model itself: torch.compile(model, backend='prefetch_offload') or "
+                        "fx_offload.compile_forward(model)", found)
+        else:
+            log.debug("fx_offload: graph reads no model parameters; compiled without "
+                      "offloading")
         return compile_inner(gm, example_inputs, options)
     # 2. the choice, and the state of a model compiled before (a new model's state is
     # built after the pass: the pass needs only the choice and a handle)

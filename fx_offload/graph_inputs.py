@@ -55,12 +55,23 @@ def _frame():
 def _resolve(source, f_locals, f_globals):
     inner = _innermost(source)
     local = getattr(inner, "local_name", None)
-    if local is not None and f_locals is not None and local in f_locals:
-        return f_locals[local], _source_name(inner)
     glob = getattr(inner, "global_name", None)
-    if glob is not None and f_globals is not None and glob in f_globals:
-        return f_globals[glob], _source_name(inner)
-    return None, None
+    if local is not None and f_locals is not None and local in f_locals:
+        obj = f_locals[local]
+    elif glob is not None and f_globals is not None and glob in f_globals:
+        obj = f_globals[glob]
+    else:
+        return None, None
+    owner = getattr(obj, "__self__", None)
+    if isinstance(owner, nn.Module) and not isinstance(obj, nn.Module):
+        # a bound method the frame holds (``torch.compile(model.forward)`` of a module whose
+        # own forward Dynamo does not trace from, nn.Sequential's): its module is the model
+        above = source
+        while above is not None and getattr(above, "base", None) is not inner:
+            above = getattr(above, "base", None)
+        if getattr(above, "member", None) == "__self__":
+            return owner, _source_name(above)
+    return obj, _source_name(inner)
 
 
 def read_graph_inputs(gm: fx.GraphModule, example_inputs) -> GraphInputs:

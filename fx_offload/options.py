@@ -8,6 +8,7 @@ refuse exactly the same things.  Each refusal is an :class:`~fx_offload.errors.O
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import numbers
 import operator
@@ -296,10 +297,17 @@ def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None 
         raise OffloadError(f"options must be a dict of option names to values, such as "
                            f"{{'group_size': 4}}, got {type(options).__name__} {options!r}")
     options = dict(options or {})
-    unknown = sorted(set(options) - set(VALID_KEYS))
+    unknown = sorted((k for k in options if k not in VALID_KEYS), key=repr)
     if unknown:
+        hints = [f"{k!r}: did you mean {near[0]!r}?" for k in unknown if isinstance(k, str)
+                 for near in [difflib.get_close_matches(k.replace("-", "_").lower(),
+                                                        VALID_KEYS, n=1)] if near]
+        if "options" in unknown:
+            hints.append("'options': give the options themselves as keywords, "
+                         "backend(**options)")
         raise OffloadError(
-            f"unknown option(s) {unknown}; valid options are {list(VALID_KEYS)}")
+            f"unknown option(s) {unknown}" + (f" ({'; '.join(hints)})" if hints else "")
+            + f"; valid options are {list(VALID_KEYS)}")
     # an option given as None is left at its default, as for every option alike
     options = {k: v for k, v in options.items() if v is not None}
     if mode is not None and options.get("mode") not in (None, mode):

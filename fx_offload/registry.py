@@ -234,8 +234,20 @@ def model_of(obj):
     inner = getattr(obj, "_orig_mod", None)
     if isinstance(inner, nn.Module):
         return inner
-    owner = getattr(getattr(obj, "_torchdynamo_orig_callable", None), "__self__", None)
-    return owner if isinstance(owner, nn.Module) else obj
+    compiled = getattr(obj, "_torchdynamo_orig_callable", None)
+    owner = getattr(compiled, "__self__", None)
+    if isinstance(owner, nn.Module):
+        return owner
+    # a forward Dynamo does not trace from (nn.Sequential's): torch.compile wrapped the
+    # bound method in a function that holds it in a closure cell
+    for cell in getattr(compiled, "__closure__", None) or ():
+        try:
+            owner = getattr(cell.cell_contents, "__self__", None)
+        except ValueError:      # an empty cell
+            continue
+        if isinstance(owner, nn.Module):
+            return owner
+    return obj
 
 
 _WARNED_SHARED: set[int] = set()

@@ -67,7 +67,9 @@ def test_mode_inside_options():
 
 
 @pytest.mark.parametrize("options,needle", [
-    ({"group_sise": 2}, "prefetch_offload: unknown option(s) ['group_sise']; valid options are"),
+    ({"group_sise": 2}, "prefetch_offload: unknown option(s) ['group_sise'] ('group_sise': did "
+     "you mean 'group_size'?); valid options are"),
+    ({"options": {}}, "('options': give the options themselves as keywords, backend(**options))"),
     ({"group_size": 0}, "'group_size' must be >= 1"),
     ({"group_size": 2.0}, "'group_size' must be an int"),
     ({"group_size": True}, "'group_size' must be an int"),
@@ -82,6 +84,8 @@ def test_mode_inside_options():
     ({"layers": 3}, "'layers' must be the dotted path"),
 ])
 def test_bad_options_are_clear_errors_on_every_route(options, needle):
+    """Each bad option is refused with what to change, through the backend object and
+    through torch.compile's options (before anything moves)."""
     with pytest.raises(fx_offload.OffloadError) as err:     # a ValueError
         fx_offload.backend(**options)
     assert needle in str(err.value) and str(err.value).startswith("prefetch_offload: ")
@@ -246,6 +250,8 @@ def test_entry_point_and_cli_demo():
     (["demo", "--device", "cuda:0"] if not torch.cuda.is_available() else
      ["demo", "--layers", "1"], "error: "),
     (["demo", "--calls", "0"], "error: argument --calls: calls checked: an int >= 1, got '0'"),
+    (["demo", "--device", "gpu"], "error: --device 'gpu' names no device torch knows; give "
+     "cuda, cuda:1 or cpu"),
     pytest.param(["flux"], "error: the flux benchmark needs a GPU",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has a GPU")),
 ])
@@ -358,3 +364,58 @@ def test_the_pass_runs_from_the_choice_and_a_handle_before_any_state_exists(monk
     assert state.learned is learned and set(learned.layout) == set(state.layers)
     assert not hasattr(state.choice, "layout") and not hasattr(state.choice, "routing")
     fx_offload.restore(model)
+
+
+def test_an_nn_sequential_offloads_through_its_compiled_forward(caplog, monkeypatch):
+    """Dynamo does not trace from nn.Sequential's own forward: ``torch.compile(m.forward)``
+    (and ``compile_forward``) trace a wrapper that holds the bound method.  The model behind
+    it is still found: offloaded, the same outputs, reported through the compiled forward,
+    restored bitwise; a graph whose model cannot be found says so instead of nothing."""
+    from fx_offload import registry
+    torch.manual_seed(0)
+    for route in ("compile_forward", "torch.compile(m.forward)"):
+        torch._dynamo.reset()
+        model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(32, 32),
+                                                          torch.nn.ReLU())
+                                      for _ in range(8))).eval()
+        before = copy.deepcopy(model.state_dict())
+        x = torch.randn(3, 32)
+        with torch.no_grad():
+            expected = model(x)
+            if route == "compile_forward":
+                fx_offload.compile_forward(model, inner_backend="aot_eager")
+                call = model.forward
+                got = model(x)
+            else:
+                call = torch.compile(model.forward, backend="prefetch_offload",
+                                     options={"inner_backend": "aot_eager"})
+                got = call(x)
+        assert registry.state_for_model(model) is not None, route
+        assert torch.equal(got, expected), route
+        assert fx_offload.report(call).layers == [1, 3, 5, 7], route
+        fx_offload.restore(model)
+        after = model.state_dict()
+        assert all(torch.equal(after[k], v) for k, v in before.items()), route
+    # parameters of a model the compiled frame does not name: a warning, not silence
+    from fx_offload import compiler
+    monkey = compiler.read_graph_inputs
+
+    def unnamed(gm, example_inputs):
+        gi = monkey(gm, example_inputs)
+        return gi.__class__(None, False, None, {}, gi.placeholders)
+    torch._dynamo.reset()
+    monkeypatch.setattr(compiler, "read_graph_inputs", unnamed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)).eval()
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="fx_offload"):
+        torch.compile(model, backend="prefetch_offload",
+                      options={"inner_backend": "aot_eager"})(torch.randn(2, 4))
+    assert "reads 4 parameter(s) of a model that the compiled frame does not name" in \
+        caplog.text
+
+
+def test_option_names_of_mixed_types_are_refused_clearly():
+    # names of several types cannot be sorted together: still the project's error
+    model, inputs = models.build("mlp", num_layers=4)
+    with pytest.raises(Exception) as err:
+        run_compiled(model, inputs, backend="prefetch_offload", options={1: 2, "x": 3})
+    assert "prefetch_offload: unknown option(s) ['x', 1]; valid options are" in str(err.value)

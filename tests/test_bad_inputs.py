@@ -79,7 +79,8 @@ def mixed_devices():
 # (id, factory, options, extra compile kwargs, pattern of the error)
 ROWS = [
     ("unknown_key", mlp, {"prefetch_stpe": 2}, {},
-     r"prefetch_offload: unknown option\(s\) \['prefetch_stpe'\]; valid options are"),
+     r"prefetch_offload: unknown option\(s\) \['prefetch_stpe'\] \('prefetch_stpe': did you "
+     r"mean 'prefetch_step'\?\); valid options are"),
     ("bad_type", mlp, {"group_size": "4"}, {}, r"'group_size' must be an int >= 1"),
     ("bad_value", mlp, {"prefetch_step": 0}, {}, r"'prefetch_step' must be >= 1"),
     ("bad_chunks", mlp, {"copy_chunks": 0}, {}, r"'copy_chunks' must be >= 1"),
@@ -128,6 +129,9 @@ ROWS = [
      r"options \['prefetch_step'\] and 'memory_budget' both decide what is offloaded"),
     ("planner_option_alone", mlp, {"h2d_bandwidth": 5e10}, {},
      r"option\(s\) \['h2d_bandwidth'\] only apply to the planner: give 'memory_budget'"),
+    ("group_larger_than_the_stack", mlp, {"group_size": 9, "num_in_group": 1}, {},
+     r"selected no layer to offload with group_size=9, num_in_group=1 on a stack of 4 layers "
+     r".*no group is complete: use group_size <= 4"),
     ("budget_below_minimum", mlp, {"memory_budget": 1000, **RATES}, {},
      r"'memory_budget' \(1000B, 1000 bytes\) is below the least this model can run in: "
      r".* \(\d+ bytes\) = the weights that stay on the device plus one slot buffer"),
@@ -366,3 +370,18 @@ def test_layer_reading_weights_before_any_activation_row():
                                      "copy_chunks": 2})()
     assert torch.equal(got, want)
 
+
+def test_layers_that_train_every_parameter_are_said_to_be_why_nothing_is_offloaded():
+    """Training with the chosen layers' weights unfrozen (the others frozen): nothing to
+    offload, and the error says why and what to change, instead of naming options that are
+    fine."""
+    model, inputs = mlp()
+    for i, layer in enumerate(model.layers):
+        layer.requires_grad_(i % 2 == 1)        # layers 1 and 3 (the chosen ones) train
+    model.train()
+    with pytest.raises(Exception) as err:
+        torch.compile(model, backend="prefetch_offload",
+                      options={"inner_backend": "aot_eager"})(*inputs)
+    assert "every parameter of layers [1, 3] requires grad (trained), so they stay on the " \
+        "device: freeze the weights to offload (requires_grad_(False))" in str(err.value)
+    assert fx_offload.registry.state_for_model(model) is None

@@ -21,7 +21,7 @@ from . import budget
 from .choice import Choice, NothingOffloaded
 from .experts import expert_tensors
 from .mlps import dense_mlps, refused_mlps
-from .params import select_params
+from .params import select_params, trains_adapters
 from .stack import LayerStack, find_layer_stack, first_runs, in_run_order
 
 log = logging.getLogger("fx_offload")
@@ -53,7 +53,7 @@ def choose(model: nn.Module, options: OffloadOptions, graph=None, layer_frame: b
         layers = [i for i in range(len(stack.modules)) if options.offloads_layer(i)]
         patterns, num_slots = options.offload_params, options.prefetch_step
     params = select_params(model, stack, layers, patterns)
-    _check_count(params, num_slots, options, stack)
+    _check_count(params, num_slots, options, stack, layers)
     if check_owners:
         _check_not_offloaded_elsewhere(params, model)
     device = _offload_device(model, params) if device is None else device
@@ -127,13 +127,26 @@ def _say_layers_alone(choice: Choice) -> None:
             ", the planner's choice" if planned else "", advice)
 
 
-def _check_count(params, num_slots: int, options: OffloadOptions, stack: LayerStack) -> None:
+def _check_count(params, num_slots: int, options: OffloadOptions, stack: LayerStack,
+                 picked) -> None:
     layers = sorted(params)
     if not layers:
+        n = len(stack.modules)
+        if not picked:
+            why = (f"the last num_in_group of each group of group_size layers are offloaded, "
+                   f"and no group is complete: use group_size <= {n}")
+        elif all(p.requires_grad for i in picked for p in stack.modules[i].parameters()) \
+                and trains_adapters(stack):
+            why = (f"every parameter of layers {list(picked)} requires grad (trained), so they "
+                   "stay on the device: freeze the weights to offload (requires_grad_(False)), "
+                   "or choose other layers")
+        else:
+            why = (f"layers {list(picked)} hold no parameter of their own to offload (none, "
+                   "or each shared with another module)")
         raise OffloadError(
             f"selected no layer to offload with group_size={options.group_size}, "
-            f"num_in_group={options.num_in_group} on a stack of {len(stack.modules)} layers at "
-            f"{stack.path or '<root>'!r}")
+            f"num_in_group={options.num_in_group} on a stack of {n} layers at "
+            f"{stack.path or '<root>'!r}: {why}")
     if num_slots > len(layers):
         raise OffloadError(
             f"option 'prefetch_step' ({num_slots}) is larger than the number of offloaded "

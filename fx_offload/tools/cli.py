@@ -170,6 +170,12 @@ class UsageError(Exception):
 
 def _check_device(args: argparse.Namespace) -> None:
     device = getattr(args, "device", None)
+    if device:
+        try:
+            torch.device(device)
+        except (RuntimeError, ValueError):
+            raise UsageError(f"--device {device!r} names no device torch knows; give cuda, "
+                             "cuda:1 or cpu") from None
     if device and str(device).startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"--device {device}, but torch {torch.__version__} sees no CUDA "
                          "device; use --device cpu, or run on a machine with a GPU")
