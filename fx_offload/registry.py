@@ -323,6 +323,20 @@ def owner_of_param(param) -> "tuple[object, int] | None":
     return None if state is None else (state, _BY_PARAM[id(param)][1])
 
 
+def part_of_offloaded(module: nn.Module, where: str):
+    """An :class:`OffloadError` for ``module`` where it is a part of an offloaded model (it
+    holds offloaded weights, as a layer does) but not the model itself; else None."""
+    for param in module.parameters():
+        owner = owner_of_param(param)
+        if owner is not None and _BY_MODEL.get(model_of(module)) is not owner[0]:
+            state, layer = owner
+            return OffloadError(
+                f"this {type(module).__name__} is a part of the offloaded "
+                f"{state.model_name} (it holds offloaded weights of layer {layer}); pass "
+                f"the model itself", where=where)
+    return None
+
+
 def nothing_offloaded(model: nn.Module):
     """The planner's :class:`~fx_offload.selection.choice.NothingOffloaded` for ``model``
     (its whole weights fit the budget), or None."""

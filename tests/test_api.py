@@ -419,3 +419,30 @@ def test_option_names_of_mixed_types_are_refused_clearly():
     with pytest.raises(Exception) as err:
         run_compiled(model, inputs, backend="prefetch_offload", options={1: 2, "x": 3})
     assert "prefetch_offload: unknown option(s) ['x', 1]; valid options are" in str(err.value)
+
+
+def test_a_layer_of_an_offloaded_model_is_named_as_such_and_a_plain_model_takes_weights():
+    """``restore``, ``report`` and ``update_weights`` given one layer of an offloaded model
+    say so and to pass the model (they named it a copy, or said to compile it); nothing
+    changes.  ``update_weights`` on a model that is not offloaded writes, as documented."""
+    model, inputs = models.build("mlp", num_layers=4)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "aot_eager"})
+    with torch.no_grad():
+        compiled(*inputs)
+    before = {k: v.clone() for k, v in fx_offload.named_weights(model)}
+    layer = model.layers[1]
+    for call in (fx_offload.restore, fx_offload.report,
+                 lambda m: fx_offload.update_weights(m, {})):
+        with pytest.raises(fx_offload.OffloadError, match=r"is a part of the offloaded "
+                           r"\w+ \(it holds offloaded weights of layer 1\); pass the model"):
+            call(layer)
+    assert all(torch.equal(v, before[k]) for k, v in fx_offload.named_weights(model))
+    assert fx_offload.report(model).layers == [1, 3]
+    plain, _ = models.build("mlp", num_layers=4)
+    name, param = next(iter(plain.named_parameters()))
+    fx_offload.update_weights(plain, {name: torch.full_like(param, 0.5)})
+    assert torch.equal(param, torch.full_like(param, 0.5))
+    with pytest.raises(fx_offload.OffloadError, match="nothing was written"):
+        fx_offload.update_weights(plain, {name: torch.zeros(1)})
+    assert torch.equal(param, torch.full_like(param, 0.5))

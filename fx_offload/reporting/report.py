@@ -307,6 +307,9 @@ def _weights_report(model: nn.Module) -> Report:
                       offloaded_bytes=0, buffer_bytes=0, num_slots=0, device="-", slot_of={},
                       refill_of={}, layer_bytes={}, pinned=False,
                       options=kept.options.describe(), planner=kept.planner)
+    part = registry.part_of_offloaded(model, "fx_offload.report")
+    if part is not None:
+        raise part
     hint = ""
     if hasattr(model.__dict__.get("forward"), "_torchdynamo_orig_callable"):
         # its forward is compiled (compile_forward) and was called, yet never reached the

@@ -33,6 +33,9 @@ def restore(model: nn.Module) -> None:
     model = registry.model_arg(model, "fx_offload.restore")
     state = registry.settled_state(model)  # a call offloading it anew: the state it makes
     if state is None:
+        part = registry.part_of_offloaded(model, "fx_offload.restore")
+        if part is not None:
+            raise part
         if registry.forget_nothing_offloaded(model):
             for handle in hooks.call_hooks(model):  # of one left whole after an offload
                 handle.remove()
@@ -72,8 +75,10 @@ def update_weights(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> Non
     where = "fx_offload.update_weights"
     model = registry.model_arg(model, where)
     state = registry.settled_state(model)  # a call offloading it anew: the state it makes
-    if state is None:
-        raise _not_offloaded(model, where)
+    if state is None:       # not offloaded (or not yet): its parameters are the weights
+        part = registry.part_of_offloaded(model, where)
+        if part is not None:
+            raise part
     if not isinstance(weights, Mapping):
         raise OffloadError(f"weights must be a mapping of names to tensors (a state dict), "
                            f"got {type(weights).__name__}", where=where)
