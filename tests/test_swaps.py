@@ -192,3 +192,36 @@ def test_weights_written_from_a_forward_hook_land(how, through, kind):
         assert torch.equal(got, reference(x))
         armed.clear()
     assert_is(model, compiled, reference, x)
+
+
+@pytest.mark.parametrize("options", [
+    pytest.param({"host_compute": "never", "experts": "routed"}, id="routed"),
+    pytest.param({"host_compute": "never", "experts": "whole"}, id="whole",
+                 marks=pytest.mark.xfail(strict=True, reason="known: plain tensors swapped in "
+                                         "for an offloaded layer's experts compute with "
+                                         "neither weights")),
+    pytest.param({"host_compute": "always"}, id="host",
+                 marks=pytest.mark.xfail(strict=True, reason="known: plain tensors swapped in "
+                                         "for a host-computed layer's experts compute with "
+                                         "the kept weights")),
+])
+def test_functional_call_of_one_layers_experts_as_plain_tensors(options):
+    """``functional_call`` with a state dict's (plain) tensors for one offloaded layer's
+    experts: the call computes with them.  Two settings do not yet (marked: strict, so a fix
+    shows)."""
+    from helpers import small_moe
+    model, other = small_moe("qwen3_moe").eval(), small_moe("qwen3_moe").eval()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(1.5)
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "aot_eager", **options})
+    ids = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(0))
+    swapped = {name: value for name, value in other.state_dict().items()
+               if name.startswith("model.layers.1.mlp.experts.")}
+    with torch.no_grad():
+        compiled(ids)
+        got = functional_call(compiled, swapped, (ids,)).logits
+        want = functional_call(reference, swapped, (ids,)).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
