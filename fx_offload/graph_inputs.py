@@ -74,13 +74,30 @@ def _resolve(source, f_locals, f_globals):
     return obj, _source_name(inner)
 
 
+def _held_as_parameter(node: fx.Node) -> bool:
+    """The placeholder was read from a module's ``_parameters`` (whatever its type)."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    while source is not None:
+        base = getattr(source, "base", None)
+        if getattr(source, "index", None) is not None and \
+                getattr(base, "member", None) == "_parameters":
+            return True
+        if "UnspecializedParamBufferSource" in type(source).__name__:
+            source = base
+            continue
+        return False
+    return False
+
+
 def read_graph_inputs(gm: fx.GraphModule, example_inputs) -> GraphInputs:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     f_locals, f_globals, f_code = _frame()
     roots: dict[int, tuple[nn.Module, str]] = {}
     param_nodes: list[tuple[fx.Node, nn.Parameter, object]] = []
     for node, value in zip(placeholders, example_inputs):
-        if not isinstance(value, nn.Parameter):
+        # a parameter, or a plain tensor a module holds as one (``functional_call`` swaps a
+        # state dict's tensors in): read through the module's ``_parameters``
+        if not isinstance(value, nn.Parameter) and not _held_as_parameter(node):
             continue
         grapharg = node.meta.get("grapharg")
         source = getattr(grapharg, "source", None)
