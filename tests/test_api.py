@@ -446,3 +446,18 @@ def test_a_layer_of_an_offloaded_model_is_named_as_such_and_a_plain_model_takes_
     with pytest.raises(fx_offload.OffloadError, match="nothing was written"):
         fx_offload.update_weights(plain, {name: torch.zeros(1)})
     assert torch.equal(param, torch.full_like(param, 0.5))
+
+
+def test_update_weights_takes_the_compiled_wrappers_own_state_dict():
+    # torch.compile's wrapper names the weights "_orig_mod.<name>", as load_state_dict on it
+    # accepts them
+    model, inputs = models.build("mlp", num_layers=4)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "aot_eager"})
+    with torch.no_grad():
+        compiled(*inputs)
+    new = {k: torch.full_like(v, 0.25) for k, v in compiled.state_dict().items()}
+    assert all(k.startswith("_orig_mod.") for k in new)
+    fx_offload.update_weights(compiled, new)
+    assert all(torch.equal(v, torch.full_like(v, 0.25))
+               for _, v in fx_offload.named_weights(model))

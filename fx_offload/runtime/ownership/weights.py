@@ -20,6 +20,9 @@ from ...errors import OffloadError
 from ..phase import Phase
 
 
+_WRAPPED = "_orig_mod."
+
+
 def _not_offloaded(model: nn.Module, where: str) -> OffloadError:
     return OffloadError(f"{type(registry.model_of(model)).__name__} has no offloaded "
                         "weights", where=where)
@@ -84,7 +87,10 @@ def update_weights(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> Non
                            f"got {type(weights).__name__}", where=where)
     targets = dict(model.named_parameters(remove_duplicate=False))
     targets.update(model.named_buffers(remove_duplicate=False))
-    staged = [_staged(name, value, targets, model, where) for name, value in weights.items()]
+    # torch.compile's wrapper names its model's weights "_orig_mod.<name>" in its state dict
+    staged = [_staged(name[len(_WRAPPED):] if isinstance(name, str) and name.startswith(
+        _WRAPPED) and name not in targets else name, value, targets, model, where)
+        for name, value in weights.items()]
     # Everything checked and converted: write.  Between calls the parameters are the
     # truth; an in-place copy moves their version, so the next call reloads any slot
     # holding them.  From inside a call (a forward hook) they point at the truth for the
