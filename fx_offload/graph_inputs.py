@@ -75,18 +75,10 @@ def _resolve(source, f_locals, f_globals):
 
 
 def _held_as_parameter(node: fx.Node) -> bool:
-    """The placeholder was read from a module's ``_parameters`` (whatever its type)."""
+    """The placeholder was read as ``module._parameters[name]`` (whatever its type)."""
     source = getattr(node.meta.get("grapharg"), "source", None)
-    while source is not None:
-        base = getattr(source, "base", None)
-        if getattr(source, "index", None) is not None and \
-                getattr(base, "member", None) == "_parameters":
-            return True
-        if "UnspecializedParamBufferSource" in type(source).__name__:
-            source = base
-            continue
-        return False
-    return False
+    return getattr(source, "index", None) is not None and \
+        getattr(getattr(source, "base", None), "member", None) == "_parameters"
 
 
 def read_graph_inputs(gm: fx.GraphModule, example_inputs) -> GraphInputs:

@@ -128,8 +128,11 @@ def fastest_host_read(rates, plain: float) -> float:
     return max(rates.read_rate, rates.read_beside_link, plain)
 
 
+SETTLE_TOKENS = 33      # new tokens of each generate that settle_trials runs
+
+
 def settle_trials(model, prompt, extra=None, most: int = 6) -> int:
-    """``generate`` on ``model`` until ``host_compute="auto"`` has kept a plan at each call
+    """``generate`` (of ``SETTLE_TOKENS`` new tokens) on ``model`` until ``host_compute="auto"`` has kept a plan at each call
     size it times (:mod:`fx_offload.host_compute.trial`), at most ``most`` times: the timed
     calls then measure the plan kept, not the trial.  Returns the generates run."""
     from .. import registry
@@ -142,8 +145,8 @@ def settle_trials(model, prompt, extra=None, most: int = 6) -> int:
             if timer.trials and all(t.best is not None for t in timer.trials.values()):
                 return run
         with torch.no_grad():
-            model.generate(prompt, max_new_tokens=33, min_new_tokens=33, do_sample=False,
-                           **(extra or {}))
+            model.generate(prompt, max_new_tokens=SETTLE_TOKENS, min_new_tokens=SETTLE_TOKENS,
+                           do_sample=False, **(extra or {}))
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     return most

@@ -42,9 +42,9 @@ from ..host_compute.rates import host_rates
 from ..host_compute.trial import FixedPlan
 from ..schedule import Schedule
 from .bench import h2d_bandwidth
-from .common import (add_flags, add_generate_arguments, build_random, fastest_host_read,
-                     graphs_route, plain_read_rate, settle_trials, unavailable,
-                     with_accelerate)
+from .common import (SETTLE_TOKENS, add_flags, add_generate_arguments, build_random,
+                     fastest_host_read, graphs_route, plain_read_rate, settle_trials,
+                     unavailable, with_accelerate)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -141,8 +141,8 @@ def run(args: argparse.Namespace) -> int:
             compile_forward(model, dynamic=True, **options)
         if hosting == "auto" and not args.cuda_graphs:
             runs = settle_trials(model, prompt)
-            print(f"  host_compute='auto' settled its trial in {runs} generate(s) of 33 "
-                  "tokens before the timed ones", flush=True)
+            print(f"  host_compute='auto' settled its trial in {runs} generate(s) of "
+                  f"{SETTLE_TOKENS} tokens before the timed ones", flush=True)
         name = _row_name(args, len(offloaded), graphs, (circulars, circular),
                          (formats, quantize), (compressions, compress, codec),
                          (hostings, hosting))
