@@ -133,8 +133,8 @@ def test_graph_holds_one_update_per_layer_and_verifies():
     graphs = []
     original = fx_offload.kv.reroute.apply
 
-    def keep(gm, runtime, layers):
-        original(gm, runtime, layers)
+    def keep(gm, runtime, layers, attended=None):
+        original(gm, runtime, layers, attended)
         graphs.append((gm, runtime))
     fx_offload.kv.reroute.apply = keep
     try:

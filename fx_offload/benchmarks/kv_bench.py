@@ -9,9 +9,14 @@ the device; decode is the median time between two decode steps (a step clock in 
 stopping criteria).  Rows:
 
 * ``device``: the cache on the device, ``forward`` compiled with Inductor (``dynamic=True``);
-* ``host``: :func:`fx_offload.compile_forward` with ``kv_cache="host"``, the weights on
-  the device (as in the transformers row), Inductor inside;
-* ``host-offload``: the same with the default weight offloading (every second layer's
+* the ``host`` rows: :func:`fx_offload.compile_forward` with ``kv_cache="host"``, the
+  weights on the device (as in the transformers row), Inductor inside:
+* ``host``: :func:`fx_offload.compile_forward` with ``kv_cache="host"`` and
+  ``host_compute="never"``: each decode step streams the valid blocks into slots;
+* ``host-attend``: the same with the default ``host_compute="auto"``: a decode step's
+  attention runs on the host's cores over the cache in place (only the query, the step's
+  tokens and the output cross the link);
+* ``host-offload``: ``host`` with the default weight offloading (every second layer's
   weights cross the link too);
 * ``budget``: :func:`fx_offload.compile_forward` with default options and a
   ``memory_budget`` (``--budget``; by default the weights plus half the cache, so the cache
@@ -58,9 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="memory_budget of the budget row (default: the weights plus half "
                              "the cache)")
     parser.add_argument("--methods",
-                        default="device,host,host-offload,budget,host-graphs,transformers",
-                        help="comma-separated among device, host, host-offload, budget, "
-                             "host-graphs, transformers")
+                        default="device,host,host-attend,host-offload,budget,host-graphs,"
+                                "transformers",
+                        help="comma-separated among device, host, host-attend, host-offload, "
+                             "budget, host-graphs, transformers")
 
 
 def _generate(model, prompt, new: int, mark: bool = False, **kwargs):
@@ -117,6 +123,8 @@ def _row(method, model, prompt, args, kept):
     elif method.startswith("host"):
         graphs = method == "host-graphs"    # one graph per shape there: a prefill's and a
         weights = {} if method == "host-offload" else RESIDENT      # decode step's
+        if method != "host-attend":
+            weights = dict(weights, host_compute="never")
         compile_forward(model, dynamic=not graphs, kv_cache="host",
                         kv_block_size=args.block, kv_slots=args.slots,
                         mode="reduce-overhead" if graphs else None, **weights)
@@ -167,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
           f"of Llama-3-8B shapes, batch {args.batch}, context {args.context}, "
           f"{args.new_tokens} new tokens; the whole cache: {format_bytes(whole_cache)}; "
           f"pinned H2D {h2d / 1e9:.1f} GB/s", flush=True)
-    rows, results, kept = {}, {}, {}
+    rows, results, kept, read = {}, {}, {}, {}
     for method in args.methods.split(","):
         torch._dynamo.reset()       # each row compiles anew (and stays under Dynamo's limit)
         model = build_random(LlamaForCausalLM, config)
@@ -179,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
         if method.startswith("host") or method == "budget":
             rep = report(model)
             results[method] = rep.kv["copied_per_step"] + rep.offloaded_bytes
+            read[method] = rep.kv["attended_read"]
             results["kv"] = rep.kv
             print(str(rep), flush=True)
         del model
@@ -189,6 +198,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {method}: prefill {prefill:.1f} ms, decode {decode:.2f} ms/token, peak GPU "
               f"{format_bytes(peak)}", flush=True)
     reference = rows.get("device")
+    host_read = 0.0
+    if any(read.values()):
+        from ..host_compute.rates import host_rates
+        host_read = host_rates(torch.device("cuda")).read_rate
+        print(f"\nthe host read its memory at {host_read / 1e9:.1f} GB/s (host_compute's probe):"
+              " a host-attend row's bound also counts the cache it read at that rate")
     print("\n| method | prefill ms | decode ms/token | bound ms | x bound | peak GPU | "
           "tokens = device |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
@@ -198,8 +213,9 @@ def run(args: argparse.Namespace) -> int:
         if method in results:
             link = results[method] / h2d * 1e3
             compute = reference[1] if reference is not None else 0.0
-            bound = f"{max(compute, link):.2f}"
-            ratio = f"{decode / max(compute, link):.3f}"
+            host = read.get(method, 0) / host_read * 1e3 if read.get(method) else 0.0
+            bound = f"{max(compute, link, host):.2f}"
+            ratio = f"{decode / max(compute, link, host):.3f}"
         same = "-" if reference is None or method == "device" else \
             str(bool(torch.equal(out, reference[2])))
         print(f"| {method} | {prefill:.1f} | {decode:.2f} | {bound} | {ratio} | "

@@ -326,33 +326,41 @@ def library(prefetch: int = PREFETCH):
     return _state[prefetch]
 
 
-def _build(flags: list):
+def build(source: str, flags: list, name: str):
+    """``source`` compiled with ``flags`` into a shared library and loaded (``ctypes.CDLL``),
+    kept in the temporary folder by a hash of both; ``None`` (with a warning) where no C
+    compiler is found or the build fails."""
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
-        log.warning("fx_offload.host_compute: no C compiler found; the 'loops' path falls "
-                    "back to torch's")
+        log.warning("fx_offload.host_compute: no C compiler found; the %r kernel is not "
+                    "built", name)
         return None
-    key = hashlib.sha256((SOURCE + " ".join(flags) + compiler).encode()).hexdigest()[:16]
+    key = hashlib.sha256((source + " ".join(flags) + compiler).encode()).hexdigest()[:16]
     folder = os.path.join(tempfile.gettempdir(), f"fx_offload_host_{os.getuid()}")
     os.makedirs(folder, exist_ok=True)
-    target = os.path.join(folder, f"kernels_{key}.so")
+    target = os.path.join(folder, f"{name}_{key}.so")
     if not os.path.exists(target):
-        src = os.path.join(folder, f"kernels_{key}.c")
+        src = os.path.join(folder, f"{name}_{key}.c")
         with open(src, "w") as f:
-            f.write(SOURCE)
+            f.write(source)
         partial = f"{target}.{os.getpid()}"
         done = subprocess.run([compiler, *flags, src, "-o", partial, "-lm"],
                               capture_output=True, text=True, check=False)
         if done.returncode:
-            log.warning("fx_offload.host_compute: building the 'loops' kernel failed; falling "
-                        "back to torch's paths:\n%s", done.stderr[-2000:])
+            log.warning("fx_offload.host_compute: building the %r kernel failed:\n%s", name,
+                        done.stderr[-2000:])
             return None
         os.replace(partial, target)            # atomic: another process may build it too
     try:
-        lib = ctypes.CDLL(target)
+        return ctypes.CDLL(target)
     except OSError as err:
-        log.warning("fx_offload.host_compute: loading the 'loops' kernel failed (%s); falling "
-                    "back to torch's paths", err)
+        log.warning("fx_offload.host_compute: loading the %r kernel failed (%s)", name, err)
+        return None
+
+
+def _build(flags: list):
+    lib = build(SOURCE, flags, "kernels")
+    if lib is None:
         return None
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.fx_linear.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, ptr, i32]

@@ -21,7 +21,7 @@ from torch._dynamo.utils import counters
 from .. import registry
 from ..errors import OffloadError
 from ..passes.frame import pass_frame
-from . import cache, kv_ops, reroute, verify_reroute
+from . import attention, cache, kv_ops, reroute, verify_reroute
 from .runtime import HostKV, summary
 
 log = logging.getLogger("fx_offload")
@@ -111,12 +111,17 @@ def run_kv_pass(gm, example_inputs, options) -> list[int]:
                 "the model (model(...), generate), not model.forward directly",
                 where="kv_cache='host'")
         return []
+    found = {kl.layer: attention.find(kl) for kl in layers}
+    chosen = attention.choose(options, runtime, found)
+    runtime.hosting[attention.call_tokens(gm)] = chosen
+    hosted = {layer: found[layer] for layer, where in chosen.items() if where == "host"}
     with pass_frame("fx_offload_kv", gm, "kv_pass_us"):
-        reroute.apply(gm, runtime, layers)
+        reroute.apply(gm, runtime, layers, hosted)
         verify_reroute.verify(gm.graph, runtime)
     counters["fx_offload"]["kv_layers"] += len(layers)
     log.info("fx_offload: %s graph reroutes the host KV cache of layer(s) %s through %d "
-             "slot(s)", runtime.model_name, [kl.layer for kl in layers],
-             min(runtime.num_slots, len(runtime.layers)))
+             "slot(s); attention on the host: %s", runtime.model_name,
+             [kl.layer for kl in layers if kl.layer not in hosted],
+             min(runtime.num_slots, len(runtime.layers)), sorted(hosted) or "none")
     return [kl.layer for kl in layers]
 

@@ -9,6 +9,10 @@
         ``index``, the layer's full keys and values returned (fresh tensors, what the
         attention reads), and ``target``'s fill begun (``next``: its keys, values and
         valid length; -1 and ``[]``: none)
+    kv_attend(anchor, query, key, value, index, keys, values, mask, h, layer, scale) -> out
+        in place of the two writes and the attention that reads the cache, for a layer whose
+        attention runs on the host (:mod:`.attention`): the tokens written at ``index``
+        straight into the host cache, the attention's output returned
     kv_join(acts, h)
         before the graph's output, tied to the outputs: every write-back has landed
 
@@ -29,6 +33,9 @@ _LIB.define("kv_begin(Tensor(a0!) anchor, Tensor[] keys, Tensor[] values, Tensor
 _LIB.define("kv_update(Tensor anchor, Tensor key, Tensor value, Tensor index, Tensor keys, "
             "Tensor values, Tensor[] next, SymInt handle, SymInt layer, SymInt target) "
             "-> (Tensor, Tensor)")
+_LIB.define("kv_attend(Tensor anchor, Tensor query, Tensor key, Tensor value, Tensor index, "
+            "Tensor keys, Tensor values, Tensor? mask, SymInt handle, SymInt layer, "
+            "float? scale) -> Tensor")
 _LIB.define("kv_join(Tensor(a0!)[] activations, SymInt handle) -> ()")
 
 _RUNTIMES: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
@@ -66,11 +73,17 @@ def _update(anchor, key, value, index, keys, values, nxt, handle, layer, target)
                                       values, nxt)
 
 
+def _attend(anchor, query, key, value, index, keys, values, mask, handle, layer, scale):
+    return runtime_for(handle).attend(int(layer), query, key, value, index, keys, values,
+                                      mask, scale)
+
+
 def _join(activations, handle):
     runtime_for(handle).join()
 
 
-for _name, _kernel in (("kv_begin", _begin), ("kv_update", _update), ("kv_join", _join)):
+for _name, _kernel in (("kv_begin", _begin), ("kv_update", _update), ("kv_attend", _attend),
+                      ("kv_join", _join)):
     _LIB.impl(_name, _kernel, "CompositeExplicitAutograd")
 torch.library.register_fake("fx_offload::kv_begin", lambda *a, **k: None, lib=_LIB)
 torch.library.register_fake("fx_offload::kv_join", lambda *a, **k: None, lib=_LIB)
@@ -80,6 +93,12 @@ torch.library.register_fake(
         (torch.empty_like(keys, memory_format=torch.contiguous_format),
          torch.empty_like(values, memory_format=torch.contiguous_format)), lib=_LIB)
 
+torch.library.register_fake(
+    "fx_offload::kv_attend",
+    lambda anchor, query, key, value, index, keys, values, mask, handle, layer, scale:
+        query.new_empty((*query.shape[:-1], values.shape[-1])), lib=_LIB)
+
 BEGIN = torch.ops.fx_offload.kv_begin.default
 UPDATE = torch.ops.fx_offload.kv_update.default
+ATTEND = torch.ops.fx_offload.kv_attend.default
 JOIN = torch.ops.fx_offload.kv_join.default

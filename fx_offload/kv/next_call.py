@@ -84,6 +84,11 @@ class NextCall:
     def note_update(self, layer: int, keys, values, tokens: int) -> None:
         self.updated[layer] = (keys, values, tokens)
 
+    def note_attended(self, layer: int) -> None:
+        """``layer``'s attention ran on the host: it took no slot, and none is filled for it
+        (the next call of the same shape attends on the host too)."""
+        self.updated[layer] = None
+
     def found(self, runtime, layer: int, keys, values) -> bool:
         """True when ``layer``'s slot already holds what this call's begin would fill."""
         got = self.taken.pop(layer, None)
@@ -108,7 +113,7 @@ class NextCall:
         first = runtime.layers[runtime.slot_of(layer)]
         got, known = self.updated.get(first), runtime.call_lengths.get(first)
         if not self.enabled or capturing() or got is None or known is None:
-            return
+            return                                  # (None: attended on the host)
         keys, values, written = got
         tokens = known + written                    # what the slot holds, if it is first's
         stream = runtime.copy_stream
@@ -140,7 +145,7 @@ class NextCall:
             return
         firsts = runtime.layers[:min(runtime.num_slots, len(runtime.layers))]
         self.filled = {l: pending[l] for l in firsts if l in pending}
-        todo = [l for l in firsts if l not in pending]
+        todo = [l for l in firsts if l not in pending and updated[l] is not None]
         if not todo or any(runtime.call_lengths.get(l) is None for l in todo):
             return
         stream = runtime.copy_stream

@@ -10,6 +10,9 @@ whole cache::
     V.index_copy_(2, idx, v)                                  h, L, L2)
     attn(q, K[...], V[...])                    attn(q, kv[0][...], kv[1][...])
 
+or, for a layer whose attention runs on the host (:mod:`.attention`), both writes and the
+attention become one ``kv_attend``, and the layer takes no slot;
+
 and at the top of the graph and before its output::
 
     a = empty_like(x)                          # x: the smallest tensor input; an anchor
@@ -37,7 +40,7 @@ from torch import fx
 
 from ..errors import OffloadError
 from ..graph_inputs import storage_of, value_of
-from . import kv_ops
+from . import attention, kv_ops
 
 log = logging.getLogger("fx_offload")
 _INDEX_COPY = {torch.Tensor.index_copy_, torch.ops.aten.index_copy_.default}
@@ -136,8 +139,14 @@ def _assign_targets(runtime, layers: list[KVLayer]) -> list[KVLayer]:
     return [kl for kl in first.values() if kl.pos is not None]
 
 
-def apply(gm: fx.GraphModule, runtime, layers: list[KVLayer]) -> None:
+def apply(gm: fx.GraphModule, runtime, layers: list[KVLayer],
+          attended: dict | None = None) -> None:
+    """``attended``: layer -> :class:`.attention.Found`, the layers whose attention runs on
+    the host (one ``kv_attend`` each; they take no slot)."""
     graph = gm.graph
+    attended = attended or {}
+    hosted = [kl for kl in layers if kl.layer in attended]
+    layers = [kl for kl in layers if kl.layer not in attended]
     begun = _assign_targets(runtime, layers)
     by_layer = {kl.layer: kl for kl in layers}
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -150,8 +159,11 @@ def apply(gm: fx.GraphModule, runtime, layers: list[KVLayer]) -> None:
         _set_value(graph.call_function(kv_ops.BEGIN, (
             anchor, [kl.keys for kl in begun], [kl.values for kl in begun],
             [kl.pos for kl in begun], runtime.handle, [kl.layer for kl in begun])), None)
-    order = {n: i for i, n in enumerate(graph.nodes)}
     last_update = None
+    for kl in hosted:
+        last_update = attention.rewrite(graph, kl, attended[kl.layer], anchor,
+                                        runtime.handle, kv_ops.ATTEND)
+    order = {n: i for i, n in enumerate(graph.nodes)}
     for kl in layers:
         wk, wv = kl.writes
         later = max(kl.writes, key=order.__getitem__)
@@ -196,7 +208,8 @@ def apply(gm: fx.GraphModule, runtime, layers: list[KVLayer]) -> None:
             _set_value(graph.call_function(kv_ops.JOIN, (tied, runtime.handle)), None)
     else:   # no output of its own to tie to: right after the last update, tied to its keys,
         # which the attention reads after it (an op tied to nothing later is dead code)
-        with graph.inserting_after(last_update.next):
+        with graph.inserting_after(last_update if last_update.target is kv_ops.ATTEND
+                                   else last_update.next):
             _set_value(graph.call_function(kv_ops.JOIN, ([last_update], runtime.handle)), None)
     graph.lint()
     gm.recompile()

@@ -37,6 +37,7 @@ import weakref
 import torch
 
 from . import copies
+from .attention import HostAttention
 from .next_call import BeforeReplay, NextCall
 from .kv_slots import KVSlots
 
@@ -84,6 +85,9 @@ class HostKV:
         self.before_replay = BeforeReplay(enabled=options.mode == "reduce-overhead")
         self.done: torch.Tensor | None = None
         self.ended = True                        # the last call reached its join
+        self.attention = HostAttention()         # layers whose attention runs on the host
+        # per graph, keyed by the tokens a call writes: layer -> "host" or "streamed: why"
+        self.hosting: dict = {}
 
     def owner_of(self, t: torch.Tensor):
         """(layer, what) of a live host cache tensor of this runtime, else None (memory of
@@ -154,6 +158,7 @@ class HostKV:
         # model.forward called directly, reads them on the device)
         self.call_lengths, self.lengths = self.lengths, {}
         self.next_call.begin_call()
+        self.attention.begin_call()
         ended, self.ended = self.ended, False
         if self.write_stream is not None and not torch.cuda.is_current_stream_capturing():
             current = torch.cuda.current_stream(self.device)
@@ -215,14 +220,25 @@ class HostKV:
         self.fill_known(pinned[1], v_slot, tokens)
         return True
 
-    def update(self, layer: int, target: int, key, value, index, keys, values, nxt):
-        """``layer``'s step: wait for its slot, write the step's tokens into it and back to
-        the host, return a copy of the slot, and begin ``target``'s fill (-1: none)."""
+    def _check_owner(self, layer: int, keys) -> None:
         if self.owner_of(keys) != (layer, "keys"):     # a graph reused for another cache
             raise RuntimeError(                       # layer, or the hook did not run
                 f"fx_offload: host KV layer {layer}'s compiled step got a cache this model's "
                 "call hook did not prepare: call the model (model(...), generate), not "
                 "model.forward directly, so that the hook puts each cache on the host")
+
+    def attend(self, layer: int, query, key, value, index, keys, values, mask, scale):
+        """``layer``'s step with its attention on the host (:mod:`.attention`)."""
+        self._check_owner(layer, keys)
+        out = self.attention.run(self, layer, query, key, value, index, keys, values, mask,
+                                 scale)
+        self.next_call.note_attended(layer)
+        return out
+
+    def update(self, layer: int, target: int, key, value, index, keys, values, nxt):
+        """``layer``'s step: wait for its slot, write the step's tokens into it and back to
+        the host, return a copy of the slot, and begin ``target``'s fill (-1: none)."""
+        self._check_owner(layer, keys)
         if layer not in self.begun:     # not prefetched: copy now (the first position
             self.start(layer, keys, values, index.min())   # written is the valid length)
         k_slot, v_slot, idx = self.views(layer, keys, values)
@@ -292,6 +308,11 @@ def summary(kv) -> dict:
                slot_bytes=kv.slot_bytes(), host_bytes=0, valid_tokens=0,
                copied_per_step=0, written_per_step=0,
                plan=kv.plan.describe() if kv.plan is not None and kv.budget is not None
-               else None)
+               else None, attended=list(kv.attention.layers),
+               attended_on_device=list(kv.attention.on_device),
+               attended_read=kv.attention.read, hosting=dict(kv.hosting))
     out.update(kv.figures)
+    if kv.layers and out["attended"]:    # those layers copied nothing in
+        out["copied_per_step"] = out["copied_per_step"] * \
+            (len(kv.layers) - len(out["attended"])) // len(kv.layers)
     return out

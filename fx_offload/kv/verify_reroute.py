@@ -63,6 +63,12 @@ def verify(graph: fx.Graph, runtime) -> None:
                     _fail(node, f"layer {layer} refills slot {slot} with layer {target}, "
                                 f"whose slot is {runtime.slot_of(target)}")
                 fill(node, target)
+        elif node.target is kv_ops.ATTEND:     # on the host: no slot, written in place
+            layer = int(node.args[9])
+            if layer in updated or layer in filled:
+                _fail(node, f"layer {layer} is filled or updated beside its attention on the "
+                            "host")
+            updated.add(layer)
         elif node.target is kv_ops.JOIN:
             joined = True
     if occupant:

@@ -160,6 +160,24 @@ class Report:
                 f"at {kv['valid_tokens']} valid tokens a decode step copies "
                 f"{format_bytes(kv['copied_per_step'])} in (blocks of {kv['block']} tokens) "
                 f"and writes {format_bytes(kv['written_per_step'])} back")
+            if kv.get("attended"):
+                lines.append(
+                    f"    attention over the host cache: the last call computed layers "
+                    f"{kv['attended']} on the host, reading {format_bytes(kv['attended_read'])}"
+                    " of the cache in place (those layers copy none of it)")
+            if kv.get("attended_on_device"):
+                lines.append(
+                    f"    attention over the host cache: the last call computed layers "
+                    f"{kv['attended_on_device']} on the device (more query rows than the host "
+                    "takes: a prefill), copying each one's valid tokens in")
+            for tokens, chosen in sorted(kv.get("hosting", {}).items(), key=str):
+                why = sorted({w[len("streamed: "):] for w in chosen.values() if w != "host"
+                              and w != "streamed: host_compute='never'"})
+                if why:
+                    at = "calls of dynamic shapes" if tokens == "dynamic" else \
+                        f"{tokens} token(s) a call"
+                    lines.append(f"    attention over the host cache at {at}: on the device "
+                                 f"({'; '.join(why)})")
         return "\n".join(lines)
 
 

@@ -1,0 +1,337 @@
+"""Attention over a host KV cache layer computed on the host, where the cache lives
+(``kv_cache="host"`` with ``host_compute``): only the step's query, tokens and output
+cross the link, never the cache.
+
+In a graph where the pass chooses it (:func:`choose`), a host layer's writes and the
+attention that reads its cache become one op::
+
+    K.index_copy_(2, idx, k)                   o = kv_attend(a, q, k, v, idx, K, V, mask,
+    V.index_copy_(2, idx, v)          ==>                    h, L, scale)
+    k2 = repeat_kv(K); v2 = repeat_kv(V)
+    o = sdpa(q, k2, v2, mask, scale=scale)
+
+(``repeat_kv``: whatever view nodes lie between the cache and the attention, checked to
+repeat each KV head as grouped-query attention does).  At run time (:class:`HostAttention`)
+the op writes the step's tokens into the host cache through its mapped address, stages the
+query, the mask (as an fp32 bias) and the positions in page-locked buffers, waits for the
+device, runs :mod:`fx_offload.host_compute.attention` over the valid tokens and copies the
+output back.  Such a layer takes no slot: nothing is filled for it.
+
+The choice is per graph, from its shapes: under ``"auto"`` a decode-shaped graph (at most
+``ROWS`` query rows read each KV head) on a host that reads its memory faster than the link
+copies it; ``"always"``: every graph.  Why, and what was measured:
+docs/host_compute.md, "Attention over the host KV cache".
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import operator
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from ..errors import OffloadError
+from ..graph_inputs import value_of
+from ..host_compute import attention as kernel
+
+log = logging.getLogger("fx_offload")
+_SDPA = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention,
+         torch.ops.aten.scaled_dot_product_attention.default}
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+              "enable_gqa")
+_VIEWS = {"expand", "reshape", "view", "contiguous", "repeat_interleave", operator.getitem,
+          torch.reshape, torch.repeat_interleave}
+ROWS = 8        # query rows per KV head up to which "auto" attends on the host
+
+
+@dataclasses.dataclass
+class Found:
+    """One host layer's attention: the sdpa node, the view nodes between the cache and it,
+    its query and mask nodes and its scale."""
+    sdpa: fx.Node
+    views: list
+    query: fx.Node
+    mask: fx.Node | None
+    scale: float | None
+    rows: int           # query rows per KV head (as traced)
+    dynamic: bool = False   # shapes that vary by call: the rule is applied call by call
+
+
+def _chain(start: fx.Node, avoid: fx.Node):
+    """(the node ``start``'s single chain of views ends in, the views) or a reason."""
+    views, node = [], start
+    while True:
+        users = [u for u in node.users if u is not avoid]
+        if len(users) != 1:
+            return f"its cache is read by {len(users)} nodes, not one attention"
+        (user,) = users
+        if user.op == "call_function" and user.target in _SDPA:
+            return user, views
+        target = user.target
+        if user.op not in ("call_method", "call_function") or target not in _VIEWS:
+            return f"its cache is read by {user.name} ({target}), not an attention"
+        views.append(user)
+        node = user
+
+
+def _hint(value) -> int:
+    """A size as an int: a symbolic one by the value it was traced with (read, not guarded
+    on: ``int()`` would specialize the graph)."""
+    if isinstance(value, int):
+        return value
+    hint = value.node.hint
+    if hint is None:
+        raise LookupError("a size with no traced value")
+    return int(hint)
+
+
+def _replay(views: list, start: fx.Node, tensor: torch.Tensor) -> torch.Tensor | None:
+    """The views applied to ``tensor`` in place of ``start`` (a size computed in the graph
+    taken at its traced value); None where one takes another tensor of the graph."""
+    env = {start: tensor}
+
+    def arg(a):
+        if isinstance(a, fx.Node):
+            if a in env:
+                return env[a]
+            value = value_of(a)
+            if isinstance(value, (int, torch.SymInt)):
+                return _hint(value)
+            raise LookupError(a.name)
+        if isinstance(a, (tuple, list)):
+            return type(a)(arg(x) for x in a)
+        if isinstance(a, (int, float, slice, type(None), type(Ellipsis), bool)):
+            return a
+        raise LookupError(repr(a))
+    try:
+        for node in views:
+            args, kwargs = arg(node.args), {k: arg(v) for k, v in node.kwargs.items()}
+            env[node] = getattr(args[0], node.target)(*args[1:], **kwargs) \
+                if node.op == "call_method" else node.target(*args, **kwargs)
+    except (LookupError, RuntimeError, TypeError, IndexError):
+        return None
+    return env[views[-1]] if views else tensor
+
+
+def find(kl) -> Found | str:
+    """Layer ``kl``'s attention, where it can run on the host; else why not."""
+    got = [_chain(src, write) for src, write in ((kl.keys, kl.writes[0]),
+                                                 (kl.values, kl.writes[1]))]
+    for g in got:
+        if isinstance(g, str):
+            return g
+    (sdpa, k_views), (sdpa_v, v_views) = got
+    if sdpa is not sdpa_v:
+        return "its keys and values are read by two attentions"
+    params = dict(zip(_SDPA_ARGS, sdpa.args)) | dict(sdpa.kwargs)
+    if params.get("key") is not (k_views[-1] if k_views else kl.keys) or \
+            params.get("value") is not (v_views[-1] if v_views else kl.values):
+        return "its attention does not take the keys and values in their places"
+    if params.get("dropout_p", 0.0) != 0.0 or params.get("is_causal", False) is not False:
+        return "its attention drops out or is causal over the whole cache"
+    scale = params.get("scale")
+    if not (scale is None or isinstance(scale, float)) or \
+            not isinstance(params.get("enable_gqa", False), bool):
+        return "its attention's scale is not a constant"
+    query, mask = params["query"], params.get("attn_mask")
+    if not isinstance(query, fx.Node) or not (mask is None or isinstance(mask, fx.Node)):
+        return "its attention's query or mask is not a tensor of the graph"
+    q, keys, values = value_of(query), value_of(kl.keys), value_of(kl.values)
+    dynamic = any(not isinstance(s, int) for t in (q, keys, values) for s in t.shape)
+    if any(not isinstance(t.shape[i], int) for t in (q, keys, values) for i in (1, 3)):
+        return "its number of heads or head size is dynamic"
+    try:
+        shapes = [tuple(_hint(s) for s in t.shape) for t in (q, keys, values)]
+    except LookupError:
+        return "its shapes depend on data (unbacked sizes)"
+    why = kernel.unsupported(*shapes, keys.dtype, rows=not dynamic)
+    if why:
+        return why
+    (b, h, nq, _), (_, kvh, t, _) = shapes[0], shapes[1]
+    for views, cache in ((k_views, keys), (v_views, values)):
+        probe = torch.arange(cache.numel(), dtype=torch.float64).reshape(cache.shape)
+        seen = _replay(views, kl.keys if views is k_views else kl.values, probe)
+        if seen is None or not (torch.equal(seen, probe.repeat_interleave(h // kvh, 1)) or (
+                params.get("enable_gqa") and torch.equal(seen, probe))):
+            return "the views between its cache and its attention do not repeat the KV " \
+                   "heads as grouped-query attention does"
+    if mask is not None:
+        m = value_of(mask)
+        if m.dim() != 4 or _hint(m.shape[-1]) != t or any(
+                _hint(s) not in (1, full) for s, full in zip(m.shape[:3], (b, h, nq))) or \
+                not (m.dtype == torch.bool or m.dtype.is_floating_point):
+            return "its attention mask is not a bool or float [batch, heads, query, cache]"
+    return Found(sdpa, k_views + v_views, query, mask, scale, h // kvh * nq, dynamic)
+
+
+def call_tokens(gm: fx.GraphModule) -> int | str:
+    """The tokens a call of this graph writes into its cache (what ``report`` keys the
+    choice by): the length of the first write's positions, or "dynamic"."""
+    for node in gm.graph.nodes:
+        if node.op == "call_method" and node.target == "index_copy_" or \
+                node.target is torch.ops.aten.index_copy_.default:
+            n = value_of(node.args[2]).numel()
+            return n if isinstance(n, int) else "dynamic"
+    return "dynamic"
+
+
+def choose(options, runtime, found: dict) -> dict[int, str]:
+    """Per layer of ``found`` (layer -> :class:`Found` or why not): "host", or "streamed: why"
+    (the graph's layers all stream, or all that can attend on the host do)."""
+    mode = options.host_compute
+    device = runtime.device or torch.device("cpu")
+    out = {layer: f"streamed: {f}" for layer, f in found.items() if isinstance(f, str)}
+    ready = [layer for layer, f in found.items() if not isinstance(f, str)]
+    why = None
+    if mode == "never":
+        why = "host_compute='never'"
+    elif options.mode == "reduce-overhead":
+        why = "a CUDA graph cannot capture it (mode='reduce-overhead')"
+    elif mode == "auto" and device.type != "cuda":
+        why = "host_compute='auto' on a CPU device (there is no link to spare)"
+    elif mode == "auto" and any(found[l].rows > ROWS and not found[l].dynamic
+                                for l in ready):
+        why = (f"host_compute='auto' keeps a call of more than {ROWS} query rows per KV head "
+               "on the device (a prefill)")
+    elif kernel.library() is None:
+        if mode == "always":
+            raise OffloadError("host_compute='always' needs a C compiler for the host's "
+                               "attention kernel; install gcc, or use host_compute='auto'",
+                               where="kv_cache='host'")
+        why = "no C compiler for the host's attention kernel"
+    elif mode == "auto" and device.type == "cuda":
+        from ..host_compute.rates import host_rates
+        rates = host_rates(device)
+        if rates.shared_read_rate <= rates.link_rate:
+            why = (f"the host reads its memory at {rates.shared_read_rate / 1e9:.0f} GB/s, "
+                   f"no faster than the link copies it ({rates.link_rate / 1e9:.0f} GB/s)")
+    for layer in ready:
+        out[layer] = "host" if why is None else f"streamed: {why}"
+    if hasattr(runtime, "attention"):   # a call of more rows than this computes on the device
+        runtime.attention.rows = ROWS if mode == "auto" else kernel.MAX_ROWS
+    if mode == "always" and any(w != "host" for w in out.values()):
+        log.warning("fx_offload: host_compute='always', yet the attention of host KV layer(s) "
+                    "%s stays on the device: %s", sorted(l for l, w in out.items()
+                                                         if w != "host"),
+                    sorted({w for w in out.values() if w != "host"}))
+    return out
+
+
+def rewrite(graph: fx.Graph, kl, found: Found, anchor: fx.Node, handle: int,
+            op) -> fx.Node:
+    """Replace layer ``kl``'s two writes and its attention by one ``kv_attend``."""
+    wk, wv = kl.writes
+    with graph.inserting_before(found.sdpa):
+        node = graph.call_function(op, (anchor, found.query, wk.args[3], wv.args[3],
+                                        wk.args[2], kl.keys, kl.values, found.mask, handle,
+                                        kl.layer, found.scale))
+    node.meta.update({k: v for k, v in found.sdpa.meta.items()
+                      if k in ("nn_module_stack", "stack_trace", "source_fn_stack")})
+    q, v = value_of(found.query), value_of(kl.values)
+    with q.fake_mode:
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    node.meta["val"] = node.meta["example_value"] = out
+    found.sdpa.replace_all_uses_with(node)
+    graph.erase_node(found.sdpa)
+    for view in reversed(found.views):
+        if not view.users:
+            graph.erase_node(view)
+    for write in (wk, wv):
+        write.replace_all_uses_with(kl.keys if write is wk else kl.values)
+        graph.erase_node(write)
+    return node
+
+
+class HostAttention:
+    """The ``kv_attend`` op at run time, for one host KV runtime: page-locked staging, and
+    what the latest call read."""
+
+    def __init__(self):
+        self.staging: dict[str, torch.Tensor] = {}
+        self.rows = kernel.MAX_ROWS     # query rows per KV head the host takes (choose())
+        self.layers: list[int] = []     # attended on the host in the latest call
+        self.on_device: list[int] = []  # attended on the device: the call had more rows
+        self.read = 0                   # bytes of host cache they read
+
+    def begin_call(self) -> None:
+        self.layers, self.on_device, self.read = [], [], 0
+
+    def device_path(self, runtime, layer, query, key, value, index, keys, values, mask,
+                    scale) -> torch.Tensor:
+        """A call of more query rows than the host takes (a prefill in a graph of dynamic
+        shapes): the cache's valid prefix copied to the device, the step's tokens written
+        there and to the host, torch's attention, as the graph had it."""
+        self.on_device.append(layer)
+        rep = query.shape[1] // keys.shape[1]
+        if query.device.type != "cuda":
+            keys.index_copy_(2, index, key)
+            values.index_copy_(2, index, value)
+            full = keys, values
+        else:
+            start = int(index.min()) if index.numel() else 0
+            full = []
+            for cache, new in ((keys, key), (values, value)):
+                host = runtime.pinned[cache.data_ptr()]()
+                there = torch.zeros(cache.shape, dtype=cache.dtype, device=query.device)
+                there[:, :, :start].copy_(host[:, :, :start], non_blocking=True)
+                there.index_copy_(2, index, new)
+                cache.index_copy_(2, index, new)    # the host: through its mapped address
+                full.append(there)
+        k, v = (t.repeat_interleave(rep, 1) if rep > 1 else t for t in full)
+        return F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale)
+
+    def _staged(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """``t`` copied (queued, not waited for) into a page-locked buffer of ours."""
+        buf = self.staging.get(name)
+        if buf is None or buf.numel() < t.numel():
+            buf = torch.empty(max(t.numel(), 1), dtype=t.dtype, pin_memory=True)
+            self.staging[name] = buf
+        view = buf[:t.numel()].view(t.shape)
+        view.copy_(t, non_blocking=True)
+        return view
+
+    def run(self, runtime, layer: int, query, key, value, index, keys, values, mask,
+            scale) -> torch.Tensor:
+        if query.shape[1] // keys.shape[1] * query.shape[2] > self.rows:
+            return self.device_path(runtime, layer, query, key, value, index, keys, values,
+                                    mask, scale)
+        keys.index_copy_(2, index, key)         # the host cache: through its mapped address
+        values.index_copy_(2, index, value)     # on a GPU, in place on a CPU
+        q = query.float().contiguous()
+        bias = None
+        if mask is not None:
+            full = (keys.shape[0], mask.shape[1], query.shape[2], keys.shape[2])
+            bias = mask.expand(full)
+            bias = torch.zeros(full, device=mask.device).masked_fill(~bias, float("-inf")) \
+                if mask.dtype == torch.bool else bias.float().contiguous()
+        host_k, host_v = keys, values
+        if query.device.type == "cuda":
+            q = self._staged("q", q)
+            bias = None if bias is None else self._staged("bias", bias)
+            index = self._staged("index", index.reshape(-1))
+            host_k, host_v = (runtime.pinned[t.data_ptr()]() for t in (keys, values))
+            done = torch.cuda.Event()
+            done.record()
+            done.synchronize()                  # the staging and the tokens have landed
+        tokens = int(index.max()) + 1 if index.numel() else 0
+        if bias is not None and tokens < keys.shape[2] and \
+                not torch.isneginf(bias[..., tokens:]).all():
+            tokens = keys.shape[2]              # the mask lets the attention read further
+        out = None
+        if query.device.type == "cuda":     # (the last call's copy of it was waited for)
+            shape = (*query.shape[:-1], values.shape[-1])
+            out = self.staging.get("out")
+            if out is None or out.numel() < query.numel() // query.shape[-1] * shape[-1]:
+                out = self.staging["out"] = torch.empty(shape, pin_memory=True)
+            out = out.view(-1)[:torch.Size(shape).numel()].view(shape)
+        out = kernel.attend(kernel.library(), q, host_k, host_v, tokens, bias, scale, out)
+        self.layers.append(layer)
+        per_token = (keys[0, 0, 0].numel() * keys.element_size() +
+                     values[0, 0, 0].numel() * values.element_size()) * keys.shape[0] * \
+            keys.shape[1]
+        self.read += tokens * per_token
+        if query.device.type == "cuda":
+            out = out.to(query.device, non_blocking=True)
+        return out.to(query.dtype)

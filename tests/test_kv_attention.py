@@ -1,0 +1,211 @@
+"""Attention over the host KV cache computed on the host (``kv_cache="host"`` with
+``host_compute``): the kernel against torch's attention in fp64, the graph (one
+``kv_attend`` per host layer in a decode graph), greedy tokens and the cache's contents against the same model with its
+cache on the device, a prefill of dynamic shapes on the device, what ``report`` says, and the
+choice's reasons.  CPU here; the GPU
+case carries the ``cuda`` marker."""
+import copy
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fx_offload
+from fx_offload.host_compute import attention as kernel
+from fx_offload.kv import attention, kv_ops, runtime_of
+
+transformers = pytest.importorskip("transformers", reason="install the test extra")
+
+CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+needs_cc = pytest.mark.skipif(kernel.library() is None, reason="no C compiler")
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 8, 2, 1, 700, 64, 533, "bool"),
+                                   (2, 4, 4, 3, 300, 16, 300, "float"),
+                                   (1, 32, 8, 1, 2048, 128, 2000, "heads"),
+                                   (2, 6, 3, 2, 100, 40, 77, None)])
+def test_kernel_equals_torch_attention_in_fp64(dtype, shape):
+    """Grouped-query heads, several query tokens, head sizes that are no multiple of a
+    register, bool / float / per-head masks or none, a valid length under the cache's:
+    within 2e-5 of torch's attention in fp64 on the same (rounded) inputs."""
+    b, h, kvh, nq, t, d, valid, kind = shape
+    torch.manual_seed(0)
+    q = torch.randn(b, h, nq, d)
+    k, v = (torch.randn(b, kvh, t, d).to(dtype) for _ in range(2))
+    keep = torch.zeros(b, h if kind == "heads" else 1, nq, t, dtype=torch.bool)
+    keep[..., :valid] = True
+    keep[..., 3] = False
+    bias = torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
+    if kind == "float":
+        bias[..., :valid] += torch.randn(b, 1, nq, valid)
+    expected = F.scaled_dot_product_attention(
+        q.double(), k.double().repeat_interleave(h // kvh, 1),
+        v.double().repeat_interleave(h // kvh, 1), scale=0.3,
+        attn_mask=None if kind is None else bias.double())
+    got = kernel.attend(kernel.library(), q, k, v, valid if kind else t,
+                        None if kind is None else bias, 0.3)
+    assert (got.double() - expected).abs().max() < 2e-5
+
+
+@needs_cc
+def test_kernel_a_row_masked_out_entirely_gives_zeros():
+    q, k = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 64, 16)
+    bias = torch.zeros(1, 2, 1, 64)
+    bias[0, 1] = float("-inf")
+    out = kernel.attend(kernel.library(), q, k, k.clone(), 64, bias, None)
+    assert torch.equal(out[0, 1], torch.zeros(1, 16)) and out[0, 0].abs().sum() > 0
+
+
+def _pair(host_compute="always", **kv):
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
+    reference.generation_config.eos_token_id = None
+    model = copy.deepcopy(reference)
+    weights = dict(group_size=4, num_in_group=1, inner_backend="aot_eager")
+    fx_offload.compile_forward(reference, **weights)
+    fx_offload.compile_forward(model, kv_cache="host", kv_block_size=16,
+                               host_compute=host_compute, **kv, **weights)
+    return reference, model
+
+
+def _generate(model, ids, cache, new=10):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=new, do_sample=False,
+                              past_key_values=cache, output_logits=True,
+                              return_dict_in_generate=True)
+
+
+def _cache(model, batch, length):
+    cache = transformers.StaticCache(config=model.config, max_cache_len=length)
+    cache.early_initialization(batch, CONFIG["num_key_value_heads"], 16, torch.float32,
+                               torch.device("cpu"))
+    return cache
+
+
+@needs_cc
+@pytest.mark.parametrize("kv", [{}, dict(kv_layers=[1, 3], kv_slots=1)])
+def test_decode_attends_on_the_host_tokens_and_cache_equal(kv):
+    """host_compute='always': each decode step's graph attends on the host for every host
+    layer (its graph holds one kv_attend per host layer and no kv_update); the greedy
+    tokens of three generates in a row, every valid position of the cache and the logits
+    (within fp32 rounding: the offloaded layer's MLP runs on the host too) equal the model
+    with its cache on the device; report says where
+    the attention ran and what it read."""
+    reference, model = _pair(**kv)
+    ids = torch.randint(0, 128, (2, 37))
+    graphs = []
+    original = attention.rewrite
+
+    def rewrite(graph, *args):
+        graphs.append(graph)
+        return original(graph, *args)
+    attention.rewrite = rewrite
+    try:
+        for _ in range(3):
+            cache_ref, cache = _cache(reference, 2, 64), _cache(model, 2, 64)
+            expected = _generate(reference, ids, cache_ref)
+            got = _generate(model, ids, cache)
+            assert torch.equal(got.sequences, expected.sequences)
+            for a, b in zip(got.logits, expected.logits):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            for mine, theirs in zip(cache.layers, cache_ref.layers):   # (rounding: the MLP
+                for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):  # of
+                    torch.testing.assert_close(a[:, :, :46], b[:, :, :46], rtol=1e-5,  # the
+                                               atol=1e-5)       # offloaded layer runs there too)
+    finally:
+        attention.rewrite = original
+    runtime = runtime_of(model)
+    hosted = kv.get("kv_layers", [0, 1, 2, 3])
+    assert runtime.hosting[1] == {layer: "host" for layer in hosted}
+    assert len(set(graphs)) == 2    # the prefill's graph and the decode step's, once each
+    for graph in set(graphs):
+        targets = [n.target for n in graph.nodes]
+        assert targets.count(kv_ops.ATTEND) == len(hosted)
+        assert kv_ops.UPDATE not in targets and targets.count(kv_ops.JOIN) == 1
+        # the device layers' writes alone are left
+        assert sum(n.target == "index_copy_" for n in graph.nodes) == 2 * (4 - len(hosted))
+    rep = fx_offload.report(model)
+    assert rep.kv["attended"] == hosted
+    per_token = 2 * 2 * 16 * 4 * 2          # batch 2, 2 heads, 16 dims, fp32, K and V
+    assert rep.kv["attended_read"] == len(hosted) * 46 * per_token
+    assert rep.kv["copied_per_step"] == 0
+    assert f"computed layers {hosted} on the host" in str(rep)
+    # the prefill's graph has dynamic shapes: its op chose the device for 2 x 37 tokens
+    assert runtime.hosting["dynamic"] == {layer: "host" for layer in hosted}
+    cache_ref, cache = _cache(reference, 2, 64), _cache(model, 2, 64)
+    assert torch.equal(_generate(model, ids, cache, new=1).sequences,
+                       _generate(reference, ids, cache_ref, new=1).sequences)
+    rep = fx_offload.report(model)
+    assert rep.kv["attended"] == [] and rep.kv["attended_on_device"] == hosted
+    assert "on the device (more query rows than the host takes" in str(rep)
+
+
+def test_auto_on_a_cpu_device_keeps_the_attention_on_the_device():
+    """'auto' on a CPU device: no kv_attend, tokens as before, report silent about it
+    beyond the reason recorded per graph."""
+    reference, model = _pair("auto")
+    ids = torch.randint(0, 128, (1, 9))
+    assert torch.equal(_generate(model, ids, _cache(model, 1, 32)).sequences,
+                       _generate(reference, ids, _cache(reference, 1, 32)).sequences)
+    runtime = runtime_of(model)
+    assert set(runtime.hosting[1].values()) == {
+        "streamed: host_compute='auto' on a CPU device (there is no link to spare)"}
+    assert fx_offload.report(model).kv["attended"] == []
+
+
+def _found(rows):
+    return attention.Found(None, [], None, None, None, rows)
+
+
+@pytest.mark.parametrize("mode, torch_mode, rows, device, why", [
+    ("never", "default", 4, "cuda", "host_compute='never'"),
+    ("auto", "reduce-overhead", 4, "cuda", "a CUDA graph cannot capture it"),
+    ("auto", "default", 4, "cpu", "on a CPU device"),
+    ("auto", "default", 9, "cuda", "more than 8 query rows per KV head"),
+    ("always", "default", 64, "cpu", None),
+])
+def test_the_choice_and_its_reasons(monkeypatch, mode, torch_mode, rows, device, why):
+    """The rule, layer by layer: a layer the pass cannot rewrite streams with its own reason;
+    the others are on the host, or all stream with one reason."""
+    monkeypatch.setattr(kernel, "library", lambda: object())
+    options = types.SimpleNamespace(host_compute=mode, mode=torch_mode)
+    runtime = types.SimpleNamespace(device=torch.device(device))
+    got = attention.choose(options, runtime, {0: _found(rows), 1: "its heads are wider"})
+    assert got[1] == "streamed: its heads are wider"
+    assert got[0] == "host" if why is None else (got[0].startswith("streamed: ") and
+                                                 why in got[0])
+
+
+def test_always_without_a_c_compiler_is_refused(monkeypatch):
+    monkeypatch.setattr(kernel, "library", lambda: None)
+    options = types.SimpleNamespace(host_compute="always", mode="default")
+    runtime = types.SimpleNamespace(device=torch.device("cpu"))
+    with pytest.raises(fx_offload.OffloadError, match="needs a C compiler"):
+        attention.choose(options, runtime, {0: _found(1)})
+
+
+@pytest.mark.cuda
+def test_on_gpu_decode_attends_on_the_host_within_bf16_rounding():
+    """Inductor inside, bf16, a GPU: the decode graph attends on the host; logits of each
+    step within bf16 rounding of the device cache's (the host sums in fp32 and rounds
+    once)."""
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
+    reference = reference.to("cuda", torch.bfloat16)
+    reference.generation_config.eos_token_id = None
+    model = copy.deepcopy(reference)
+    fx_offload.compile_forward(reference, group_size=4, num_in_group=1)
+    fx_offload.compile_forward(model, kv_cache="host", kv_block_size=16,
+                               host_compute="always", group_size=4, num_in_group=1)
+    ids = torch.randint(0, 128, (2, 50), device="cuda")
+    with torch.no_grad():
+        kw = dict(max_new_tokens=8, do_sample=False, cache_implementation="static",
+                  output_logits=True, return_dict_in_generate=True)
+        expected, got = reference.generate(ids, **kw), model.generate(ids, **kw)
+    for a, b in zip(got.logits, expected.logits):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.05)
+    assert fx_offload.report(model).kv["attended"] == [0, 1, 2, 3]
