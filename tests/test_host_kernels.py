@@ -258,3 +258,6 @@ def test_the_host_benchmark_runs_quick_on_the_cpu(capsys):
         assert out.count(f"| experts {path} |") == 2          # T=1 and T=8
     for path in kernels.LINEAR_PATHS:
         assert out.count(f"| dense mlp {path} |") == 2 and out.count(f"| dense qkvo {path} |") == 2
+    assert out.count("| attention torch sdpa |") == 2 and "failed" not in out
+    from fx_offload.host_compute import attention
+    assert out.count("| attention kernel |") == (2 if attention.library() else 0)

@@ -144,6 +144,27 @@ def test_decode_attends_on_the_host_tokens_and_cache_equal(kv):
     assert "on the device (more query rows than the host takes" in str(rep)
 
 
+@needs_cc
+def test_dynamic_shapes_attend_on_the_host_call_by_call():
+    """compile_forward(dynamic=True): graphs of symbolic sizes (the cache's length, the
+    prompt's) are rewritten too, and each call chooses by its own shapes: two generates with
+    caches of two lengths give the reference's tokens, their decode steps on the host."""
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
+    reference.generation_config.eos_token_id = None
+    model = copy.deepcopy(reference)
+    fx_offload.compile_forward(reference, inner_backend="aot_eager", dynamic=True)
+    fx_offload.compile_forward(model, inner_backend="aot_eager", dynamic=True,
+                               kv_cache="host", kv_block_size=16, host_compute="always")
+    ids = torch.randint(0, 128, (1, 7))
+    for length in (40, 56):
+        expected = _generate(reference, ids, _cache(reference, 1, length), new=4)
+        got = _generate(model, ids, _cache(model, 1, length), new=4)
+        assert torch.equal(got.sequences, expected.sequences)
+        assert fx_offload.report(model).kv["attended"] == [0, 1, 2, 3]
+    assert set(runtime_of(model).hosting["dynamic"].values()) == {"host"}
+
+
 def test_auto_on_a_cpu_device_keeps_the_attention_on_the_device():
     """'auto' on a CPU device: no kv_attend, tokens as before, report silent about it
     beyond the reason recorded per graph."""
@@ -180,6 +201,34 @@ def test_the_choice_and_its_reasons(monkeypatch, mode, torch_mode, rows, device,
                                                  why in got[0])
 
 
+@pytest.mark.parametrize("host_rate, hosted", [(50e9, False), (80e9, True)])
+def test_auto_weighs_the_kernels_measured_rate_against_the_link(monkeypatch, host_rate,
+                                                                  hosted):
+    """On a GPU, 'auto' takes the host where its kernel reads the cache 1.2x as fast as the
+    link copies it (the rate a 16-core H200 host's kernel reached, 50 GB/s against 55: the
+    device)."""
+    from fx_offload.host_compute import rates
+    monkeypatch.setattr(kernel, "library", lambda: object())
+    monkeypatch.setattr(kernel, "rate", lambda: host_rate)
+    monkeypatch.setattr(rates, "host_rates", lambda device: rates.HostRates(
+        read_rate=90e9, flop_rate=1e12, latency=1e-4, link_rate=55e9))
+    options = types.SimpleNamespace(host_compute="auto", mode="default")
+    runtime = types.SimpleNamespace(device=torch.device("cuda"))
+    got = attention.choose(options, runtime, {0: _found(4)})
+    assert (got[0] == "host") == hosted
+    if not hosted:
+        assert "reads the cache at 50 GB/s, not 1.2x the link's 55 GB/s" in got[0]
+
+
+@needs_cc
+def test_the_kernels_rate_is_measured_once_and_cached(monkeypatch, tmp_path):
+    monkeypatch.setenv("FX_OFFLOAD_CACHE_DIR", str(tmp_path))
+    first = kernel.rate()
+    assert first > 1e8
+    monkeypatch.setattr(kernel, "attend", lambda *a, **k: pytest.fail("measured again"))
+    assert kernel.rate() == first
+
+
 def test_always_without_a_c_compiler_is_refused(monkeypatch):
     monkeypatch.setattr(kernel, "library", lambda: None)
     options = types.SimpleNamespace(host_compute="always", mode="default")
@@ -206,6 +255,12 @@ def test_on_gpu_decode_attends_on_the_host_within_bf16_rounding():
         kw = dict(max_new_tokens=8, do_sample=False, cache_implementation="static",
                   output_logits=True, return_dict_in_generate=True)
         expected, got = reference.generate(ids, **kw), model.generate(ids, **kw)
-    for a, b in zip(got.logits, expected.logits):
+    compared = 0
+    for i, (a, b) in enumerate(zip(got.logits, expected.logits)):
+        # greedy tokens of random weights may part at a near-tie; compared while the same
+        if not torch.equal(got.sequences[:, :50 + i], expected.sequences[:, :50 + i]):
+            break
         torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.05)
+        compared += 1
+    assert compared >= 2        # the prefill and at least the first decode step
     assert fx_offload.report(model).kv["attended"] == [0, 1, 2, 3]

@@ -5,7 +5,9 @@ Rows: the host's read rate (a multithreaded fp32 sum over a tensor bigger than a
 the pinned host-to-device copy rate (CUDA only); both at once (the copy engine copying one
 pinned buffer while the cores sum another, each one's rate while together); then each kernel
 path of :mod:`fx_offload.host_compute.kernels` at decode shapes: Qwen3-30B-A3B's routed
-experts and Llama-3-8B's dense MLP and attention projections, at 1 and 8 tokens.
+experts and Llama-3-8B's dense MLP and attention projections, at 1 and 8 tokens; and decode
+attention over a 64k-token KV cache in host memory (the host attention kernel of
+``kv_cache="host"`` with ``host_compute``, and torch's ``sdpa``).
 
 GB/s counts the weight bytes a call reads (for experts, the distinct experts picked times
 ``3 * H * I`` weights); ``x read`` divides it by the host's read rate.  The weights of every
@@ -79,9 +81,42 @@ def run(args: argparse.Namespace) -> int:
             name = path or f"auto={kernels.pick(t, dtype, experts=False)}"
             for what, measure in _dense(t, path, dtype, span, quick, reps):
                 _guarded(f"{what} {name}", read, measure)
+    for t in tokens:
+        for what, measure in _attention(t, dtype, span, quick, reps):
+            _guarded(what, read, measure)
     if args.kt_kernel:
         _kt_rows(tokens, span, quick, reps, read)
     return 0
+
+
+def _attention(tokens: int, dtype, span: int, quick: bool, reps: int) -> list:
+    """Decode attention over a KV cache in host memory, Llama-3-8B's heads (32 query heads
+    over 8 KV heads of 128), 64k tokens (4k with --quick): the host attention kernel
+    (:mod:`fx_offload.host_compute.attention`) and torch's ``sdpa``; GB/s of keys and values
+    read.  Enough layers to span ``span``, one a call."""
+    from ..host_compute import attention
+    context = 4096 if quick else 65536
+    per_layer = 2 * 8 * context * 128 * dtype.itemsize
+    layers = [tuple(_filled((1, 8, context, 128), dtype) for _ in range(2))
+              for _ in range(max(2, -(-span // per_layer)))]
+    q = torch.randn(1, 32, tokens, 128)
+    shape = f"{tokens} token(s), 8 KV heads x {context}, {len(layers)} layers"
+    lib = attention.library()
+
+    def kernel():
+        def call(i):
+            attention.attend(lib, q, *layers[i % len(layers)], context, None, None)
+        return shape, _median_seconds(call, reps), per_layer
+
+    def sdpa():
+        qd = q.to(dtype)
+
+        def call(i):
+            k, v = layers[i % len(layers)]
+            torch.nn.functional.scaled_dot_product_attention(qd, k, v, enable_gqa=True)
+        return shape, _median_seconds(call, reps), per_layer
+    rows = [("attention torch sdpa", sdpa)]
+    return ([("attention kernel", kernel)] if lib is not None else []) + rows
 
 
 def _guarded(what: str, read: float, measure, *args) -> None:

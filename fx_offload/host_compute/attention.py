@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import ctypes
 import math
+import statistics
 import threading
+import time
 
 import torch
 
@@ -43,6 +45,7 @@ SOURCE = r"""
 #define VL 8
 #endif
 typedef float vf __attribute__((vector_size(4 * VL)));
+typedef int32_t vi __attribute__((vector_size(4 * VL)));
 #define BT 32           /* tokens per block: their widened rows and scores stay in L1 */
 #define MAXR 64         /* query rows per KV head at most (the caller checks) */
 #define MAXD 256        /* head dimension at most, padded (the caller checks) */
@@ -52,18 +55,56 @@ static inline void st(float* p, vf v) { memcpy(p, &v, sizeof v); }
 static inline float hsum(vf v) { float s = 0.0f; for (int i = 0; i < VL; i++) s += v[i];
                                  return s; }
 
-/* exp(x) for x <= 0: 2^n e^f, n = round(x log2 e), |f| <= ln2 / 2; under -87: 0 */
-static inline float exp_neg(float x) {
-    float under = x < -87.0f ? 0.0f : 1.0f;
-    x = x < -87.0f ? -87.0f : x;
-    float n = __builtin_floorf(x * 1.44269504f + 0.5f);
-    float f = x - n * 0.693145752f - n * 1.42860677e-06f;
-    float p = 1.0f + f * (1.0f + f * (0.5f + f * (0.166666672f + f * (0.0416666418f
-              + f * (0.00833336823f + f * 0.00138833765f)))));
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float two; memcpy(&two, &bits, 4);
-    return p * two * under;
+/* the lane sums of eight registers into o[0..7]: a tree of shuffles, each step halving the
+   lanes per register (a lane-by-lane sum of each costs several times more) */
+#if VL == 16
+static inline vf pairs(vf x, vf y, vi lo, vi hi) {
+    return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi); }
+static inline void hsum8(vf a0, vf a1, vf a2, vf a3, vf a4, vf a5, vf a6, vf a7, float* o) {
+    const vi l1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const vi h1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const vi l2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const vi h2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    const vi l3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+    const vi h3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+    const vi l4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const vi h4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    vf w0 = pairs(pairs(a0, a1, l1, h1), pairs(a2, a3, l1, h1), l2, h2);
+    vf w1 = pairs(pairs(a4, a5, l1, h1), pairs(a6, a7, l1, h1), l2, h2);
+    vf u = pairs(w0, w1, l3, h3);
+    vf f = pairs(u, u, l4, h4);
+    memcpy(o, &f, 8 * sizeof(float));
 }
+#else
+static inline vf pairs(vf x, vf y, vi lo, vi hi) {
+    return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi); }
+static inline void hsum8(vf a0, vf a1, vf a2, vf a3, vf a4, vf a5, vf a6, vf a7, float* o) {
+    const vi l1 = {0, 1, 2, 3, 8, 9, 10, 11}, h1 = {4, 5, 6, 7, 12, 13, 14, 15};
+    const vi l2 = {0, 1, 4, 5, 8, 9, 12, 13}, h2 = {2, 3, 6, 7, 10, 11, 14, 15};
+    const vi l3 = {0, 2, 4, 6, 8, 10, 12, 14}, h3 = {1, 3, 5, 7, 9, 11, 13, 15};
+    vf w0 = pairs(pairs(a0, a1, l1, h1), pairs(a2, a3, l1, h1), l2, h2);
+    vf w1 = pairs(pairs(a4, a5, l1, h1), pairs(a6, a7, l1, h1), l2, h2);
+    vf f = pairs(w0, w1, l3, h3);
+    memcpy(o, &f, 8 * sizeof(float));
+}
+#endif
+
+/* exp(x) for x <= 0, VL at once: 2^n e^f, n = round(x log2 e), |f| <= ln2 / 2; under
+   -87 (and -inf): 0 */
+static inline vf exp_neg(vf x) {
+    const vf lim = (vf){0} - 87.0f;
+    vi under = x < lim;
+    x = (vf)(((vi)x & ~under) | ((vi)lim & under));
+    vi ni = __builtin_convertvector(x * 1.44269504f - 0.5f, vi);    /* x <= 0: truncation */
+    vf n = __builtin_convertvector(ni, vf);
+    vf f = x - n * 0.693145752f - n * 1.42860677e-06f;
+    vf p = 1.0f + f * (1.0f + f * (0.5f + f * (0.166666672f + f * (0.0416666418f
+              + f * (0.00833336823f + f * 0.00138833765f)))));
+    vi bits = (ni + 127) << 23;
+    return (vf)((vi)(p * (vf)bits) & ~under);
+}
+
+static inline float exp1(float x) { vf v = {0}; v[0] = x; return exp_neg(v)[0]; }
 
 /* n rows of D elements (bf16, fp16 or fp32) as fp32 rows of P >= D, zero-padded */
 static void widen(int wt, const char* src, int64_t n, int64_t D, int64_t P, float* dst) {
@@ -86,7 +127,43 @@ static void widen(int wt, const char* src, int64_t n, int64_t D, int64_t P, floa
 /* s[r, t] = q[r] . k[t] for n widened rows: eight tokens at once, eight chains of FMAs */
 static void scores(const float* kf, int64_t n, int64_t P, const float* qs, int64_t R,
                    float* s) {
-    for (int64_t r = 0; r < R; r++) {
+    int64_t r = 0;
+#if VL == 16
+    /* two rows at once where 32 registers allow: each row of K loaded once for both */
+    for (; r + 2 <= R; r += 2) {
+        const float* qa = qs + r * P;
+        const float* qb = qa + P;
+        int64_t t = 0;
+        for (; t + 8 <= n; t += 8) {
+            vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
+            vf b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0}, b4 = {0}, b5 = {0}, b6 = {0}, b7 = {0};
+            const float* k = kf + t * P;
+            for (int64_t d = 0; d < P; d += VL) {
+                vf x = ld(qa + d), y = ld(qb + d), kk;
+                kk = ld(k + d);         a0 += x * kk; b0 += y * kk;
+                kk = ld(k + P + d);     a1 += x * kk; b1 += y * kk;
+                kk = ld(k + 2 * P + d); a2 += x * kk; b2 += y * kk;
+                kk = ld(k + 3 * P + d); a3 += x * kk; b3 += y * kk;
+                kk = ld(k + 4 * P + d); a4 += x * kk; b4 += y * kk;
+                kk = ld(k + 5 * P + d); a5 += x * kk; b5 += y * kk;
+                kk = ld(k + 6 * P + d); a6 += x * kk; b6 += y * kk;
+                kk = ld(k + 7 * P + d); a7 += x * kk; b7 += y * kk;
+            }
+            hsum8(a0, a1, a2, a3, a4, a5, a6, a7, s + r * BT + t);
+            hsum8(b0, b1, b2, b3, b4, b5, b6, b7, s + (r + 1) * BT + t);
+        }
+        for (; t < n; t++) {
+            vf a = {0}, b = {0};
+            for (int64_t d = 0; d < P; d += VL) {
+                vf kk = ld(kf + t * P + d);
+                a += ld(qa + d) * kk; b += ld(qb + d) * kk;
+            }
+            s[r * BT + t] = hsum(a);
+            s[(r + 1) * BT + t] = hsum(b);
+        }
+    }
+#endif
+    for (; r < R; r++) {
         const float* qr = qs + r * P;
         int64_t t = 0;
         for (; t + 8 <= n; t += 8) {
@@ -99,9 +176,7 @@ static void scores(const float* kf, int64_t n, int64_t P, const float* qs, int64
                 a4 += q * ld(k + 4 * P + d); a5 += q * ld(k + 5 * P + d);
                 a6 += q * ld(k + 6 * P + d); a7 += q * ld(k + 7 * P + d);
             }
-            float* o = s + r * BT + t;
-            o[0] = hsum(a0); o[1] = hsum(a1); o[2] = hsum(a2); o[3] = hsum(a3);
-            o[4] = hsum(a4); o[5] = hsum(a5); o[6] = hsum(a6); o[7] = hsum(a7);
+            hsum8(a0, a1, a2, a3, a4, a5, a6, a7, s + r * BT + t);
         }
         for (; t < n; t++) {
             vf a = {0};
@@ -114,7 +189,41 @@ static void scores(const float* kf, int64_t n, int64_t P, const float* qs, int64
 /* a[r] += sum_t p[r, t] v[t]: eight registers of a row held across the block's tokens */
 static void accumulate(const float* vfb, int64_t n, int64_t P, const float* s, int64_t R,
                        float* a) {
-    for (int64_t r = 0; r < R; r++)
+    int64_t r = 0;
+#if VL == 16
+    /* two rows at once: each row of V loaded once for both */
+    for (; r + 2 <= R; r += 2)
+        for (int64_t d = 0; d < P; d += 8 * VL) {
+            float* ar = a + r * P + d;
+            float* br = ar + P;
+            vf c0 = ld(ar), c1 = ld(ar + VL), c2 = ld(ar + 2 * VL), c3 = ld(ar + 3 * VL),
+               c4 = ld(ar + 4 * VL), c5 = ld(ar + 5 * VL), c6 = ld(ar + 6 * VL),
+               c7 = ld(ar + 7 * VL);
+            vf e0 = ld(br), e1 = ld(br + VL), e2 = ld(br + 2 * VL), e3 = ld(br + 3 * VL),
+               e4 = ld(br + 4 * VL), e5 = ld(br + 5 * VL), e6 = ld(br + 6 * VL),
+               e7 = ld(br + 7 * VL);
+            for (int64_t t = 0; t < n; t++) {
+                float p = s[r * BT + t], q = s[(r + 1) * BT + t];
+                const float* v = vfb + t * P + d;
+                vf x;
+                x = ld(v);          c0 += p * x; e0 += q * x;
+                x = ld(v + VL);     c1 += p * x; e1 += q * x;
+                x = ld(v + 2 * VL); c2 += p * x; e2 += q * x;
+                x = ld(v + 3 * VL); c3 += p * x; e3 += q * x;
+                x = ld(v + 4 * VL); c4 += p * x; e4 += q * x;
+                x = ld(v + 5 * VL); c5 += p * x; e5 += q * x;
+                x = ld(v + 6 * VL); c6 += p * x; e6 += q * x;
+                x = ld(v + 7 * VL); c7 += p * x; e7 += q * x;
+            }
+            st(ar, c0); st(ar + VL, c1); st(ar + 2 * VL, c2); st(ar + 3 * VL, c3);
+            st(ar + 4 * VL, c4); st(ar + 5 * VL, c5); st(ar + 6 * VL, c6);
+            st(ar + 7 * VL, c7);
+            st(br, e0); st(br + VL, e1); st(br + 2 * VL, e2); st(br + 3 * VL, e3);
+            st(br + 4 * VL, e4); st(br + 5 * VL, e5); st(br + 6 * VL, e6);
+            st(br + 7 * VL, e7);
+        }
+#endif
+    for (; r < R; r++)
         for (int64_t d = 0; d < P; d += 8 * VL) {
             float* ar = a + r * P + d;
             vf c0 = ld(ar), c1 = ld(ar + VL), c2 = ld(ar + 2 * VL), c3 = ld(ar + 3 * VL),
@@ -159,20 +268,31 @@ static void piece(int wt, const char* k, const char* v, int64_t D, int64_t DV, i
             float* sr = s + r * BT;
             const float* br = bias ? bias + bias_row[r] + b0 : 0;
             float top = m[r];
-            for (int64_t t = 0; t < n; t++) {
+            int64_t t = 0;
+            vf tops = (vf){0} + top;
+            for (; t + VL <= n; t += VL) {
+                vf x = ld(sr + t) * scale;
+                if (br) x += ld(br + t);
+                st(sr + t, x);
+                vi more = x > tops;
+                tops = (vf)(((vi)x & more) | ((vi)tops & ~more));
+            }
+            for (int i = 0; i < VL; i++) top = tops[i] > top ? tops[i] : top;
+            for (; t < n; t++) {
                 float x = sr[t] * scale + (br ? br[t] : 0.0f);
                 sr[t] = x;
                 top = x > top ? x : top;
             }
-            if (top == -INFINITY) { for (int64_t t = 0; t < n; t++) sr[t] = 0.0f; continue; }
-            float keep = m[r] == -INFINITY ? 0.0f : exp_neg(m[r] - top), sum = 0.0f;
-            #pragma omp simd reduction(+:sum)
-            for (int64_t t = 0; t < n; t++) {
-                float p = exp_neg(sr[t] - top);     /* -inf: 0 */
-                sr[t] = p;
-                sum += p;
+            for (; t < BT; t++) sr[t] = -INFINITY;      /* past the block: weight 0 */
+            if (top == -INFINITY) { for (t = 0; t < BT; t++) sr[t] = 0.0f; continue; }
+            float keep = m[r] == -INFINITY ? 0.0f : exp1(m[r] - top);
+            vf sums = {0};
+            for (t = 0; t < BT; t += VL) {
+                vf p = exp_neg(ld(sr + t) - top);      /* -inf: 0 */
+                st(sr + t, p);
+                sums += p;
             }
-            l[r] = l[r] * keep + sum;
+            l[r] = l[r] * keep + hsum(sums);
             m[r] = top;
             if (keep != 1.0f)
                 for (int64_t d = 0; d < PV; d++) a[r * PV + d] *= keep;
@@ -229,7 +349,7 @@ void fx_attend(int wt, const char* k, const char* v, int64_t B, int64_t KVH, int
         for (int64_t c = 0; c < chunks; c++) {
             const float* p = scratch + (bh * chunks + c) * part;
             if (p[r] == -INFINITY) continue;
-            float w = exp_neg(p[r] - top);
+            float w = exp1(p[r] - top);
             total += w * p[R + r];
             const float* a = p + 2 * R + r * PV;
             for (int64_t d = 0; d < DV; d++) o[d] += w * a[d];
@@ -277,6 +397,36 @@ def unsupported(q_shape, k_shape, v_shape, dtype: torch.dtype, rows: bool = True
         return (f"{h // kvh * nq} query rows read each KV head (at most {MAX_ROWS} on the "
                 "host)")
     return None
+
+
+RATE_KEY = "host attention v1"      # a new version whenever the kernel changes
+
+
+def rate() -> float:
+    """Bytes/s of cache the kernel reads at a decode step, on this machine: measured once
+    (a second) on a bf16 cache of Llama-3-8B's heads, 32k tokens (256 MiB, more than a
+    last-level cache), one token of 32 query heads; cached beside the device rates.  What
+    ``"auto"`` weighs against the link: the kernel, not the memory, is what the host
+    attention runs at (docs/host_compute.md, "Attention over the host KV cache")."""
+    from ..selection import device_rates
+    key = f"{RATE_KEY} | {device_rates._device_key(torch.device('cpu'), torch.float32)}"
+    cached = device_rates._read_cache().get(key)
+    if isinstance(cached, (int, float)) and cached > 0:
+        return float(cached)
+    lib = library()
+    if lib is None:
+        return 0.0
+    keys, values = (torch.randn(1, 8, 32768, 128).to(torch.bfloat16) for _ in range(2))
+    q = torch.randn(1, 32, 1, 128)
+    out = torch.empty(1, 32, 1, 128)
+    seconds = []
+    for _ in range(6):
+        start = time.perf_counter()
+        attend(lib, q, keys, values, 32768, None, None, out)
+        seconds.append(time.perf_counter() - start)
+    measured = 2 * keys.numel() * keys.element_size() / statistics.median(seconds[1:])
+    device_rates._write_cache(key, measured)
+    return measured
 
 
 def chunks_for(pieces: int, tokens: int, threads: int) -> int:

@@ -10,16 +10,17 @@ attention that reads its cache become one op::
     k2 = repeat_kv(K); v2 = repeat_kv(V)
     o = sdpa(q, k2, v2, mask, scale=scale)
 
-(``repeat_kv``: whatever view nodes lie between the cache and the attention, checked to
-repeat each KV head as grouped-query attention does).  At run time (:class:`HostAttention`)
+(``repeat_kv``: the view nodes between the cache and the attention, checked to repeat
+each KV head as transformers' ``repeat_kv`` or ``repeat_interleave`` do).  At run time (:class:`HostAttention`)
 the op writes the step's tokens into the host cache through its mapped address, stages the
 query, the mask (as an fp32 bias) and the positions in page-locked buffers, waits for the
 device, runs :mod:`fx_offload.host_compute.attention` over the valid tokens and copies the
 output back.  Such a layer takes no slot: nothing is filled for it.
 
-The choice is per graph, from its shapes: under ``"auto"`` a decode-shaped graph (at most
-``ROWS`` query rows read each KV head) on a host that reads its memory faster than the link
-copies it; ``"always"``: every graph.  Why, and what was measured:
+The choice is per graph, from its shapes, and per call in a graph of dynamic shapes: under
+``"auto"`` a decode-shaped call (at most ``ROWS`` query rows read each KV head) on a host
+whose kernel reads the cache ``FASTER`` times as fast as the link copies it (both measured
+once per machine); ``"always"``: every call the kernel takes.  Why, and what was measured:
 docs/host_compute.md, "Attention over the host KV cache".
 """
 from __future__ import annotations
@@ -44,6 +45,9 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 _VIEWS = {"expand", "reshape", "view", "contiguous", "repeat_interleave", operator.getitem,
           torch.reshape, torch.repeat_interleave}
 ROWS = 8        # query rows per KV head up to which "auto" attends on the host
+# how much faster than the link the host's kernel must read for "auto" to take it: each
+# layer's attention then waits for the device and back (streaming overlaps its copies)
+FASTER = 1.2
 
 
 @dataclasses.dataclass
@@ -59,13 +63,23 @@ class Found:
     dynamic: bool = False   # shapes that vary by call: the rule is applied call by call
 
 
+def _reads_size(node: fx.Node) -> bool:
+    """``node`` reads a tensor's sizes only (``x.size(-2)``, ``x.shape``): no data."""
+    return (node.op == "call_method" and node.target in ("size", "dim")) or (
+        node.op == "call_function" and (node.target is torch.ops.aten.sym_size.int or (
+            node.target is getattr and node.args[1:] == ("shape",))))
+
+
 def _chain(start: fx.Node, avoid: fx.Node):
-    """(the node ``start``'s single chain of views ends in, the views) or a reason."""
+    """(the node ``start``'s single chain of views ends in, the views) or a reason.  Nodes
+    that read the cache's sizes alone stay: the placeholder stays an input of the graph."""
     views, node = [], start
     while True:
-        users = [u for u in node.users if u is not avoid]
+        users = [u for u in node.users if u is not avoid and not
+                 (node is start and _reads_size(u))]
         if len(users) != 1:
-            return f"its cache is read by {len(users)} nodes, not one attention"
+            return (f"its cache is read by {len(users)} nodes, not one attention: "
+                    f"{sorted(str(u.target) for u in users)}")
         (user,) = users
         if user.op == "call_function" and user.target in _SDPA:
             return user, views
@@ -87,32 +101,37 @@ def _hint(value) -> int:
     return int(hint)
 
 
-def _replay(views: list, start: fx.Node, tensor: torch.Tensor) -> torch.Tensor | None:
-    """The views applied to ``tensor`` in place of ``start`` (a size computed in the graph
-    taken at its traced value); None where one takes another tensor of the graph."""
-    env = {start: tensor}
+def _repeats(views: list, start: fx.Node, shape: tuple, rep: int) -> bool:
+    """The views turn ``start`` (``[B, KVH, T, D]``) into each KV head repeated ``rep``
+    times in place, as transformers' ``repeat_kv`` (``x[:, :, None].expand(B, KVH, rep, T,
+    D).reshape(B, KVH * rep, T, D)``) or ``repeat_interleave(rep, dim=1)`` do; no views:
+    ``rep`` 1.  Read from the views' arguments (sizes computed in the graph by their traced
+    values): replaying them on a tensor of the cache's size would cost gigabytes."""
+    b, kvh, t, d = shape
 
-    def arg(a):
-        if isinstance(a, fx.Node):
-            if a in env:
-                return env[a]
-            value = value_of(a)
-            if isinstance(value, (int, torch.SymInt)):
-                return _hint(value)
-            raise LookupError(a.name)
-        if isinstance(a, (tuple, list)):
-            return type(a)(arg(x) for x in a)
-        if isinstance(a, (int, float, slice, type(None), type(Ellipsis), bool)):
-            return a
-        raise LookupError(repr(a))
-    try:
-        for node in views:
-            args, kwargs = arg(node.args), {k: arg(v) for k, v in node.kwargs.items()}
-            env[node] = getattr(args[0], node.target)(*args[1:], **kwargs) \
-                if node.op == "call_method" else node.target(*args, **kwargs)
-    except (LookupError, RuntimeError, TypeError, IndexError):
-        return None
-    return env[views[-1]] if views else tensor
+    def sizes(args):
+        try:
+            flat = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list)) else args
+            return tuple(_hint(value_of(a) if isinstance(a, fx.Node) else a) for a in flat)
+        except (LookupError, AttributeError, TypeError):
+            return None
+    kinds = [(v.target if v.op == "call_method" else getattr(v.target, "__name__", v.target))
+             for v in views]
+    if not views:
+        return rep == 1
+    if kinds == ["repeat_interleave"] and views[0].op == "call_method":
+        args = list(views[0].args[1:]) + [views[0].kwargs.get("dim")]
+        return views[0].args[0] is start and args[:1] == [rep] and 1 in args[1:]
+    if kinds[0] != "getitem" or kinds[1:2] != ["expand"] or \
+            kinds[2:] not in (["reshape"], ["view"], ["contiguous", "view"]):
+        return False
+    index = views[0].args[1]
+    if views[0].args[0] is not start or not isinstance(index, tuple) or len(index) != 5 or \
+            index[2] is not None or any(i != slice(None) for i in index[:2] + index[3:]):
+        return False
+    if sizes(views[1].args[1:]) != (b, kvh, rep, t, d):
+        return False
+    return sizes(views[-1].args[1:]) == (b, kvh * rep, t, d)
 
 
 def find(kl) -> Found | str:
@@ -140,8 +159,6 @@ def find(kl) -> Found | str:
         return "its attention's query or mask is not a tensor of the graph"
     q, keys, values = value_of(query), value_of(kl.keys), value_of(kl.values)
     dynamic = any(not isinstance(s, int) for t in (q, keys, values) for s in t.shape)
-    if any(not isinstance(t.shape[i], int) for t in (q, keys, values) for i in (1, 3)):
-        return "its number of heads or head size is dynamic"
     try:
         shapes = [tuple(_hint(s) for s in t.shape) for t in (q, keys, values)]
     except LookupError:
@@ -150,11 +167,10 @@ def find(kl) -> Found | str:
     if why:
         return why
     (b, h, nq, _), (_, kvh, t, _) = shapes[0], shapes[1]
-    for views, cache in ((k_views, keys), (v_views, values)):
-        probe = torch.arange(cache.numel(), dtype=torch.float64).reshape(cache.shape)
-        seen = _replay(views, kl.keys if views is k_views else kl.values, probe)
-        if seen is None or not (torch.equal(seen, probe.repeat_interleave(h // kvh, 1)) or (
-                params.get("enable_gqa") and torch.equal(seen, probe))):
+    for views, start, shape in ((k_views, kl.keys, shapes[1]), (v_views, kl.values,
+                                                                shapes[2])):
+        if not (_repeats(views, start, shape, h // kvh) or (
+                params.get("enable_gqa") is True and _repeats(views, start, shape, 1))):
             return "the views between its cache and its attention do not repeat the KV " \
                    "heads as grouped-query attention does"
     if mask is not None:
@@ -203,10 +219,10 @@ def choose(options, runtime, found: dict) -> dict[int, str]:
         why = "no C compiler for the host's attention kernel"
     elif mode == "auto" and device.type == "cuda":
         from ..host_compute.rates import host_rates
-        rates = host_rates(device)
-        if rates.shared_read_rate <= rates.link_rate:
-            why = (f"the host reads its memory at {rates.shared_read_rate / 1e9:.0f} GB/s, "
-                   f"no faster than the link copies it ({rates.link_rate / 1e9:.0f} GB/s)")
+        link, host = host_rates(device).link_rate, kernel.rate()
+        if host < FASTER * link:
+            why = (f"the host's attention reads the cache at {host / 1e9:.0f} GB/s, not "
+                   f"{FASTER}x the link's {link / 1e9:.0f} GB/s")
     for layer in ready:
         out[layer] = "host" if why is None else f"streamed: {why}"
     if hasattr(runtime, "attention"):   # a call of more rows than this computes on the device
@@ -261,7 +277,8 @@ class HostAttention:
     def device_path(self, runtime, layer, query, key, value, index, keys, values, mask,
                     scale) -> torch.Tensor:
         """A call of more query rows than the host takes (a prefill in a graph of dynamic
-        shapes): the cache's valid prefix copied to the device, the step's tokens written
+        shapes), or of shapes its kernel does not take: the cache's valid prefix copied to
+        the device, the step's tokens written
         there and to the host, torch's attention, as the graph had it."""
         self.on_device.append(layer)
         rep = query.shape[1] // keys.shape[1]
@@ -280,7 +297,9 @@ class HostAttention:
                 cache.index_copy_(2, index, new)    # the host: through its mapped address
                 full.append(there)
         k, v = (t.repeat_interleave(rep, 1) if rep > 1 else t for t in full)
-        return F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale)
+        # contiguous, as the op's fake declares (a GPU's kernels return other strides)
+        return F.scaled_dot_product_attention(query, k, v, attn_mask=mask,
+                                              scale=scale).contiguous()
 
     def _staged(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """``t`` copied (queued, not waited for) into a page-locked buffer of ours."""
@@ -294,7 +313,8 @@ class HostAttention:
 
     def run(self, runtime, layer: int, query, key, value, index, keys, values, mask,
             scale) -> torch.Tensor:
-        if query.shape[1] // keys.shape[1] * query.shape[2] > self.rows:
+        if query.shape[1] // keys.shape[1] * query.shape[2] > self.rows or \
+                kernel.unsupported(query.shape, keys.shape, values.shape, keys.dtype):
             return self.device_path(runtime, layer, query, key, value, index, keys, values,
                                     mask, scale)
         keys.index_copy_(2, index, key)         # the host cache: through its mapped address
