@@ -165,6 +165,83 @@ def test_dynamic_shapes_attend_on_the_host_call_by_call():
     assert set(runtime_of(model).hosting["dynamic"].values()) == {"host"}
 
 
+def _repeat_kv(x, n):
+    b, h, t, d = x.shape
+    return x[:, :, None, :, :].expand(b, h, n, t, d).reshape(b, h * n, t, d)
+
+
+def _small(attention_impl=None):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**CONFIG, "num_hidden_layers": 2})
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    if attention_impl is not None:
+        model.config._attn_implementation = attention_impl
+    copied = copy.deepcopy(model)
+    fx_offload.compile_forward(copied, kv_cache="host", host_compute="always",
+                               inner_backend="aot_eager", group_size=2, num_in_group=1)
+    return model, copied
+
+
+def _greedy(model, ids):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=5, do_sample=False,
+                              cache_implementation="static", output_logits=True,
+                              return_dict_in_generate=True)
+
+
+@needs_cc
+def test_an_attention_without_a_mask_reads_the_whole_cache():
+    """An attention of the user's (registered with transformers) that takes no mask reads
+    every position of the static cache, the unwritten ones too: so does the host's, exactly
+    (it read only the written tokens once: other logits, silently)."""
+    def no_mask(module, q, k, v, mask, dropout=0.0, scaling=None, **kw):
+        n = module.num_key_value_groups
+        out = F.scaled_dot_product_attention(q, _repeat_kv(k, n), _repeat_kv(v, n),
+                                             scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+    transformers.AttentionInterface.register("fx_offload_test_no_mask", no_mask)
+    eager, model = _small("fx_offload_test_no_mask")
+    ids = torch.randint(0, 128, (2, 9))
+    expected, got = _greedy(eager, ids), _greedy(model, ids)
+    assert torch.equal(got.sequences, expected.sequences)
+    for a, b in zip(got.logits, expected.logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert fx_offload.report(model).kv["attended"] == [0, 1]
+
+
+@needs_cc
+def test_an_attention_before_the_steps_write_is_refused_not_rewritten(monkeypatch):
+    """An attention that reads the cache before the step writes it (a patched forward):
+    the op, which writes then attends, would see the step's own token; the layer is left to
+    the reroute, which refuses it as it does under host_compute='never'."""
+    from transformers.models.llama import modeling_llama
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
+                past_key_values=None, **kwargs):
+        shape = hidden_states.shape[:-1]
+        heads = (*shape, -1, self.head_dim)
+        q, k, v = (p(hidden_states).view(heads).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k = modeling_llama.apply_rotary_pos_emb(q, k, *position_embeddings)
+        layer = past_key_values.layers[self.layer_idx]
+        if not layer.is_initialized:
+            layer.lazy_initialization(k, v)
+        idx = torch.arange(k.shape[-2]) + layer.cumulative_length
+        layer.cumulative_length.add_(k.shape[-2])
+        n = self.num_key_value_groups
+        o = F.scaled_dot_product_attention(q, _repeat_kv(layer.keys, n),
+                                           _repeat_kv(layer.values, n),
+                                           attn_mask=attention_mask, scale=self.scaling)
+        layer.keys.index_copy_(2, idx, k)
+        layer.values.index_copy_(2, idx, v)
+        return self.o_proj(o.transpose(1, 2).reshape(*shape, -1).contiguous()), None
+    monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", forward)
+    _, model = _small()
+    with pytest.raises(Exception, match="reads cache layer 0 before the step writes it"):
+        _greedy(model, torch.randint(0, 128, (2, 9)))
+
+
 def test_auto_on_a_cpu_device_keeps_the_attention_on_the_device():
     """'auto' on a CPU device: no kv_attend, tokens as before, report silent about it
     beyond the reason recorded per graph."""

@@ -125,9 +125,10 @@ def _repeats(views: list, start: fx.Node, shape: tuple, rep: int) -> bool:
     if kinds[0] != "getitem" or kinds[1:2] != ["expand"] or \
             kinds[2:] not in (["reshape"], ["view"], ["contiguous", "view"]):
         return False
-    index = views[0].args[1]
-    if views[0].args[0] is not start or not isinstance(index, tuple) or len(index) != 5 or \
-            index[2] is not None or any(i != slice(None) for i in index[:2] + index[3:]):
+    index = views[0].args[1]        # x[:, :, None] or x[:, :, None, :, :]
+    if views[0].args[0] is not start or not isinstance(index, tuple) or \
+            len(index) not in (3, 5) or index[2] is not None or \
+            any(i != slice(None) for i in index[:2] + index[3:]):
         return False
     if sizes(views[1].args[1:]) != (b, kvh, rep, t, d):
         return False
@@ -144,6 +145,13 @@ def find(kl) -> Found | str:
     (sdpa, k_views), (sdpa_v, v_views) = got
     if sdpa is not sdpa_v:
         return "its keys and values are read by two attentions"
+    # the op writes, then attends: the attention and every view before it must follow both
+    # writes in the graph (one that reads the cache before the step's write stays as it is
+    # and the reroute refuses it), and what the op takes must be there before the attention
+    order = {n: i for i, n in enumerate(sdpa.graph.nodes)}
+    written = max(order[w] for w in kl.writes)
+    if any(order[n] < written for n in (sdpa, *k_views, *v_views)):
+        return "its attention reads the cache before the step writes it"
     params = dict(zip(_SDPA_ARGS, sdpa.args)) | dict(sdpa.kwargs)
     if params.get("key") is not (k_views[-1] if k_views else kl.keys) or \
             params.get("value") is not (v_views[-1] if v_views else kl.values):
@@ -336,9 +344,9 @@ class HostAttention:
             done.record()
             done.synchronize()                  # the staging and the tokens have landed
         tokens = int(index.max()) + 1 if index.numel() else 0
-        if bias is not None and tokens < keys.shape[2] and \
-                not torch.isneginf(bias[..., tokens:]).all():
-            tokens = keys.shape[2]              # the mask lets the attention read further
+        if bias is None or (tokens < keys.shape[2] and
+                            not torch.isneginf(bias[..., tokens:]).all()):
+            tokens = keys.shape[2]              # the attention reads further: the whole cache
         out = None
         if query.device.type == "cuda":     # (the last call's copy of it was waited for)
             shape = (*query.shape[:-1], values.shape[-1])
