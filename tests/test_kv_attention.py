@@ -86,6 +86,57 @@ def _cache(model, batch, length):
     return cache
 
 
+def _render(gm) -> str:
+    """The graph's host KV ops, attentions and cache writes, one a line, in graph order; the
+    runtime's handle (a count of the process's models) as ``h``."""
+    handles = {kv_ops.BEGIN: 4, kv_ops.UPDATE: 7, kv_ops.ATTEND: 8, kv_ops.JOIN: 1}
+
+    def arg(a):
+        if isinstance(a, torch.fx.Node):
+            return a.name
+        if isinstance(a, (list, tuple)):
+            return "[" + ", ".join(arg(x) for x in a) + "]"
+        return repr(a)
+    lines = []
+    for node in gm.graph.nodes:
+        name = str(node.target) if node.target in handles else \
+            getattr(node.target, "__name__", str(node.target))
+        if node.target in handles or name in ("scaled_dot_product_attention", "index_copy_"):
+            args = [arg(a) for a in node.args]
+            if node.target in handles:
+                args[handles[node.target]] = "h"
+            args += [f"{k}={arg(v)}" for k, v in node.kwargs.items()]
+            lines.append(f"{node.name} = {name}({', '.join(args)})")
+    return "\n".join(lines) + "\n"
+
+
+@needs_cc
+def test_golden_decode_graph_attends_on_the_host(monkeypatch):
+    """The decode step's rewritten graph (two host layers of a four-layer Llama, static
+    shapes): a kv_begin with no fills, one kv_attend per host layer in place of its writes and
+    attention, the device layers' writes and attentions as they were, one kv_join; golden in
+    golden_graphs/kv_host_attention_decode.expect, paired with the tokens' check."""
+    from test_golden import check_golden
+    from fx_offload.kv import reroute
+    graphs = []
+    original = reroute.apply
+
+    def keep(gm, runtime, layers, attended=None):
+        original(gm, runtime, layers, attended)
+        graphs.append(gm)
+    monkeypatch.setattr(reroute, "apply", keep)
+    reference, model = _pair(kv_layers=[1, 3], kv_slots=1)
+    ids = torch.randint(0, 128, (1, 5))
+    expected = _generate(reference, ids, _cache(reference, 1, 32), new=3)
+    got = _generate(model, ids, _cache(model, 1, 32), new=3)
+    assert torch.equal(got.sequences, expected.sequences)
+    # the decode step's graph: its query is one token, of a static size
+    (decode,) = [gm for gm in graphs if any(
+        n.target is kv_ops.ATTEND and n.args[1].meta["example_value"].shape[2] == 1
+        for n in gm.graph.nodes)]
+    check_golden("kv_host_attention_decode", _render(decode))
+
+
 @needs_cc
 @pytest.mark.parametrize("kv", [{}, dict(kv_layers=[1, 3], kv_slots=1)])
 def test_decode_attends_on_the_host_tokens_and_cache_equal(kv):
