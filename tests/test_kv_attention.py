@@ -1,9 +1,9 @@
 """Attention over the host KV cache computed on the host (``kv_cache="host"`` with
-``host_compute``): the kernel against torch's attention in fp64, the graph (one
-``kv_attend`` per host layer in a decode graph), greedy tokens and the cache's contents against the same model with its
-cache on the device, a prefill of dynamic shapes on the device, what ``report`` says, and the
-choice's reasons.  CPU here; the GPU
-case carries the ``cuda`` marker."""
+``host_compute``): the kernel against torch's attention in fp64; the graph (one
+``kv_attend`` per host layer in a decode graph, a golden of one); greedy tokens and the
+cache's contents against the same model with its cache on the device; a prefill of dynamic
+shapes on the device; what ``report`` says; the choice's reasons; attentions the pass must
+not rewrite.  CPU here; the GPU case carries the ``cuda`` marker."""
 import copy
 import types
 

@@ -11,11 +11,13 @@ attention that reads its cache become one op::
     o = sdpa(q, k2, v2, mask, scale=scale)
 
 (``repeat_kv``: the view nodes between the cache and the attention, checked to repeat
-each KV head as transformers' ``repeat_kv`` or ``repeat_interleave`` do).  At run time (:class:`HostAttention`)
-the op writes the step's tokens into the host cache through its mapped address, stages the
-query, the mask (as an fp32 bias) and the positions in page-locked buffers, waits for the
-device, runs :mod:`fx_offload.host_compute.attention` over the valid tokens and copies the
-output back.  Such a layer takes no slot: nothing is filled for it.
+each KV head as transformers' ``repeat_kv`` or ``repeat_interleave`` do; the attention must
+follow both writes).  At run time (:class:`HostAttention`) the op writes the step's tokens
+into the host cache through its mapped address, stages the query, the mask (as an fp32
+bias) and the positions in page-locked buffers, waits for the device, runs
+:mod:`fx_offload.host_compute.attention` over the valid tokens (the whole cache where there
+is no mask or the mask reads further) and copies the output back.  Such a layer takes no
+slot: nothing is filled for it.
 
 The choice is per graph, from its shapes, and per call in a graph of dynamic shapes: under
 ``"auto"`` a decode-shaped call (at most ``ROWS`` query rows read each KV head) on a host
