@@ -38,6 +38,7 @@ from torch import fx
 from ..errors import OffloadError
 from ..graph_inputs import value_of
 from ..host_compute import attention as kernel
+from . import copies
 
 log = logging.getLogger("fx_offload")
 _SDPA = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention,
@@ -302,7 +303,7 @@ class HostAttention:
             for cache, new in ((keys, key), (values, value)):
                 host = runtime.pinned[cache.data_ptr()]()
                 there = torch.zeros(cache.shape, dtype=cache.dtype, device=query.device)
-                there[:, :, :start].copy_(host[:, :, :start], non_blocking=True)
+                copies.fill_known(host, there, start)       # by the copy engine, row by row
                 there.index_copy_(2, index, new)
                 cache.index_copy_(2, index, new)    # the host: through its mapped address
                 full.append(there)
