@@ -113,7 +113,7 @@ def _fresh(kept, model, args):
 
 
 def _row(method, model, prompt, args, kept):
-    """``kept``: the last cache, alive for the report."""
+    """``kept``: the last cache, alive for the report, and the report of the timed decode."""
     if method == "device":
         model.forward = torch.compile(model.forward, dynamic=True)
         extra = lambda: dict(past_key_values=_fresh(kept, model, args))  # noqa: E731
@@ -134,6 +134,9 @@ def _row(method, model, prompt, args, kept):
     _generate(model, prompt, 3, **extra())                  # compile, warm up
     torch.cuda.reset_peak_memory_stats()
     _, decode, out = _generate(model, prompt, args.new_tokens, **extra())
+    # what a decode step moved and read (the next generate's last call is a prefill)
+    kept["report"] = report(model) if method.startswith("host") or method == "budget" \
+        else None
     # the prefill alone, to its end on the device (the step clock's first tick is taken
     # before the device has finished it)
     torch.cuda.synchronize()
@@ -184,8 +187,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"  budget: memory_budget {format_bytes(args.budget, as_option=True)} = the "
                   "weights and half the cache", flush=True)
         rows[method] = _row(method, model, prompt, args, kept)
-        if method.startswith("host") or method == "budget":
-            rep = report(model)
+        rep = kept.get("report")
+        if rep is not None:
             results[method] = rep.kv["copied_per_step"] + rep.offloaded_bytes
             read[method] = rep.kv["attended_read"]
             results["kv"] = rep.kv

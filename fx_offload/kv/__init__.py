@@ -113,6 +113,7 @@ def run_kv_pass(gm, example_inputs, options) -> list[int]:
         return []
     found = {kl.layer: attention.find(kl) for kl in layers}
     chosen = attention.choose(options, runtime, found)
+    runtime.attention.rows = attention.rows_for(options.host_compute)
     runtime.hosting[attention.call_tokens(gm)] = chosen
     hosted = {layer: found[layer] for layer, where in chosen.items() if where == "host"}
     with pass_frame("fx_offload_kv", gm, "kv_pass_us"):

@@ -204,6 +204,12 @@ def call_tokens(gm: fx.GraphModule) -> int | str:
     return "dynamic"
 
 
+def rows_for(mode: str) -> int:
+    """Query rows per KV head up to which a call attends on the host under ``mode``; a call
+    of more, in a graph of dynamic shapes, attends on the device."""
+    return ROWS if mode == "auto" else kernel.MAX_ROWS
+
+
 def choose(options, runtime, found: dict) -> dict[int, str]:
     """Per layer of ``found`` (layer -> :class:`Found` or why not): "host", or "streamed: why"
     (the graph's layers all stream, or all that can attend on the host do)."""
@@ -236,8 +242,6 @@ def choose(options, runtime, found: dict) -> dict[int, str]:
                    f"{FASTER}x the link's {link / 1e9:.0f} GB/s")
     for layer in ready:
         out[layer] = "host" if why is None else f"streamed: {why}"
-    if hasattr(runtime, "attention"):   # a call of more rows than this computes on the device
-        runtime.attention.rows = ROWS if mode == "auto" else kernel.MAX_ROWS
     if mode == "always" and any(w != "host" for w in out.values()):
         log.warning("fx_offload: host_compute='always', yet the attention of host KV layer(s) "
                     "%s stays on the device: %s", sorted(l for l, w in out.items()
@@ -277,7 +281,7 @@ class HostAttention:
 
     def __init__(self):
         self.staging: dict[str, torch.Tensor] = {}
-        self.rows = kernel.MAX_ROWS     # query rows per KV head the host takes (choose())
+        self.rows = kernel.MAX_ROWS     # query rows per KV head the host takes (rows_for)
         self.layers: list[int] = []     # attended on the host in the latest call
         self.on_device: list[int] = []  # attended on the device: the call had more rows
         self.read = 0                   # bytes of host cache they read
@@ -289,8 +293,8 @@ class HostAttention:
                     scale) -> torch.Tensor:
         """A call of more query rows than the host takes (a prefill in a graph of dynamic
         shapes), or of shapes its kernel does not take: the cache's valid prefix copied to
-        the device, the step's tokens written
-        there and to the host, torch's attention, as the graph had it."""
+        the device, the step's tokens written there and to the host, torch's attention, as
+        the graph had it."""
         self.on_device.append(layer)
         rep = query.shape[1] // keys.shape[1]
         if query.device.type != "cuda":
@@ -312,13 +316,18 @@ class HostAttention:
         return F.scaled_dot_product_attention(query, k, v, attn_mask=mask,
                                               scale=scale).contiguous()
 
+    def _buffer(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A page-locked buffer of ours shaped ``shape``, grown as calls grow."""
+        numel = torch.Size(shape).numel()
+        buf = self.staging.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = self.staging[name] = torch.empty(max(numel, 1), dtype=dtype,
+                                                   pin_memory=True)
+        return buf[:numel].view(shape)
+
     def _staged(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """``t`` copied (queued, not waited for) into a page-locked buffer of ours."""
-        buf = self.staging.get(name)
-        if buf is None or buf.numel() < t.numel():
-            buf = torch.empty(max(t.numel(), 1), dtype=t.dtype, pin_memory=True)
-            self.staging[name] = buf
-        view = buf[:t.numel()].view(t.shape)
+        view = self._buffer(name, t.shape, t.dtype)
         view.copy_(t, non_blocking=True)
         return view
 
@@ -350,19 +359,13 @@ class HostAttention:
         if bias is None or (tokens < keys.shape[2] and
                             not torch.isneginf(bias[..., tokens:]).all()):
             tokens = keys.shape[2]              # the attention reads further: the whole cache
-        out = None
-        if query.device.type == "cuda":     # (the last call's copy of it was waited for)
-            shape = (*query.shape[:-1], values.shape[-1])
-            out = self.staging.get("out")
-            if out is None or out.numel() < query.numel() // query.shape[-1] * shape[-1]:
-                out = self.staging["out"] = torch.empty(shape, pin_memory=True)
-            out = out.view(-1)[:torch.Size(shape).numel()].view(shape)
+        # on a GPU into a page-locked buffer: the last layer's copy of it was waited for
+        out = self._buffer("out", (*query.shape[:-1], values.shape[-1]), torch.float32) \
+            if query.device.type == "cuda" else None
         out = kernel.attend(kernel.library(), q, host_k, host_v, tokens, bias, scale, out)
         self.layers.append(layer)
-        per_token = (keys[0, 0, 0].numel() * keys.element_size() +
-                     values[0, 0, 0].numel() * values.element_size()) * keys.shape[0] * \
-            keys.shape[1]
-        self.read += tokens * per_token
+        self.read += tokens * sum(t.numel() // t.shape[2] * t.element_size()
+                                  for t in (keys, values))
         if query.device.type == "cuda":
             out = out.to(query.device, non_blocking=True)
         return out.to(query.dtype)
