@@ -14,8 +14,10 @@ stopping criteria).  Rows:
 * ``host``: :func:`fx_offload.compile_forward` with ``kv_cache="host"`` and
   ``host_compute="never"``: each decode step streams the valid blocks into slots;
 * ``host-attend``: the same with the default ``host_compute="auto"``: a decode step's
-  attention runs on the host's cores over the cache in place (only the query, the step's
-  tokens and the output cross the link);
+  attention is split, the device attending over the first tokens of each layer (copied in)
+  while the host's cores attend over the rest in place, by the measured rates;
+* ``host-always``: ``host_compute="always"``: the host attends over every token (only the
+  query, the step's tokens and the output cross the link);
 * ``host-offload``: ``host`` with the default weight offloading (every second layer's
   weights cross the link too);
 * ``budget``: :func:`fx_offload.compile_forward` with default options and a
@@ -25,10 +27,10 @@ stopping criteria).  Rows:
 * ``transformers``: ``cache_implementation="offloaded_static"`` (eager: the whole cache
   of the next layer is prefetched, in Python).
 
-The bound of a host decode step is ``max(compute, bytes / H2D)``: compute is the device
-row's decode step, bytes are the valid KV blocks of every host layer plus the offloaded
+The bound of a host decode step is ``max(compute, bytes / H2D, read / host)``: compute is
+the device row's decode step, bytes are the valid KV blocks copied in plus the offloaded
 weights (``fx_offload.report``), H2D is the pinned copy bandwidth measured in the same
-process.  Tokens are compared with the device row's.  Needs a GPU and ``transformers``.
+process, read the cache the host's cores read in place and host their measured rate.  Tokens are compared with the device row's.  Needs a GPU and ``transformers``.
 """
 from __future__ import annotations
 
@@ -65,8 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods",
                         default="device,host,host-attend,host-offload,budget,host-graphs,"
                                 "transformers",
-                        help="comma-separated among device, host, host-attend, host-offload, "
-                             "budget, host-graphs, transformers")
+                        help="comma-separated among device, host, host-attend, host-always, "
+                             "host-offload, budget, host-graphs, transformers")
 
 
 def _generate(model, prompt, new: int, mark: bool = False, **kwargs):
@@ -124,7 +126,8 @@ def _row(method, model, prompt, args, kept):
         graphs = method == "host-graphs"    # one graph per shape there: a prefill's and a
         weights = {} if method == "host-offload" else RESIDENT      # decode step's
         if method != "host-attend":
-            weights = dict(weights, host_compute="never")
+            weights = dict(weights, host_compute="always" if method == "host-always"
+                           else "never")
         compile_forward(model, dynamic=not graphs, kv_cache="host",
                         kv_block_size=args.block, kv_slots=args.slots,
                         mode="reduce-overhead" if graphs else None, **weights)

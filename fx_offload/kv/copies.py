@@ -95,7 +95,7 @@ def fill_known(pinned: torch.Tensor, slot: torch.Tensor, tokens: int) -> None:
     the rows are whole), on the current stream."""
     if tokens <= 0:
         return
-    if tokens == slot.shape[2]:
+    if tokens == slot.shape[2] == pinned.shape[2]:
         slot.copy_(pinned, non_blocking=True)
         return
     src = pinned.reshape(-1, *pinned.shape[2:])
