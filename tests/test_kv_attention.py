@@ -60,84 +60,6 @@ def test_kernel_a_row_masked_out_entirely_gives_zeros():
     assert torch.equal(out[0, 1], torch.zeros(1, 16)) and out[0, 0].abs().sum() > 0
 
 
-@needs_cc
-@pytest.mark.parametrize("kind", ["bool", "heads", None])
-def test_kernel_from_a_start_token_with_lse_merges_to_the_whole(kind):
-    """Tokens [start, valid) alone, with each row's log-sum of weights: equal (fp64, 2e-5)
-    to torch's attention over those tokens, lse equal to the log of their sum of
-    exp(scores); merged (``attention.merge``) with the device's part over [0, start), the
-    whole attention.  A row whose tokens past start are all masked out: lse -inf, zeros,
-    and the merge takes the other part alone."""
-    torch.manual_seed(1)
-    b, h, kvh, nq, t, d, valid, start = 2, 8, 2, 2, 600, 40, 555, 256
-    q = torch.randn(b, h, nq, d)
-    k, v = (torch.randn(b, kvh, t, d).to(torch.bfloat16) for _ in range(2))
-    keep = torch.zeros(b, h if kind == "heads" else 1, nq, t, dtype=torch.bool)
-    keep[..., :valid] = True
-    keep[..., 7] = False
-    if kind == "heads":
-        keep[0, 3, :, start:] = False       # this row's host part is empty
-    bias = torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
-    bias_or_none = None if kind is None else bias
-    tokens = valid if kind else t
-    scores = torch.einsum("bhnd,bhtd->bhnt", q.double(),
-                          k.double().repeat_interleave(h // kvh, 1)) * 0.3
-    if kind:
-        scores = scores + bias.double()
-    lse = torch.empty(b, h, nq)
-    got = kernel.attend(kernel.library(), q, k, v, tokens, bias_or_none, 0.3, start=start,
-                        lse=lse)
-    tail = scores[..., start:tokens]
-    expected = torch.softmax(tail, -1).nan_to_num() @ \
-        v.double().repeat_interleave(h // kvh, 1)[:, :, start:tokens]
-    assert (got.double() - expected).abs().max() < 2e-5
-    assert torch.allclose(lse.double(), torch.logsumexp(tail, -1), atol=2e-5, equal_nan=False)
-    if kind == "heads":
-        assert torch.isneginf(lse[0, 3]).all() and not got[0, 3].any()
-    # the device's part, as the op computes it on a CPU, merged
-    runtime = attention.HostAttention()
-    there, there_lse = runtime._device_part(None, q, k, v, bias_or_none, start, 0.3)
-    whole = attention.merge(there, there_lse, got, lse)
-    full = torch.softmax(scores[..., :tokens], -1) @ \
-        v.double().repeat_interleave(h // kvh, 1)[:, :, :tokens]
-    assert (whole.double() - full).abs().max() < 2e-5
-    assert runtime.copied == start * 2 * b * kvh * d * 2
-
-
-@needs_cc
-def test_decode_split_between_device_and_host_equals_the_device_cache(monkeypatch):
-    """The device's share of each decode step's tokens set by hand (it is the link's part
-    of the two rates under "auto" on a GPU): each step attends over the first tokens on the
-    device (copied in, on a CPU read in place) and over the rest on the host, merged by the
-    rows' log-sums.  The greedy tokens, logits and cache equal the model with its cache on
-    the device; report names the split and the bytes it copied."""
-    monkeypatch.setattr(attention, "BLOCK", 4)
-    monkeypatch.setattr(attention, "SPLIT_MIN", 8)
-    reference, model = _pair()
-    ids = torch.randint(0, 128, (2, 37))
-    cache_ref, cache = _cache(reference, 2, 64), _cache(model, 2, 64)
-    _generate(model, ids, cache, new=2)         # compiles: the share is set by the pass
-    runtime_of(model).attention.share = 0.5
-    for _ in range(2):
-        cache_ref, cache = _cache(reference, 2, 64), _cache(model, 2, 64)
-        expected = _generate(reference, ids, cache_ref)
-        got = _generate(model, ids, cache)
-        assert torch.equal(got.sequences, expected.sequences)
-        for a, b in zip(got.logits, expected.logits):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-        for mine, theirs in zip(cache.layers, cache_ref.layers):
-            torch.testing.assert_close(mine.keys[:, :, :46], theirs.keys[:, :, :46],
-                                       rtol=1e-5, atol=1e-5)
-    rep = fx_offload.report(model)
-    per_token = 2 * 2 * 16 * 4 * 2          # batch 2, 2 heads, 16 dims, fp32, K and V
-    # the last step writes token 45: 46 valid, the device takes 20 (half, in blocks of 4)
-    assert rep.kv["attended_split"] == [20] * 4
-    assert rep.kv["attended_copied"] == 4 * 20 * per_token
-    assert rep.kv["attended_read"] == 4 * 26 * per_token
-    assert rep.kv["copied_per_step"] == rep.kv["attended_copied"]
-    assert "the device attended over the first 20 tokens" in str(rep)
-
-
 def _pair(host_compute="always", **kv):
     torch.manual_seed(0)
     reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
@@ -384,36 +306,23 @@ def test_the_choice_and_its_reasons(monkeypatch, mode, torch_mode, rows, device,
                                                  why in got[0])
 
 
-@pytest.mark.parametrize("host_rate, hosted", [(5e9, False), (50e9, True), (120e9, True)])
-def test_auto_splits_each_layer_by_the_measured_rates(monkeypatch, host_rate, hosted):
-    """On a GPU, 'auto' takes the host where the host's kernel and the link together are
-    predicted 1.2x as fast as the link alone; the device's share of each call's tokens is
-    the link's part of the two rates (the link's as measured while the host reads), so that
-    both finish together.  'always' and a CPU device: the host reads every token."""
+@pytest.mark.parametrize("host_rate, hosted", [(50e9, False), (80e9, True)])
+def test_auto_weighs_the_kernels_measured_rate_against_the_link(monkeypatch, host_rate,
+                                                                  hosted):
+    """On a GPU, 'auto' takes the host where its kernel reads the cache 1.2x as fast as the
+    link copies it (the rate a 16-core H200 host's kernel reached, 50 GB/s against 55: the
+    device)."""
     from fx_offload.host_compute import rates
     monkeypatch.setattr(kernel, "library", lambda: object())
     monkeypatch.setattr(kernel, "rate", lambda: host_rate)
     monkeypatch.setattr(rates, "host_rates", lambda device: rates.HostRates(
-        read_rate=90e9, flop_rate=1e12, latency=1e-4, link_rate=60e9,
-        shared_read_rate=85e9, shared_link_rate=50e9))
+        read_rate=90e9, flop_rate=1e12, latency=1e-4, link_rate=55e9))
     options = types.SimpleNamespace(host_compute="auto", mode="default")
     runtime = types.SimpleNamespace(device=torch.device("cuda"))
     got = attention.choose(options, runtime, {0: _found(4)})
     assert (got[0] == "host") == hosted
-    share = attention.device_share(options, torch.device("cuda"))
-    assert share == pytest.approx(50e9 / (50e9 + host_rate))
     if not hosted:
-        assert "reads the cache at 5 GB/s: beside the link's 50 GB/s, not 1.2x" in got[0]
-    assert attention.device_share(options, torch.device("cpu")) == 0.0
-    options.host_compute = "always"
-    assert attention.device_share(options, torch.device("cuda")) == 0.0
-    split = attention.HostAttention()
-    split.share = share
-    at = split.split_at(65544, 65543)
-    assert at % attention.BLOCK == 0 and 0 <= 65544 * share - at < attention.BLOCK
-    assert split.split_at(65544, 3000) == 2816      # never past the step's own tokens
-    # under SPLIT_MIN tokens for the device: the host reads them all
-    assert split.split_at(1500, 1499) == (1280 if host_rate == 5e9 else 0)
+        assert "reads the cache at 50 GB/s, not 1.2x the link's 55 GB/s" in got[0]
 
 
 @needs_cc
@@ -434,14 +343,10 @@ def test_always_without_a_c_compiler_is_refused(monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("split", [False, True])
-def test_on_gpu_decode_attends_on_the_host_within_bf16_rounding(split, monkeypatch):
+def test_on_gpu_decode_attends_on_the_host_within_bf16_rounding():
     """Inductor inside, bf16, a GPU: the decode graph attends on the host; logits of each
     step within bf16 rounding of the device cache's (the host sums in fp32 and rounds
-    once).  ``split``: the device's share set by hand, so that it attends over the first
-    tokens, copied in on a stream of its own, while the host reads the rest."""
-    monkeypatch.setattr(attention, "BLOCK", 8)
-    monkeypatch.setattr(attention, "SPLIT_MIN", 16)
+    once)."""
     torch.manual_seed(0)
     reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
     reference = reference.to("cuda", torch.bfloat16)
@@ -454,9 +359,6 @@ def test_on_gpu_decode_attends_on_the_host_within_bf16_rounding(split, monkeypat
     with torch.no_grad():
         kw = dict(max_new_tokens=8, do_sample=False, cache_implementation="static",
                   output_logits=True, return_dict_in_generate=True)
-        if split:
-            model.generate(ids, **dict(kw, max_new_tokens=2))   # compiles, sets the share
-            runtime_of(model).attention.share = 0.5
         expected, got = reference.generate(ids, **kw), model.generate(ids, **kw)
     compared = 0
     for i, (a, b) in enumerate(zip(got.logits, expected.logits)):
@@ -466,7 +368,4 @@ def test_on_gpu_decode_attends_on_the_host_within_bf16_rounding(split, monkeypat
         torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.05)
         compared += 1
     assert compared >= 2        # the prefill and at least the first decode step
-    rep = fx_offload.report(model).kv
-    assert rep["attended"] == [0, 1, 2, 3]
-    # the last step writes token 56 of 57: the device takes 24 (half, in blocks of 8)
-    assert rep["attended_split"] == ([24] * 4 if split else [])
+    assert fx_offload.report(model).kv["attended"] == [0, 1, 2, 3]

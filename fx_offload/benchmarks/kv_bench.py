@@ -14,10 +14,9 @@ stopping criteria).  Rows:
 * ``host``: :func:`fx_offload.compile_forward` with ``kv_cache="host"`` and
   ``host_compute="never"``: each decode step streams the valid blocks into slots;
 * ``host-attend``: the same with the default ``host_compute="auto"``: a decode step's
-  attention is split, the device attending over the first tokens of each layer (copied in)
-  while the host's cores attend over the rest in place, by the measured rates;
-* ``host-always``: ``host_compute="always"``: the host attends over every token (only the
-  query, the step's tokens and the output cross the link);
+  attention runs on the host's cores over the cache in place (only the query, the step's
+  tokens and the output cross the link) where the host's kernel reads fast enough;
+* ``host-always``: ``host_compute="always"``: every decode step's attention on the host;
 * ``host-offload``: ``host`` with the default weight offloading (every second layer's
   weights cross the link too);
 * ``budget``: :func:`fx_offload.compile_forward` with default options and a

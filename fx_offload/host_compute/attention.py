@@ -305,22 +305,20 @@ static void piece(int wt, const char* k, const char* v, int64_t D, int64_t DV, i
     }
 }
 
-/* k, v: [B, KVH, T, D] / [B, KVH, T, DV], read from token S up to token L; q:
-   [B, KVH * rep, NQ, D] fp32; bias: NULL or fp32 [B, HB, NQ, TB] (HB 1 or KVH * rep); out:
-   [B, KVH * rep, NQ, DV] fp32; lse: NULL or fp32 [B, KVH * rep, NQ], each row's log of its
-   sum of weights (-inf: every token masked out), to merge with another part's; scratch:
-   B * KVH * chunks * R * (PV + 2) floats, R = rep * NQ */
+/* k, v: [B, KVH, T, D] / [B, KVH, T, DV], read up to token L; q: [B, KVH * rep, NQ, D]
+   fp32; bias: NULL or fp32 [B, HB, NQ, TB] (HB 1 or KVH * rep); out: [B, KVH * rep, NQ, DV]
+   fp32; scratch: B * KVH * chunks * R * (PV + 2) floats, R = rep * NQ */
 void fx_attend(int wt, const char* k, const char* v, int64_t B, int64_t KVH, int64_t T,
-               int64_t D, int64_t DV, int64_t S, int64_t L, const float* q, int64_t rep,
-               int64_t NQ, const float* bias, int64_t HB, int64_t TB, float scale,
-               float* out, float* lse, float* scratch, int64_t chunks, int threads) {
-    int64_t R = rep * NQ, per = (L - S + chunks - 1) / chunks, es = wt == 2 ? 4 : 2;
+               int64_t D, int64_t DV, int64_t L, const float* q, int64_t rep, int64_t NQ,
+               const float* bias, int64_t HB, int64_t TB, float scale, float* out,
+               float* scratch, int64_t chunks, int threads) {
+    int64_t R = rep * NQ, per = (L + chunks - 1) / chunks, es = wt == 2 ? 4 : 2;
     int64_t PK = (D + VL - 1) / VL * VL, PV = (DV + 8 * VL - 1) / (8 * VL) * (8 * VL);
     int64_t pieces = B * KVH * chunks, part = R * (PV + 2);
     #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t i = 0; i < pieces; i++) {
         int64_t c = i % chunks, h = (i / chunks) % KVH, b = i / chunks / KVH;
-        int64_t t0 = S + c * per, t1 = t0 + per < L ? t0 + per : L;
+        int64_t t0 = c * per, t1 = t0 + per < L ? t0 + per : L;
         float* m = scratch + i * part;
         float* l = m + R;
         float* a = l + R;
@@ -348,10 +346,8 @@ void fx_attend(int wt, const char* k, const char* v, int64_t B, int64_t KVH, int
             float mc = scratch[(bh * chunks + c) * part + r];
             top = mc > top ? mc : top;
         }
-        int64_t row = (b * KVH * rep + h * rep + j) * NQ + n;
-        float* o = out + row * DV;
+        float* o = out + ((b * KVH * rep + h * rep + j) * NQ + n) * DV;
         memset(o, 0, sizeof(float) * DV);
-        if (lse) lse[row] = -INFINITY;
         if (top == -INFINITY) continue;
         for (int64_t c = 0; c < chunks; c++) {
             const float* p = scratch + (bh * chunks + c) * part;
@@ -362,7 +358,6 @@ void fx_attend(int wt, const char* k, const char* v, int64_t B, int64_t KVH, int
             for (int64_t d = 0; d < DV; d++) o[d] += w * a[d];
         }
         for (int64_t d = 0; d < DV; d++) o[d] /= total;
-        if (lse) lse[row] = top + logf(total);
     }
 }
 """
@@ -382,9 +377,9 @@ def load(flags: list = FLAGS):
     lib = native.build(SOURCE, flags, "attention")
     if lib is not None:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        lib.fx_attend.argtypes = [ctypes.c_int, ptr, ptr, i64, i64, i64, i64, i64, i64, i64,
-                                  ptr, i64, i64, ptr, i64, i64, ctypes.c_float, ptr, ptr, ptr,
-                                  i64, ctypes.c_int]
+        lib.fx_attend.argtypes = [ctypes.c_int, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr,
+                                  i64, i64, ptr, i64, i64, ctypes.c_float, ptr, ptr, i64,
+                                  ctypes.c_int]
     return lib
 
 
@@ -460,26 +455,21 @@ def chunks_for(pieces: int, tokens: int, threads: int) -> int:
 
 def attend(lib, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tokens: int,
            bias: torch.Tensor | None, scale: float, out: torch.Tensor | None = None,
-           threads: int | None = None, start: int = 0,
-           lse: torch.Tensor | None = None) -> torch.Tensor:
-    """``softmax(scale q K^T + bias) V`` over tokens ``[start, tokens)`` of host
-    ``keys``/``values`` (contiguous ``[B, KVH, T, D]``), the query heads grouped over the KV
-    heads as ``repeat_kv`` does; ``q`` fp32 contiguous ``[B, H, NQ, D]``; ``bias`` fp32
-    contiguous ``[B, 1 or H, NQ, T]`` (``-inf``: masked out) or None.  fp32
-    ``[B, H, NQ, DV]``; ``lse`` (fp32 ``[B, H, NQ]``), if given, gets each row's log-sum of
-    its weights, which merges this part with one over the other tokens."""
+           threads: int | None = None) -> torch.Tensor:
+    """``softmax(scale q K^T + bias) V`` over the first ``tokens`` of host ``keys``/``values``
+    (contiguous ``[B, KVH, T, D]``), the query heads grouped over the KV heads as
+    ``repeat_kv`` does; ``q`` fp32 contiguous ``[B, H, NQ, D]``; ``bias`` fp32 contiguous
+    ``[B, 1 or H, NQ, T]`` (``-inf``: masked out) or None.  fp32 ``[B, H, NQ, DV]``."""
     (b, h, nq, d), kvh, t, dv = q.shape, keys.shape[1], keys.shape[2], values.shape[-1]
     threads = threads or torch.get_num_threads()
     out = torch.empty(b, h, nq, dv) if out is None else out
     rep, tokens = h // kvh, min(int(tokens), t)
-    start = min(max(int(start), 0), tokens)
-    chunks = chunks_for(b * kvh, tokens - start, threads)
+    chunks = chunks_for(b * kvh, tokens, threads)
     padded = -(-dv // 128) * 128           # the source's PV, for 8 registers of 16 lanes
     scratch = torch.empty(b * kvh * chunks * rep * nq * (padded + 2))
     lib.fx_attend(CODES[keys.dtype], keys.data_ptr(), values.data_ptr(), b, kvh, t, d, dv,
-                  start, tokens, q.data_ptr(), rep, nq,
-                  None if bias is None else bias.data_ptr(),
+                  tokens, q.data_ptr(), rep, nq, None if bias is None else bias.data_ptr(),
                   0 if bias is None else bias.shape[1], 0 if bias is None else bias.shape[-1],
                   float(scale if scale is not None else 1 / math.sqrt(d)), out.data_ptr(),
-                  None if lse is None else lse.data_ptr(), scratch.data_ptr(), chunks, threads)
+                  scratch.data_ptr(), chunks, threads)
     return out

@@ -114,9 +114,6 @@ def run_kv_pass(gm, example_inputs, options) -> list[int]:
     found = {kl.layer: attention.find(kl) for kl in layers}
     chosen = attention.choose(options, runtime, found)
     runtime.attention.rows = attention.rows_for(options.host_compute)
-    if any(where == "host" for where in chosen.values()):
-        runtime.attention.share = attention.device_share(
-            options, runtime.device or torch.device("cpu"))
     runtime.hosting[attention.call_tokens(gm)] = chosen
     hosted = {layer: found[layer] for layer, where in chosen.items() if where == "host"}
     with pass_frame("fx_offload_kv", gm, "kv_pass_us"):

@@ -27,11 +27,9 @@ docs/host_compute.md, "Attention over the host KV cache".
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
 import operator
-import threading
 
 import torch
 import torch.nn.functional as F
@@ -49,13 +47,10 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
               "enable_gqa")
 _VIEWS = {"expand", "reshape", "view", "contiguous", "repeat_interleave", operator.getitem,
           torch.reshape, torch.repeat_interleave}
-_lock = threading.Lock()
 ROWS = 8        # query rows per KV head up to which "auto" attends on the host
-# how much faster than streaming "auto" must predict the split for it to take it: each
+# how much faster than the link the host's kernel must read for "auto" to take it: each
 # layer's attention then waits for the device and back (streaming overlaps its copies)
 FASTER = 1.2
-BLOCK = 256     # the device's share of a call's tokens is a multiple of this
-SPLIT_MIN = 1024    # fewer tokens for the device: the host reads them all
 
 
 @dataclasses.dataclass
@@ -215,25 +210,6 @@ def rows_for(mode: str) -> int:
     return ROWS if mode == "auto" else kernel.MAX_ROWS
 
 
-def split_rates(device: torch.device) -> tuple[float, float]:
-    """The link's and the host kernel's rates (bytes/s) with both at work, which set the
-    split: the link's as measured while the host reads its memory, the kernel's alone."""
-    from ..host_compute.rates import host_rates
-    rates = host_rates(device)
-    return rates.shared_link_rate or rates.link_rate, kernel.rate()
-
-
-def device_share(options, device: torch.device) -> float:
-    """The share of a decode call's tokens whose attention the device computes (their rows
-    copied in while the host reads the rest): the link's part of the two rates under
-    ``"auto"`` on a GPU, so that both finish together; 0 (the host reads them all) under
-    ``"always"`` or on a CPU."""
-    if options.host_compute != "auto" or device.type != "cuda":
-        return 0.0
-    link, host = split_rates(device)
-    return link / (link + host) if link + host > 0 else 0.0
-
-
 def choose(options, runtime, found: dict) -> dict[int, str]:
     """Per layer of ``found`` (layer -> :class:`Found` or why not): "host", or "streamed: why"
     (the graph's layers all stream, or all that can attend on the host do)."""
@@ -259,10 +235,11 @@ def choose(options, runtime, found: dict) -> dict[int, str]:
                                where="kv_cache='host'")
         why = "no C compiler for the host's attention kernel"
     elif mode == "auto" and device.type == "cuda":
-        link, host = split_rates(device)
-        if link + host < FASTER * link:
-            why = (f"the host's attention reads the cache at {host / 1e9:.0f} GB/s: beside "
-                   f"the link's {link / 1e9:.0f} GB/s, not {FASTER}x as fast as the link")
+        from ..host_compute.rates import host_rates
+        link, host = host_rates(device).link_rate, kernel.rate()
+        if host < FASTER * link:
+            why = (f"the host's attention reads the cache at {host / 1e9:.0f} GB/s, not "
+                   f"{FASTER}x the link's {link / 1e9:.0f} GB/s")
     for layer in ready:
         out[layer] = "host" if why is None else f"streamed: {why}"
     if mode == "always" and any(w != "host" for w in out.values()):
@@ -298,100 +275,19 @@ def rewrite(graph: fx.Graph, kl, found: Found, anchor: fx.Node, handle: int,
     return node
 
 
-_pool: list = []
-
-
-def _worker() -> concurrent.futures.ThreadPoolExecutor:
-    """One thread that runs the host's part of a split layer (the kernel releases the GIL),
-    so that its start does not wait for the Python work of queuing the device's part."""
-    if not _pool:
-        with _lock:
-            if not _pool:
-                _pool.append(concurrent.futures.ThreadPoolExecutor(
-                    1, thread_name_prefix="fx_offload_attention"))
-    return _pool[0]
-
-
-def merge(a: torch.Tensor, lse_a: torch.Tensor, b: torch.Tensor,
-          lse_b: torch.Tensor) -> torch.Tensor:
-    """Two parts' attention over disjoint tokens as one: each part's output weighted by its
-    share of the sum of weights (``exp(lse)``); a row masked out in both gives zeros."""
-    top = torch.maximum(lse_a, lse_b)
-    top = torch.where(torch.isneginf(top), torch.zeros_like(top), top)
-    wa, wb = torch.exp(lse_a - top).unsqueeze(-1), torch.exp(lse_b - top).unsqueeze(-1)
-    total = (wa + wb).clamp_min(torch.finfo(torch.float32).tiny)
-    return (wa * a + wb * b) / total
-
-
 class HostAttention:
     """The ``kv_attend`` op at run time, for one host KV runtime: page-locked staging, and
     what the latest call read."""
 
     def __init__(self):
         self.staging: dict[str, torch.Tensor] = {}
-        self.prefix: dict[str, torch.Tensor] = {}   # device rows the split copies in
-        self.stream = None              # the split's copies (a GPU's)
         self.rows = kernel.MAX_ROWS     # query rows per KV head the host takes (rows_for)
-        self.share = 0.0                # of a call's tokens, the device's (device_share)
         self.layers: list[int] = []     # attended on the host in the latest call
         self.on_device: list[int] = []  # attended on the device: the call had more rows
         self.read = 0                   # bytes of host cache they read
-        self.copied = 0                 # bytes the split copied in for the device's part
-        self.split: list[int] = []      # per split layer, the tokens the device took
 
     def begin_call(self) -> None:
-        self.layers, self.on_device, self.read, self.copied, self.split = [], [], 0, 0, []
-
-    def split_at(self, tokens: int, first_new: int) -> int:
-        """Tokens ``[0, split)`` attended on the device: the share of ``tokens`` rounded down
-        to a block, before the step's own tokens; 0 under ``SPLIT_MIN``."""
-        at = min(int(tokens * self.share), first_new) // BLOCK * BLOCK
-        return at if at >= SPLIT_MIN else 0
-
-    def _device_part(self, runtime, query, keys, values, bias, at: int, scale):
-        """Attention over tokens ``[0, at)`` on the query's device, their rows copied in by
-        the copy engine on a stream of ours (read in place on a CPU), in fp32: the output
-        ``[B, H, NQ, DV]`` and each row's log-sum of weights ``[B, H, NQ]``; queued, not
-        waited for."""
-        b, kvh, _, d = keys.shape
-        h, nq, dv = query.shape[1], query.shape[2], values.shape[-1]
-        rep = h // kvh
-        if query.device.type == "cuda":
-            here = []
-            self.stream = self.stream or torch.cuda.Stream(query.device)
-            self.stream.wait_stream(torch.cuda.current_stream(query.device))
-            with torch.cuda.stream(self.stream):
-                for name, cache in (("k", keys), ("v", values)):
-                    host = runtime.pinned[cache.data_ptr()]()
-                    buf = self.prefix.get(name)
-                    need = b * kvh * at * cache.shape[-1]
-                    if buf is None or buf.numel() < need or buf.dtype != cache.dtype:
-                        buf = self.prefix[name] = torch.empty(need, dtype=cache.dtype,
-                                                              device=query.device)
-                    there = buf[:need].view(b, kvh, at, cache.shape[-1])
-                    copies.fill_known(host, there, at)
-                    here.append(there)
-            torch.cuda.current_stream(query.device).wait_stream(self.stream)
-            k, v = here
-        else:
-            k, v = keys[:, :, :at], values[:, :, :at]
-        self.copied += at * sum(t.numel() // t.shape[2] * t.element_size()
-                                for t in (keys, values))
-        # rows r = j * NQ + n of KV head h, as the kernel groups them
-        q = query.float().reshape(b, kvh, rep * nq, d)
-        s = torch.matmul(q, k.float().transpose(-1, -2)) * \
-            (scale if scale is not None else d ** -0.5)
-        if bias is not None:        # [B, 1 or H, NQ, T]
-            part = bias[..., :at].reshape(b, 1 if bias.shape[1] == 1 else kvh,
-                                          1 if bias.shape[1] == 1 else rep, nq, at)
-            s = (s.view(b, kvh, rep, nq, at) + part).view(b, kvh, rep * nq, at)
-        top = s.amax(-1, keepdim=True)
-        top = torch.where(torch.isneginf(top), torch.zeros_like(top), top)
-        p = torch.exp(s - top)
-        total = p.sum(-1, keepdim=True)
-        out = torch.matmul(p, v.float()) / total.clamp_min(torch.finfo(torch.float32).tiny)
-        lse = (top + torch.log(total)).squeeze(-1)        # log 0 = -inf: all masked out
-        return out.reshape(b, h, nq, dv), lse.reshape(b, h, nq)
+        self.layers, self.on_device, self.read = [], [], 0
 
     def device_path(self, runtime, layer, query, key, value, index, keys, values, mask,
                     scale) -> torch.Tensor:
@@ -450,7 +346,7 @@ class HostAttention:
             bias = mask.expand(full)
             bias = torch.zeros(full, device=mask.device).masked_fill(~bias, float("-inf")) \
                 if mask.dtype == torch.bool else bias.float().contiguous()
-        host_k, host_v, device_bias = keys, values, bias
+        host_k, host_v = keys, values
         if query.device.type == "cuda":
             q = self._staged("q", q)
             bias = None if bias is None else self._staged("bias", bias)
@@ -463,28 +359,13 @@ class HostAttention:
         if bias is None or (tokens < keys.shape[2] and
                             not torch.isneginf(bias[..., tokens:]).all()):
             tokens = keys.shape[2]              # the attention reads further: the whole cache
-        at = self.split_at(tokens, int(index.min()) if index.numel() else tokens)
-        # on a GPU into page-locked buffers: the last layer's copies of them were waited for
-        shape = (*query.shape[:-1], values.shape[-1])
-        cuda = query.device.type == "cuda"
-        out = self._buffer("out", shape, torch.float32) if cuda else torch.empty(shape)
-        lse = None if not at else self._buffer("lse", query.shape[:-1], torch.float32) \
-            if cuda else torch.empty(query.shape[:-1])
-        if at:      # the host's part on a thread of ours, while this one queues the device's
-            job = _worker().submit(kernel.attend, kernel.library(), q, host_k, host_v, tokens,
-                                   bias, scale, out, start=at, lse=lse)
-            there, there_lse = self._device_part(runtime, query, keys, values, device_bias,
-                                                 at, scale)
-            self.split.append(at)
-            job.result()
-        else:
-            kernel.attend(kernel.library(), q, host_k, host_v, tokens, bias, scale, out)
+        # on a GPU into a page-locked buffer: the last layer's copy of it was waited for
+        out = self._buffer("out", (*query.shape[:-1], values.shape[-1]), torch.float32) \
+            if query.device.type == "cuda" else None
+        out = kernel.attend(kernel.library(), q, host_k, host_v, tokens, bias, scale, out)
         self.layers.append(layer)
-        self.read += (tokens - at) * sum(t.numel() // t.shape[2] * t.element_size()
-                                         for t in (keys, values))
-        if cuda:
+        self.read += tokens * sum(t.numel() // t.shape[2] * t.element_size()
+                                  for t in (keys, values))
+        if query.device.type == "cuda":
             out = out.to(query.device, non_blocking=True)
-            lse = None if lse is None else lse.to(query.device, non_blocking=True)
-        if at:
-            out = merge(there, there_lse, out, lse)
         return out.to(query.dtype)

@@ -310,10 +310,9 @@ def summary(kv) -> dict:
                plan=kv.plan.describe() if kv.plan is not None and kv.budget is not None
                else None, attended=list(kv.attention.layers),
                attended_on_device=list(kv.attention.on_device),
-               attended_read=kv.attention.read, attended_copied=kv.attention.copied,
-               attended_split=list(kv.attention.split), hosting=dict(kv.hosting))
+               attended_read=kv.attention.read, hosting=dict(kv.hosting))
     out.update(kv.figures)
-    if kv.layers and out["attended"]:    # those layers copied in only the device's part
+    if kv.layers and out["attended"]:    # those layers copied nothing in
         out["copied_per_step"] = out["copied_per_step"] * \
-            (len(kv.layers) - len(out["attended"])) // len(kv.layers) + kv.attention.copied
+            (len(kv.layers) - len(out["attended"])) // len(kv.layers)
     return out

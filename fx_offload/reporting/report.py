@@ -160,15 +160,7 @@ class Report:
                 f"at {kv['valid_tokens']} valid tokens a decode step copies "
                 f"{format_bytes(kv['copied_per_step'])} in (blocks of {kv['block']} tokens) "
                 f"and writes {format_bytes(kv['written_per_step'])} back")
-            if kv.get("attended") and kv.get("attended_split"):
-                lo, hi = min(kv["attended_split"]), max(kv["attended_split"])
-                lines.append(
-                    f"    attention over the host cache: the last call split layers "
-                    f"{kv['attended']}: the host read {format_bytes(kv['attended_read'])} of "
-                    f"the cache in place while the device attended over the first "
-                    f"{lo if lo == hi else f'{lo}-{hi}'} tokens of "
-                    f"each, copying {format_bytes(kv['attended_copied'])} in")
-            elif kv.get("attended"):
+            if kv.get("attended"):
                 lines.append(
                     f"    attention over the host cache: the last call computed layers "
                     f"{kv['attended']} on the host, reading {format_bytes(kv['attended_read'])}"
