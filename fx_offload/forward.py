@@ -8,6 +8,7 @@ reach the uncompiled ``model.forward``, so nothing is offloaded.  Setting the co
 from __future__ import annotations
 
 import logging
+import types
 from typing import Any
 
 import torch
@@ -47,7 +48,41 @@ def compile_forward(model: nn.Module, *, dynamic: bool | None = None, mode: str 
         kv.install(module, parsed)      # its hook prepares (or counts) each static cache
     else:
         kv.uninstall(module)
-    module.forward = torch.compile(module.forward, backend=configured, dynamic=dynamic,
-                                   mode=mode, fullgraph=fullgraph)
+    module.forward = CompiledForward(torch.compile(module.forward, backend=configured,
+                                                   dynamic=dynamic, mode=mode,
+                                                   fullgraph=fullgraph))
     log.debug("fx_offload: %s.forward compiled with %r", type(module).__name__, configured)
     return module
+
+
+class CompiledForward:
+    """``model.forward`` after :func:`compile_forward`: the compiled method, called as it is,
+    its attributes read through (``_torchdynamo_orig_callable`` among them).  A plain
+    compiled function would be copied as itself by ``copy.deepcopy(model)``, so the copy
+    would call the original's forward and compute with the original's weights, whatever
+    was done to its own.  The copy gets its class's forward instead, eager, with a warning
+    that says how to compile it."""
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+
+    def __call__(self, *args, **kwargs):
+        return self.compiled(*args, **kwargs)
+
+    def __getattr__(self, name):
+        if name == "compiled":      # (a copy whose state is not set yet)
+            raise AttributeError(name)
+        return getattr(self.compiled, name)
+
+    def __deepcopy__(self, memo):
+        owner = registry.model_of(self.compiled)
+        twin = memo.get(id(owner))
+        if twin is None:        # the forward copied on its own: it stays the original's
+            return self
+        log.warning("fx_offload: a copy of %s made after compile_forward runs its own "
+                    "forward eagerly (not offloaded by a compiled graph); call "
+                    "fx_offload.compile_forward(copy, ...) to compile it",
+                    type(owner).__name__)
+        method = getattr(self.compiled, "_torchdynamo_orig_callable", None)
+        return types.MethodType(getattr(method, "__func__", None) or type(owner).forward,
+                                twin)

@@ -2,6 +2,7 @@
 backend, logits equal the model without offloading; greedy generate() gives the same tokens.
 Run on CPU in CI and on the GPU (``-m cuda``)."""
 import copy
+import gc
 
 import pytest
 import torch
@@ -111,6 +112,45 @@ def test_llama_submodule_state_dict_deepcopy_and_half_hold_the_truth():
     with torch.no_grad():
         assert torch.equal(compiled(ids, use_cache=False).logits,
                            ref_fn(ids, use_cache=False).logits)
+
+
+@pytest.mark.parametrize("kv", [{}, dict(kv_cache="host", kv_block_size=16)])
+def test_a_deepcopy_after_compile_forward_computes_with_its_own_weights(kv, caplog):
+    """compile_forward sets a compiled function as model.forward, which a deepcopy of the
+    model shares: the copy called the original's forward and computed with the original's
+    weights (silently, once its own were changed).  The copy now runs its own forward, eager
+    with a warning that says how to compile it; compiled, it is offloaded on its own (with
+    its own host KV cache); the original is unchanged, and the copy outlives it."""
+    torch.manual_seed(0)
+    model, _ = build("llama")
+    model = model.eval()
+    model.generation_config.eos_token_id = None
+    reference = copy.deepcopy(model)
+    options = dict(group_size=2, num_in_group=1, inner_backend="aot_eager", **kv)
+    fx_offload.compile_forward(model, **options)
+    ids = torch.randint(0, 256, (1, 6))
+    kwargs = dict(max_new_tokens=6, do_sample=False, cache_implementation="static")
+    with torch.no_grad():
+        expected = reference.generate(ids, **kwargs)
+        assert torch.equal(model.generate(ids, **kwargs), expected)
+        with caplog.at_level("WARNING", logger="fx_offload"):
+            twin = copy.deepcopy(model)
+        assert "runs its own forward eagerly" in caplog.text
+        twin_reference = copy.deepcopy(reference)
+        for m in (twin, twin_reference):
+            m.lm_head.weight.data.mul_(-1.0)
+        twin_expected = twin_reference.generate(ids, **kwargs)
+        assert not torch.equal(twin_expected, expected)
+        assert torch.equal(twin.generate(ids, **kwargs), twin_expected)
+        fx_offload.compile_forward(twin, **options)
+        assert torch.equal(twin.generate(ids, **kwargs), twin_expected)
+        assert fx_offload.registry.state_for_model(twin) is not None
+        if kv:
+            assert fx_offload.report(twin).kv["layers"] == [0, 1, 2, 3]   # every layer
+        assert torch.equal(model.generate(ids, **kwargs), expected)
+        del model
+        gc.collect()
+        assert torch.equal(twin.generate(ids, **kwargs), twin_expected)
 
 
 def test_greedy_generate_with_a_static_cache():
