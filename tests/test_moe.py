@@ -943,10 +943,11 @@ def test_a_routed_moe_generates_on_one_static_cache_in_two_graphs():
 
 
 def test_a_copy_of_an_offloaded_routed_model_keeps_its_experts_routed():
-    """``copy.deepcopy`` of an offloaded model offloads the copy again at its first call,
-    running the graph Dynamo shares between them: the copy keeps what that graph's pass
-    learned (its routed chunks), so its calls gather only the picked experts as the
-    original's do, instead of moving them whole; outputs equal, weights its own."""
+    """``copy.deepcopy`` of an offloaded model, compiled in turn (a copy runs its own
+    forward eagerly until then), offloads the copy again at its first call, running the
+    graph Dynamo shares between them: the copy keeps what that graph's pass learned (its
+    routed chunks), so its calls gather only the picked experts as the original's do,
+    instead of moving them whole; outputs equal, weights its own."""
     model = build("qwen3_moe").eval()
     reference = copy.deepcopy(model)
     fx_offload.compile_forward(model, inner_backend="aot_eager", group_size=2, num_in_group=1)
@@ -957,6 +958,8 @@ def test_a_copy_of_an_offloaded_routed_model_keeps_its_experts_routed():
             assert torch.equal(model(ids, use_cache=False).logits, want)
         routed_bytes = fx_offload.report(model).copied_bytes_last_call
         twin = copy.deepcopy(model)
+        fx_offload.compile_forward(twin, inner_backend="aot_eager", group_size=2,
+                                   num_in_group=1)
         for _ in range(2):
             assert torch.equal(twin(ids, use_cache=False).logits, want)
     original = fx_offload.registry.state_for_model(model)
