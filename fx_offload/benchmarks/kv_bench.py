@@ -29,7 +29,8 @@ stopping criteria).  Rows:
 The bound of a host decode step is ``max(compute, bytes / H2D, read / host)``: compute is
 the device row's decode step, bytes are the valid KV blocks copied in plus the offloaded
 weights (``fx_offload.report``), H2D is the pinned copy bandwidth measured in the same
-process, read the cache the host's cores read in place and host their measured rate.  Tokens are compared with the device row's.  Needs a GPU and ``transformers``.
+process, read the cache the host's cores read in place and host their measured rate.
+Tokens are compared with the device row's.  Needs a GPU and ``transformers``.
 """
 from __future__ import annotations
 

@@ -116,10 +116,11 @@ static inline float exp1(float x) { vf v = {0}; v[0] = x; return exp_neg(v)[0]; 
 static void widen(int wt, const char* src, int64_t n, int64_t D, int64_t P, float* dst) {
     for (int64_t t = 0; t < n; t++) {
         float* o = dst + t * P;
-        /* one core alone reads no faster than it waits: ask for the rows 4 KiB on as
-           each is widened, as the experts kernel does (a block at once was slower) */
-        for (int64_t o = 0; o < D * (wt == 2 ? 4 : 2); o += 64)
-            __builtin_prefetch(src + (wt == 2 ? 4 : 2) * t * D + o + STRIDE);
+        /* one core alone reads no faster than it waits: ask for the rows STRIDE bytes
+           on as each is widened, as the experts kernel does (a block at once was slower) */
+        int64_t row = (wt == 2 ? 4 : 2) * D;
+        for (int64_t b = 0; b < row; b += 64)
+            __builtin_prefetch(src + t * row + b + STRIDE);
         if (wt == 0) {
             const uint16_t* p = (const uint16_t*)src + t * D;
             uint32_t* u = (uint32_t*)o;
@@ -414,9 +415,9 @@ RATE_KEY = "host attention v2"      # a new version whenever the kernel or the p
 def rate() -> float:
     """Bytes/s of cache the kernel reads at a decode step, on this machine: measured once
     (a second) over four layers of bf16 cache of Llama-3-8B's heads, 32k tokens each (512
-    MiB in all, more than a last-level cache: one layer's 128 MiB fit in the 300 MiB of a
-    32-core host and read 1.1x faster than the model's), one token of 32 query heads;
-    cached beside the device rates.  What ``"auto"`` weighs against the link: the kernel,
+    MiB in all, more than a last-level cache: one layer of 128 MiB, read again and again,
+    stayed in the 300 MiB cache of a 32-core host and read faster than a model's layers
+    do), one token of 32 query heads; cached beside the device rates.  What ``"auto"`` weighs against the link: the kernel,
     not the memory, is what the host attention runs at (docs/host_compute.md, "Attention
     over the host KV cache")."""
     from ..selection import device_rates
