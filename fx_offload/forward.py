@@ -66,6 +66,11 @@ class CompiledForward:
     def __init__(self, compiled):
         self.compiled = compiled
 
+    # A compile around the model (transformers' ``generate`` compiles ``model.__call__`` for
+    # a static cache on CUDA) would trace through this call and drop our backend: its graph
+    # then reads each offloaded layer through the eager hooks, whole.  It breaks here
+    # instead, and our compiled forward runs as it is.
+    @torch._dynamo.disable(reason="fx_offload: the forward is compiled by its own backend")
     def __call__(self, *args, **kwargs):
         return self.compiled(*args, **kwargs)
 
