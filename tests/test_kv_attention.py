@@ -239,6 +239,50 @@ def test_an_attention_without_a_mask_reads_the_whole_cache():
 
 
 @needs_cc
+def test_an_attention_scale_given_per_call_is_right_at_each_value():
+    """The attention's scale as the caller gives it, changed between sequences: each value
+    gives the eager model's logits on the host.  (Dynamo may also take such a float as an
+    input of the graph, a node that reads it: with ``dynamic=True`` it did for transformers'
+    ``scaling`` in a 32-layer Llama, where the pass had refused it as "not a constant" and
+    every layer streamed.  The op now takes that node and reads the value at each call;
+    here Dynamo compiles one graph per value instead, which this checks end to end.)"""
+    def given_scale(module, q, k, v, mask, dropout=0.0, scaling=None, fx_scale=None, **kw):
+        n = module.num_key_value_groups
+        out = F.scaled_dot_product_attention(q, _repeat_kv(k, n), _repeat_kv(v, n),
+                                             attn_mask=mask, scale=fx_scale)
+        return out.transpose(1, 2).contiguous(), None
+    transformers.AttentionInterface.register("fx_offload_test_given_scale", given_scale)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**CONFIG, "num_hidden_layers": 2})
+    eager = transformers.LlamaForCausalLM(config).eval()
+    eager.generation_config.eos_token_id = None
+    eager.config._attn_implementation = "fx_offload_test_given_scale"
+    model = copy.deepcopy(eager)
+    fx_offload.compile_forward(model, kv_cache="host", host_compute="always", dynamic=True,
+                               inner_backend="aot_eager", group_size=2, num_in_group=1)
+    ids = torch.randint(0, 128, (1, 9))
+    results = []
+    # a prefill and three decode steps, called as generate does; a change of the scale
+    # compiles anew with the scale as an input (Dynamo's automatic dynamic): the last two
+    for scale in (0.25, 4.0, 1.0):
+        caches = {m: _cache(m, 1, 16) for m in (eager, model)}
+        step = {m: ids for m in caches}
+        for position in range(4):
+            start = 0 if position == 0 else 8 + position
+            logits = {}
+            for m, cache in caches.items():
+                with torch.no_grad():
+                    n = step[m].shape[1]
+                    logits[m] = m(step[m], past_key_values=cache, fx_scale=scale,
+                                  cache_position=torch.arange(start, start + n)).logits[:, -1]
+                step[m] = logits[m].argmax(-1, keepdim=True)
+            torch.testing.assert_close(logits[model], logits[eager], rtol=1e-5, atol=1e-5)
+            print("ATT", scale, position, fx_offload.report(model).kv["attended"]); assert fx_offload.report(model).kv["attended"] == [0, 1]
+        results.append(logits[eager])
+    assert not torch.allclose(results[0], results[1])
+
+
+@needs_cc
 def test_an_attention_before_the_steps_write_is_refused_not_rewritten(monkeypatch):
     """An attention that reads the cache before the step writes it (a patched forward):
     the op, which writes then attends, would see the step's own token; the layer is left to

@@ -61,7 +61,7 @@ class Found:
     views: list
     query: fx.Node
     mask: fx.Node | None
-    scale: float | None
+    scale: float | fx.Node | None   # a node: a float the graph reads (a SymFloat)
     rows: int           # query rows per KV head (as traced)
     dynamic: bool = False   # shapes that vary by call: the rule is applied call by call
 
@@ -162,7 +162,10 @@ def find(kl) -> Found | str:
     if params.get("dropout_p", 0.0) != 0.0 or params.get("is_causal", False) is not False:
         return "its attention drops out or is causal over the whole cache"
     scale = params.get("scale")
-    if not (scale is None or isinstance(scale, float)) or \
+    # a float that Dynamo took as an input (it may, for a module's float attribute) comes
+    # as the node that reads it: the op then reads it at each call
+    if not (scale is None or isinstance(scale, float) or (
+            isinstance(scale, fx.Node) and isinstance(value_of(scale), torch.SymFloat))) or \
             not isinstance(params.get("enable_gqa", False), bool):
         return "its attention's scale is not a constant"
     query, mask = params["query"], params.get("attn_mask")
