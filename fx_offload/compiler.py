@@ -142,7 +142,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
     # 3. the pass (a graph of one layer's own frame is reused for every layer: no ops)
     plan = None
     if not layer_frame:
-        plan = run_prefetch_pass(gm, gi, choice, learned, handle, host_compute)
+        plan = run_prefetch_pass(gm, gi, choice, learned, handle, host_compute,
+                                 placed.mlps_on_host_in(choice.device.type, options.mode))
         if backward is not None:
             backward.set_plan(plan)
     # 4. the run-time state the ops reach through the handle (runtime.state)

@@ -98,12 +98,19 @@ class OffloadOptions:
 
     def host_compute_in(self, device_type: str, mode: str) -> str:
         """What ``host_compute`` means for a graph compiled for ``device_type`` in ``mode``:
-        "auto" is "never" on a CPU (there is no link to spare), under CUDA graphs (a host
-        computation cannot be captured) and with compress (not combined yet)."""
-        if self.host_compute == "auto" and (device_type == "cpu" or mode == "reduce-overhead"
-                                            or self.compress != "none"):
+        "auto" is "never" on a CPU (there is no link to spare) and with compress (not
+        combined yet).  Under CUDA graphs (``reduce-overhead``) a capture records routed
+        experts as host jobs (``runtime.experts.host_experts``); dense MLPs stream there
+        (:meth:`mlps_on_host_in`)."""
+        if self.host_compute == "auto" and (device_type == "cpu" or self.compress != "none"):
             return "never"
         return self.host_compute
+
+    def mlps_on_host_in(self, device_type: str, mode: str) -> bool:
+        """Dense MLPs become host ops: as routed experts, but not under CUDA graphs (a
+        capture of their op streams, and so must its prefetches: not recorded yet)."""
+        return self.host_compute_in(device_type, mode) != "never" and \
+            mode != "reduce-overhead"
 
     def offloads_layer(self, index: int) -> bool:
         """True for the last ``num_in_group`` layers of each group of ``group_size``."""
@@ -437,9 +444,10 @@ def check_host_compute_mode(host_compute: str, mode: str) -> None:
     it and a later compile asks for mode='reduce-overhead')."""
     if host_compute == "always" and mode == "reduce-overhead":
         raise OffloadError(
-            "option host_compute='always' runs the experts on the host, which a CUDA graph "
-            "(mode='reduce-overhead') cannot capture: use host_compute='auto' (it streams "
-            "the experts under CUDA graphs) or another mode")
+            "option host_compute='always' runs the experts on the host in every call, which "
+            "CUDA graphs (mode='reduce-overhead') do not promise: use host_compute='auto' "
+            "(a capture records the routed experts as host jobs where its rule keeps them on "
+            "the host, and streams the rest) or another mode")
 
 
 def _is_zero(value: Any) -> bool:

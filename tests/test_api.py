@@ -335,7 +335,7 @@ def test_the_pass_runs_from_the_choice_and_a_handle_before_any_state_exists(monk
         built.append(handle)
         real_init(self, model, choice, handle, learned)
 
-    def failing_pass(gm, gi, choice, learned, handle, host_compute):
+    def failing_pass(gm, gi, choice, learned, handle, host_compute, host_mlps):
         seen.append((choice, handle, list(built)))
         raise RuntimeError("injected in the pass")
 

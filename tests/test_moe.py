@@ -245,7 +245,7 @@ def test_routed_experts_inside_cuda_graphs():
     model = build("qwen3_moe", "batched_mm").eval().cuda()
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend="prefetch_offload",
-                             options={"mode": "reduce-overhead"})
+                             options={"mode": "reduce-overhead", "host_compute": "never"})
     ref_fn = torch.compile(reference, mode="reduce-overhead")
     state = None
     with torch.no_grad():
@@ -269,6 +269,45 @@ def test_routed_experts_inside_cuda_graphs():
 
 
 @pytest.mark.cuda
+def test_routed_experts_recorded_as_host_jobs_inside_cuda_graphs(monkeypatch):
+    """reduce-overhead with host_compute="auto" where its rule keeps the host alone (forced
+    here): the decode graph records each layer's experts as a host job (a host node of the
+    graph), and every replay computes the experts its own ids pick on the host.  Logits as
+    the model's (the host sums in fp32, in another order: 1e-4), no expert byte crosses the
+    link, the replays' host reads counted from their jobs' records, and the report says the
+    experts ran on the host in a CUDA graph."""
+    from fx_offload.host_compute import split
+    monkeypatch.setattr(split, "device_picks", lambda *args: 0)
+    model = build("qwen3_moe", "batched_mm").eval().cuda()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload", options={
+        "mode": "reduce-overhead", "group_size": 1, "num_in_group": 1})
+    ref_fn = torch.compile(reference, mode="reduce-overhead")
+    with torch.no_grad():
+        for i in range(7):
+            ids = torch.randint(0, 256, (1, 1), device="cuda",
+                                generator=torch.Generator("cuda").manual_seed(i))
+            got = compiled(ids, use_cache=False).logits.clone()
+            want = ref_fn(ids, use_cache=False).logits.clone()
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            if i < 3:       # compiled, warmed up, recorded: from the fourth call, replays
+                continue
+            state = registry.state_for_model(model)
+            rep = fx_offload.report(model)
+            assert rep.ran_on == {layer: "host (CUDA graph)" for layer in range(4)}, i
+            experts = sum(_expert_bytes(model, layer) for layer in range(4)) // 16
+            assert rep.host_read_bytes_last_call == 2 * experts, i     # top-2 of 16, a layer
+            assert state.routed.gathered.item() == 0
+            # what crossed: some of the layers' other chunks (the ring that fetches them
+            # ahead keeps some across calls), never an expert chunk (whole, they are more
+            # bytes than the other chunks of all four layers)
+            others = sum(c.end - c.start for layer in state.layers
+                         for c in state.contents.chunks(layer)
+                         if not state.routed.gathers(layer, c))
+            assert 0 < rep.copied_bytes_last_call <= others, (i, rep.copied_bytes_last_call)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_other_chunks_fetched_ahead_give_the_same_outputs_and_bytes(mode, monkeypatch):
     """Every layer offloaded over one slot: the routed layers' other chunks run ahead
@@ -279,7 +318,7 @@ def test_other_chunks_fetched_ahead_give_the_same_outputs_and_bytes(mode, monkey
     from fx_offload.runtime.experts import ahead as ahead_module
     model = build("qwen3_moe", "batched_mm").eval().cuda()
     reference = copy.deepcopy(model)
-    options = {"group_size": 1, "num_in_group": 1, "mode": mode}
+    options = {"group_size": 1, "num_in_group": 1, "mode": mode, "host_compute": "never"}
     compiled = torch.compile(model, backend="prefetch_offload", options=options)
     ref_fn = torch.compile(reference, mode=mode)
     hits = []

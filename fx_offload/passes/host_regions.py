@@ -46,15 +46,20 @@ from .plan import GraphPlan, LayerPlan
 
 
 def host_regions(gm: fx.GraphModule, gi: GraphInputs, plan: GraphPlan, choice,
-                 learned) -> int:
+                 learned, mlps: bool = True) -> int:
     """Replace each routed layer's experts in ``gm`` by one ``host_experts`` op where the
-    region is clean; records per layer in ``learned.hosting``; returns how many it replaced
-    (the graph is then to be planned again)."""
+    region is clean, and each dense MLP of ``choice.mlps`` by a ``host_mlp`` op where
+    ``mlps`` (not in a graph for CUDA graphs: their capture streams); records per layer in
+    ``learned.hosting``; returns how many it replaced (the graph is then to be planned
+    again)."""
     replaced = 0
     learned.hosting.update({layer: why for layer, why in choice.mlps_refused.items()
                             if layer not in learned.hosting})
     for lp in plan.layers:
         if lp.layer in choice.mlps:
+            if not mlps:
+                learned.hosting[lp.layer] = "streamed: a dense MLP in a graph for CUDA graphs"
+                continue
             found = _mlp_region(lp, gi, choice, learned.layout)
             if isinstance(found, str):
                 learned.hosting[lp.layer] = f"streamed: {found}"

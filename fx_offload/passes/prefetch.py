@@ -31,17 +31,19 @@ log = logging.getLogger("fx_offload")
 
 
 def run_prefetch_pass(gm: fx.GraphModule, gi: GraphInputs, choice: Choice, learned,
-                      handle: int, host_compute: str = "never") -> GraphPlan:
+                      handle: int, host_compute: str = "never",
+                      host_mlps: bool = True) -> GraphPlan:
     """Insert the ops for ``choice``'s offloaded layers into ``gm`` (named by the offload
     state's ``handle``) and verify the result; returns the plan that was applied.  What it
     learns from the graph goes into ``learned`` (:class:`~fx_offload.learned.Learned`, the
     model's: its layout arranged from the model's first graph, the routing and hosting of
     each graph).  ``host_compute`` other than "never": routed experts become
-    ``host_experts`` ops."""
+    ``host_experts`` ops, and dense MLPs ``host_mlp`` ops where ``host_mlps``."""
     with pass_frame("fx_offload", gm, "pass_us"):
         chunks = arrange(choice, learned, (gm, gi))     # the model's first graph fixes it
         plan = plan_graph(gm, gi, choice, learned, handle)
-        if host_compute != "never" and host_regions(gm, gi, plan, choice, learned):
+        if host_compute != "never" and host_regions(gm, gi, plan, choice, learned,
+                                                    host_mlps):
             plan = plan_graph(gm, gi, choice, learned, handle)
         apply_plan(gm, plan)
         verify_graph(gm, plan.weight_chunks(),

@@ -200,7 +200,8 @@ def explain(model: nn.Module, *example_inputs, aten: bool = False, dynamic: bool
                                        input_names=names))
             return gm.forward
         plan = run_prefetch_pass(after, gi, choice, learned, handle,
-                                 choice.options.host_compute_in(choice.device.type, opts.mode))
+                                 choice.options.host_compute_in(choice.device.type, opts.mode),
+                                 choice.options.mlps_on_host_in(choice.device.type, opts.mode))
         tags = {w: (lp.layer, lp.slot, chunk) for lp in plan.layers
                 for w, chunk in lp.weights.items()}
         record = GraphRecord(index, gm, after, plan, tags, input_names=names,

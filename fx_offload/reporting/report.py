@@ -183,16 +183,22 @@ class Report:
 
 def _host_line(ran: dict[int, str], read: int) -> str:
     where = {place: [layer for layer, r in ran.items() if r == place] for place in
-             ("host", "device")}
+             ("host", "device", "host (CUDA graph)")}
+    replayed = where.pop("host (CUDA graph)")
+    where["host"] += replayed
     split = {layer: r.split()[1] for layer, r in ran.items() if r.startswith("split ")}
     line = ("  host compute: the last call computed the experts or MLPs of layers "
             f"{where['host'] + list(split)} on the host (reading {format_bytes(read)} of host "
             f"memory in place) and of layers {where['device']} on the device")
+    if replayed:
+        line += (f"; layers {replayed} by a CUDA graph's replay (host jobs it recorded; "
+                 "their reads from the jobs' records)")
     if split:
         line += ("; split with the device (each token's first picks, and those the expert "
                  "cache holds): " + ", ".join(f"layer {layer} {m}" for layer, m in
                                                split.items()))
-    streamed = {layer: r for layer, r in ran.items() if r not in where and layer not in split}
+    streamed = {layer: r for layer, r in ran.items()
+                if r not in where and r != "host (CUDA graph)" and layer not in split}
     if streamed:
         line += "; " + "; ".join(f"layer {layer} {r}" for layer, r in streamed.items())
     return line

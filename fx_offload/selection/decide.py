@@ -59,7 +59,7 @@ def choose(model: nn.Module, options: OffloadOptions, graph=None, layer_frame: b
     device = _offload_device(model, params) if device is None else device
     schedule = Schedule(params, num_slots, options.circular_start)
     experts = expert_tensors(params) if options.experts == "routed" else {}
-    hosts = options.host_compute_in(device.type, options.mode) != "never"
+    hosts = options.mlps_on_host_in(device.type, options.mode)
     mlps = dense_mlps(params, experts) if hosts else {}
     choice = Choice(type(model).__name__, options, stack, params, schedule, device, planner,
                     hook_starts_entry=options.hook_starts_entry, compress=options.compress,

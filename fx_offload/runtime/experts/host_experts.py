@@ -15,6 +15,14 @@ never waits::
     compute stream: the device's share of the picks, if any (split.py)
                     (waits the event) y + that share -> x's dtype
 
+Under CUDA graphs (``mode="reduce-overhead"``) the same pattern is recorded: the host
+function becomes a host node of the graph, and every replay runs the job with no Python
+between the layers.  A recorded job takes buffers, job arguments and a record of its own
+(:class:`_Fixed`), made at an earlier call of the same size outside the capture (the
+warm-up every CUDA graph runs first), for its graph's replays to find in place.  What
+``"auto"`` records on the host: where its rule keeps the host alone for the call's size
+(:meth:`HostExperts.records_on_host`); elsewhere the capture streams the experts.
+
 Elsewhere (a CPU device, another layout, no C compiler) :meth:`HostExperts.on_host` stages,
 waits for the stream once, computes and copies back.  A call predicted to run on the host
 skips its expert chunks' prefetches (:meth:`HostExperts.skips`).
@@ -56,11 +64,33 @@ def for_state(state) -> "HostExperts | None":
     return None if mode == "never" else HostExperts(state, mode)
 
 
+class _Fixed:
+    """A job a CUDA graph records: its buffers, arguments and record, made outside the
+    capture and never grown or reused by another call, since every replay of the graph runs
+    the job on these addresses (they live as long as the model's offload state, as the slot
+    buffers the graph's copies use do)."""
+
+    def __init__(self, sizes: dict):
+        self.buffers = {name: torch.empty(max(numel, 1), dtype=dtype, pin_memory=pinned)
+                        for name, (numel, dtype, pinned) in sizes.items()}
+        self.job = native.ExpertsJob()
+        self.record = native.JobRecord()
+
+    def buffer(self, name: str, numel: int, dtype: torch.dtype, stream=None,
+               pinned: bool = True) -> torch.Tensor:
+        return self.buffers[name][:numel]
+
+
 class _StreamJobs:
     """What the host functions a stream runs need: page-locked staging and scratch (grown
-    as calls grow), a ring of job arguments, a counter of the experts each layer read."""
+    as calls grow), a ring of job arguments, a counter of the experts each layer read; and
+    the jobs CUDA graphs record (:class:`_Fixed`)."""
 
     RING = 64       # jobs in flight before one is written again (it waits if not done)
+    # token picks (tokens x top-k) up to which a call outside a capture makes the buffers a
+    # capture of its size takes (decode steps of up to 8 tokens at top-8: 90 KB a layer at
+    # Qwen3-30B-A3B's shapes)
+    FIXED_PAIRS = 64
 
     def __init__(self, lib, threads: int):
         self.lib = lib
@@ -73,18 +103,17 @@ class _StreamJobs:
         # the jobs' stream, and the events between it and the compute stream
         self.stream = self.entered = self.left = None
         self.launched = 0           # the host's monotonic clock (ns) at the latest launch
+        self.fixed: dict[tuple, _Fixed] = {}    # (layer, tokens, k) -> what a graph records
 
     def buffer(self, name: str, numel: int, dtype: torch.dtype, stream,
-               pinned: bool = True, device=None) -> torch.Tensor:
-        """Buffer ``name``'s first ``numel`` elements (on ``device``, else on the host:
-        staging page-locked, so that copies of it run asynchronously, the kernel's scratch
-        not)."""
+               pinned: bool = True) -> torch.Tensor:
+        """Host buffer ``name``'s first ``numel`` elements (staging page-locked, so that
+        copies of it run asynchronously, the kernel's scratch not)."""
         buf = self.buffers.get(name)
         if buf is None or buf.numel() < numel or buf.dtype != dtype:
             if buf is not None:         # a queued job may still read the smaller one
                 torch.cuda.synchronize(stream.device)
-            buf = torch.empty(max(numel, 1), dtype=dtype, device=device,
-                              pin_memory=pinned and device is None)
+            buf = torch.empty(max(numel, 1), dtype=dtype, pin_memory=pinned)
             self.buffers[name] = buf
         return buf[:numel]
 
@@ -95,7 +124,7 @@ class _StreamJobs:
     def __del__(self):
         # a queued job reads this object's buffers and arguments: never free them under it
         try:
-            if self.pending():
+            if self.pending() or self.fixed:
                 torch.cuda.synchronize()
         except Exception:       # (interpreter shutdown: CUDA may be gone already)
             pass
@@ -108,38 +137,68 @@ class _StreamJobs:
         self.queued[i] = True
         return job
 
-    def run(self, entry, layer: int, x, ids, gates, device_part=None) -> torch.Tensor:
+    @staticmethod
+    def _sizes(entry, x, ids) -> dict:
+        """Name -> (elements, dtype, page-locked) of every host buffer a job uses."""
+        (T, H), k = x.shape, ids.shape[1]
+        floats, ints = native.scratch_sizes(T * k, H, entry.down.shape[-1], entry.experts)
+        f32, i64 = torch.float32, torch.int64
+        return {"x": (T * H, f32, True), "ids": (T * k, i64, True), "gates": (T * k, f32, True),
+                "y": (T * H, f32, True), "floats": (floats, f32, False),
+                "ints": (ints, i64, False)}
+
+    def fixed_for(self, layer: int, x, ids) -> _Fixed | None:
+        """What a capture of ``layer``'s job at this call's size records, if an earlier
+        call outside a capture made it."""
+        return self.fixed.get((layer, x.shape[0], ids.shape[1]))
+
+    def run(self, entry, layer: int, x, ids, gates, device_part=None):
         """Queue ``layer``'s host job for ``x``, ``ids``, ``gates`` on a stream of its own and
-        return its result on the compute stream, plus ``device_part()`` (an fp32 (T, H)
-        the compute stream makes meanwhile; :mod:`~fx_offload.host_compute.split`)."""
+        return (its result on the compute stream, plus ``device_part()`` (an fp32 (T, H)
+        the compute stream makes meanwhile; :mod:`~fx_offload.host_compute.split`), the
+        job's record).  Inside a capture the job is :meth:`fixed_for`'s (the caller checked
+        it is there)."""
         main = torch.cuda.current_stream(x.device)
         side = self._side(x.device)
         (T, H), k = x.shape, ids.shape[1]
         gate_up, down = entry.gate_up, entry.down
-        floats, ints = native.scratch_sizes(T * k, H, down.shape[-1], entry.experts)
-        # converted on the compute stream into buffers of ours (the side stream reads them
-        # after the caching allocator could hand a temporary to someone else)
+        fixed = self.fixed_for(layer, x, ids) if capturing() else None
+        if fixed is None and T * k <= self.FIXED_PAIRS and \
+                (layer, T, k) not in self.fixed:
+            # a call outside a capture makes what a capture of its size will record
+            self.fixed[(layer, T, k)] = _Fixed(self._sizes(entry, x, ids))
+        buffer = self.buffer if fixed is None else fixed.buffer
+        sizes = self._sizes(entry, x, ids)
+        # converted on the compute stream into temporaries the side stream is recorded to
+        # use (the caching allocator hands them to no one else before it is done).  None
+        # is kept: a device buffer made in a warm-up under CUDA graphs would be a live
+        # block of their pool that no graph output owns, which they refuse.
         ready = []
         for name, t, dtype in (("x", x, torch.float32), ("ids", ids, torch.int64),
                                ("gates", gates, torch.float32)):
-            there = self.buffer("dev_" + name, t.numel(), dtype, main, device=x.device)
-            ready.append((name, there.view(t.shape).copy_(t)))
-        y_there = self.buffer("dev_y", T * H, torch.float32, main, device=x.device).view(T, H)
+            there = torch.empty(t.shape, dtype=dtype, device=x.device).copy_(t)
+            there.record_stream(side)
+            ready.append((name, there))
+        y_there = torch.empty(T, H, dtype=torch.float32, device=x.device)
+        y_there.record_stream(side)
         self.entered.record(main)
         with torch.cuda.stream(side):
             side.wait_event(self.entered)
             staged = []
             for name, there in ready:
-                view = self.buffer(name, there.numel(), there.dtype, side).view(there.shape)
+                view = buffer(name, there.numel(), there.dtype, side).view(there.shape)
                 view.copy_(there, non_blocking=True)
                 staged.append(view)
-            y = self.buffer("y", T * H, torch.float32, side).view(T, H)
-            record = self.records.setdefault(layer, native.JobRecord())
-            job = self.job(side)
+            y = buffer("y", T * H, torch.float32, side).view(T, H)
+            if fixed is None:
+                record = self.records.setdefault(layer, native.JobRecord())
+                job = self.job(side)
+            else:
+                record, job = fixed.record, fixed.job
             native.fill_job(job, gate_up, down, "silu", *staged,
-                            self.buffer("floats", floats, torch.float32, side, False),
-                            self.buffer("ints", ints, torch.int64, side, False), y, record,
-                            self.threads)
+                            buffer("floats", sizes["floats"][0], torch.float32, side, False),
+                            buffer("ints", sizes["ints"][0], torch.int64, side, False), y,
+                            record, self.threads)
             native.launch_host_function(self.lib, side.cuda_stream, job)
             self.launched = time.monotonic_ns()     # the clock the jobs note
             y_there.copy_(y, non_blocking=True)
@@ -147,7 +206,7 @@ class _StreamJobs:
         mine = device_part() if device_part is not None else None
         main.wait_event(self.left)
         total = y_there if mine is None else mine.add_(y_there)
-        return torch.empty_like(x).copy_(total)
+        return torch.empty_like(x).copy_(total), record
 
     def _side(self, device) -> torch.cuda.Stream:
         if self.stream is None:
@@ -179,6 +238,10 @@ class HostExperts:
         # size; the plan of the call in progress (k: stream, 0: host, else the rule's)
         self.timer = CallTimer(state.model_name) if mode == "auto" else None
         self._call = None           # (tokens, plan) of the call in progress
+        self._tokens = None         # the call in progress's tokens, as its entry saw them
+        # jobs recorded into CUDA graphs: call tokens -> layer -> (its record, bytes an
+        # expert); a replay runs no Python, so what its jobs read is read from their records
+        self.recorded: dict[int, dict[int, tuple]] = {}
         self.mlps = HostMlps(self)  # the dense MLPs' host_mlp ops
 
     def refuse_capture(self) -> None:
@@ -195,6 +258,7 @@ class HostExperts:
         """A call of ``tokens`` tokens begins: predict whether its layers compute on the
         host (their prefetches then copy nothing), and count anew."""
         self.ran, self._read, self._queued_reads = {}, 0, []
+        self._tokens = tokens
         # one plan a call is timed: the experts' where a layer has them on the host (its
         # dense MLPs, if any, then follow the rule untimed)
         experts = any(why == "host" and layer not in self._state.choice.mlps
@@ -206,7 +270,10 @@ class HostExperts:
             layer, entry = next(iter(self._layers.items()))
             plan, *seconds = self._predicted(entry, layer, tokens, self._k)
             device = self._state.device
-            if device.type == "cuda" and not capturing():
+            # (under CUDA graphs a call may be a replay, which runs what was recorded: the
+            # rule decides, untimed)
+            if device.type == "cuda" and not capturing() and \
+                    not self._state.hook_copies.under_cuda_graphs:
                 plan = self.timer.begin(tokens, self._k, plan, seconds,
                                         torch.cuda.current_stream(device))
                 self._call = (tokens, plan)
@@ -225,14 +292,23 @@ class HostExperts:
     def synchronize(self) -> None:
         """Wait for the host jobs queued on the streams: they read the host blocks (the
         state's ``synchronize``, before the masters change or are freed)."""
-        if self._jobs is not None and self._jobs.pending():
+        # (a CUDA graph's replay runs recorded jobs no ring entry tracks)
+        if self._jobs is not None and (self._jobs.pending() or self.recorded):
             torch.cuda.synchronize(self._state.device)
 
     @property
     def read_bytes(self) -> int:
-        """Host memory the latest call's kernels read; waits for its queued jobs."""
+        """Host memory the latest call's kernels read; waits for its queued jobs.  A replay
+        of a CUDA graph: what its recorded jobs read (their records)."""
         self.synchronize()
-        return self._read + sum(r[0] * b for r, b, _, _ in self._queued_reads)
+        replayed = sum(r[0] * b for layer, (r, b) in self._replayed().items())
+        return self._read + sum(r[0] * b for r, b, _, _ in self._queued_reads) + replayed
+
+    def _replayed(self) -> dict[int, tuple]:
+        """The jobs recorded into CUDA graphs at the latest call's size that it did not run
+        from Python: a replay's (layer -> (record, bytes an expert))."""
+        recorded = self.recorded.get(self._tokens, {})
+        return {layer: held for layer, held in recorded.items() if layer not in self.ran}
 
     @property
     def jobs_timed(self) -> tuple[int, int, float, float, float, float] | None:
@@ -263,7 +339,26 @@ class HostExperts:
         names = self._state.choice.mlps.get(layer)
         if names is not None:
             return self.mlps.skips(layer, chunk, names)
-        return self.on_host_now and learned.routing.get(layer, {}).get(chunk.index) == "routed"
+        on_host = self.on_host_now
+        if capturing() and self.mode == "auto":     # what the capture of its op records
+            on_host = self._k is not None and self.records_on_host(layer, self._tokens,
+                                                                   self._k)
+        return on_host and learned.routing.get(layer, {}).get(chunk.index) == "routed"
+
+    def records_on_host(self, layer: int, tokens: int | None, k: int) -> bool:
+        """Inside a capture under ``"auto"``: ``layer``'s experts at this call size are
+        recorded as a host job (a host node of the graph), not streamed.  So where the rule
+        keeps the host alone at this size (a split needs the device's share gathered, not
+        recorded yet), the kernel can be queued, no expert cache splits the layer, and a call
+        of this size outside the capture made the job's buffers (:class:`_Fixed`)."""
+        entry, jobs = self._layers.get(layer), self._jobs
+        if not tokens or entry is None or jobs is None or not entry.queueable or \
+                (layer, tokens, k) not in jobs.fixed:
+            return False
+        routed = getattr(self._state, "routed", None)
+        if routed is not None and routed.usable and routed.cache_rows(layer) is not None:
+            return False
+        return self._predicted(entry, layer, tokens, k)[0] == 0
 
     @property
     def state(self):
@@ -289,9 +384,12 @@ class HostExperts:
         if self._jobs is None:
             self._jobs = _StreamJobs(native.library(), job_threads())
         began = time.monotonic_ns()     # the clock the jobs note (CLOCK_MONOTONIC)
-        out = self._jobs.run(entry, layer, x, ids, gates, device_part)
-        self._queued_reads.append((self._jobs.records[layer], entry.expert_bytes, began,
-                                   self._jobs.launched))
+        out, record = self._jobs.run(entry, layer, x, ids, gates, device_part)
+        if capturing():     # its replays run no Python: their reads come from the record
+            self.recorded.setdefault(x.shape[0], {})[layer] = (record, entry.expert_bytes)
+        else:
+            self._queued_reads.append((record, entry.expert_bytes, began,
+                                       self._jobs.launched))
         return out
 
     def run_mlp(self, layer: int, chunks, x: torch.Tensor) -> torch.Tensor:
@@ -307,8 +405,13 @@ class HostExperts:
         self._k = k
         if state.phase is Phase.RESTORED:
             return laid_out_as(x, entry.module(x, ids, gates))
-        # (under capture "auto" streams: a graph cannot record the host's part)
-        m = k if capturing() and self.mode == "auto" else self._plan(entry, layer, tokens, k)
+        # (a capture under "auto" records the host alone or streams: records_on_host)
+        if capturing() and self.mode == "auto":
+            queueable = x.device.type == "cuda" and x.dim() == 2 and ids.dim() == 2 and \
+                native.library() is not None
+            m = 0 if queueable and self.records_on_host(layer, tokens, k) else k
+        else:
+            m = self._plan(entry, layer, tokens, k)
         host = m < k
         if host:
             self.refuse_capture()
@@ -429,6 +532,9 @@ class HostExperts:
         return entry
 
     def last_call(self) -> dict[int, str]:
-        """Layer -> where its experts ran in the latest call ("host", "device", or "split
-        <m>": each token's first m picks and the cached ones on the device)."""
-        return dict(self.ran)
+        """Layer -> where its experts ran in the latest call ("host", "device", "split
+        <m>": each token's first m picks and the cached ones on the device, or "host (CUDA
+        graph)": a replay's recorded job)."""
+        ran = dict(self.ran)
+        ran.update({layer: "host (CUDA graph)" for layer in self._replayed()})
+        return ran
