@@ -163,6 +163,8 @@ def run(args: argparse.Namespace) -> int:
                 _settle_trials(model, prompts[b][0])
             rows[(name, b)], tokens[(name, b)] = measure(model, prompts[b], args, extra=extra,
                                                          steps=True)
+            print(f"  {name}, batch {b}: prefill {rows[(name, b)][0]:.1f} ms, decode "
+                  f"{rows[(name, b)][1]:.2f} ms/token", flush=True)   # (a row takes minutes)
             moved[(name, b)] = _step_bytes(model)
             if args.profile:
                 _profile(model, prompts[b][0], extra)
