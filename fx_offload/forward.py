@@ -70,7 +70,10 @@ class CompiledForward:
     # a static cache on CUDA) would trace through this call and drop our backend: its graph
     # then reads each offloaded layer through the eager hooks, whole.  It breaks here
     # instead, and our compiled forward runs as it is.
-    @torch._dynamo.disable(reason="fx_offload: the forward is compiled by its own backend")
+    @torch._dynamo.disable(reason="fx_offload: model.forward is compiled by compile_forward "
+                           "with its own backend; a compile around the model must allow a "
+                           "graph break here (fullgraph=False), or be left out (generate("
+                           "..., disable_compile=True))")
     def __call__(self, *args, **kwargs):
         return self.compiled(*args, **kwargs)
 

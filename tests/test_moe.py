@@ -295,6 +295,8 @@ def test_routed_experts_recorded_as_host_jobs_inside_cuda_graphs(monkeypatch):
             state = registry.state_for_model(model)
             rep = fx_offload.report(model)
             assert rep.ran_on == {layer: "host (CUDA graph)" for layer in range(4)}, i
+            # what the replays run: one recorded job a layer, at this size
+            assert set(state.host_experts._jobs.fixed) == {(layer, 1, 2) for layer in range(4)}
             experts = sum(_expert_bytes(model, layer) for layer in range(4)) // 16
             assert rep.host_read_bytes_last_call == 2 * experts, i     # top-2 of 16, a layer
             assert state.routed.gathered.item() == 0

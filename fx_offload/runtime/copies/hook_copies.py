@@ -55,6 +55,8 @@ class HookCopies:
         self.contents.forget_captured()
         if capturing():         # copies an earlier call's hook began are not this call's
             self._forget()
+            if routed.host is not None:     # (what its capture records depends on it)
+                routed.host.call_tokens(tokens)
             return
         routed.begin_call(tokens)      # many tokens: routed chunks prefetched whole
         circular.call_begins()

@@ -152,20 +152,20 @@ class _StreamJobs:
         call outside a capture made it."""
         return self.fixed.get((layer, x.shape[0], ids.shape[1]))
 
-    def run(self, entry, layer: int, x, ids, gates, device_part=None):
+    def run(self, entry, layer: int, x, ids, gates, device_part=None, fix: bool = False):
         """Queue ``layer``'s host job for ``x``, ``ids``, ``gates`` on a stream of its own and
         return (its result on the compute stream, plus ``device_part()`` (an fp32 (T, H)
         the compute stream makes meanwhile; :mod:`~fx_offload.host_compute.split`), the
         job's record).  Inside a capture the job is :meth:`fixed_for`'s (the caller checked
-        it is there)."""
+        it is there); ``fix``: a call outside a capture makes what a capture of its size
+        would record, if not made yet."""
         main = torch.cuda.current_stream(x.device)
         side = self._side(x.device)
         (T, H), k = x.shape, ids.shape[1]
         gate_up, down = entry.gate_up, entry.down
         fixed = self.fixed_for(layer, x, ids) if capturing() else None
-        if fixed is None and T * k <= self.FIXED_PAIRS and \
+        if fix and fixed is None and T * k <= self.FIXED_PAIRS and \
                 (layer, T, k) not in self.fixed:
-            # a call outside a capture makes what a capture of its size will record
             self.fixed[(layer, T, k)] = _Fixed(self._sizes(entry, x, ids))
         buffer = self.buffer if fixed is None else fixed.buffer
         sizes = self._sizes(entry, x, ids)
@@ -239,6 +239,7 @@ class HostExperts:
         self.timer = CallTimer(state.model_name) if mode == "auto" else None
         self._call = None           # (tokens, plan) of the call in progress
         self._tokens = None         # the call in progress's tokens, as its entry saw them
+        self._began = 0             # the host's monotonic clock (ns) as it began
         # jobs recorded into CUDA graphs: call tokens -> layer -> (its record, bytes an
         # expert); a replay runs no Python, so what its jobs read is read from their records
         self.recorded: dict[int, dict[int, tuple]] = {}
@@ -258,7 +259,7 @@ class HostExperts:
         """A call of ``tokens`` tokens begins: predict whether its layers compute on the
         host (their prefetches then copy nothing), and count anew."""
         self.ran, self._read, self._queued_reads = {}, 0, []
-        self._tokens = tokens
+        self.call_tokens(tokens)
         # one plan a call is timed: the experts' where a layer has them on the host (its
         # dense MLPs, if any, then follow the rule untimed)
         experts = any(why == "host" and layer not in self._state.choice.mlps
@@ -278,6 +279,12 @@ class HostExperts:
                                         torch.cuda.current_stream(device))
                 self._call = (tokens, plan)
             self.on_host_now = plan < self._k
+
+    def call_tokens(self, tokens: int | None) -> None:
+        """The call in progress has ``tokens`` tokens (also said by a call whose capture
+        takes it in whole, which begins nothing else), and began now: a recorded job that
+        a replay ran in it started since."""
+        self._tokens, self._began = tokens, time.monotonic_ns()
 
     def end_call(self, completed: bool) -> None:
         """The model's call ends (outside a capture): the timed call's end event; a call
@@ -305,10 +312,15 @@ class HostExperts:
         return self._read + sum(r[0] * b for r, b, _, _ in self._queued_reads) + replayed
 
     def _replayed(self) -> dict[int, tuple]:
-        """The jobs recorded into CUDA graphs at the latest call's size that it did not run
-        from Python: a replay's (layer -> (record, bytes an expert))."""
+        """The jobs recorded into CUDA graphs that a replay ran in the latest call: layer ->
+        (record, bytes an expert), those of the call's size whose records say they started
+        since the call began (another graph of that size may have streamed a layer).
+        Waits for the device."""
         recorded = self.recorded.get(self._tokens, {})
-        return {layer: held for layer, held in recorded.items() if layer not in self.ran}
+        if recorded:
+            torch.cuda.synchronize(self._state.device)
+        return {layer: held for layer, held in recorded.items()
+                if layer not in self.ran and held[0][1] >= self._began}
 
     @property
     def jobs_timed(self) -> tuple[int, int, float, float, float, float] | None:
@@ -349,14 +361,12 @@ class HostExperts:
         """Inside a capture under ``"auto"``: ``layer``'s experts at this call size are
         recorded as a host job (a host node of the graph), not streamed.  So where the rule
         keeps the host alone at this size (a split needs the device's share gathered, not
-        recorded yet), the kernel can be queued, no expert cache splits the layer, and a call
-        of this size outside the capture made the job's buffers (:class:`_Fixed`)."""
+        recorded yet), the kernel can be queued, and a call of this size outside the capture
+        made the job's buffers (:class:`_Fixed`).  The expert cache does not split a
+        recorded layer: the host computes every pick."""
         entry, jobs = self._layers.get(layer), self._jobs
         if not tokens or entry is None or jobs is None or not entry.queueable or \
                 (layer, tokens, k) not in jobs.fixed:
-            return False
-        routed = getattr(self._state, "routed", None)
-        if routed is not None and routed.usable and routed.cache_rows(layer) is not None:
             return False
         return self._predicted(entry, layer, tokens, k)[0] == 0
 
@@ -379,12 +389,13 @@ class HostExperts:
             self._call = None
 
     def queue(self, entry: HostWeights, layer: int, x, ids, gates,
-              device_part=None) -> torch.Tensor:
-        """``layer``'s host job queued on a stream (:class:`_StreamJobs`), its read counted."""
+              device_part=None, fix: bool = False) -> torch.Tensor:
+        """``layer``'s host job queued on a stream (:class:`_StreamJobs`), its read counted;
+        ``fix``: see :meth:`_StreamJobs.run`."""
         if self._jobs is None:
             self._jobs = _StreamJobs(native.library(), job_threads())
         began = time.monotonic_ns()     # the clock the jobs note (CLOCK_MONOTONIC)
-        out, record = self._jobs.run(entry, layer, x, ids, gates, device_part)
+        out, record = self._jobs.run(entry, layer, x, ids, gates, device_part, fix)
         if capturing():     # its replays run no Python: their reads come from the record
             self.recorded.setdefault(x.shape[0], {})[layer] = (record, entry.expert_bytes)
         else:
@@ -430,14 +441,20 @@ class HostExperts:
                 m: int) -> torch.Tensor:
         """The host job queued on a stream; where ``m`` (``"auto"``'s rule) or the expert
         cache give the device picks of its own, they split (:mod:`~fx_offload.host_compute.
-        split`), which needs the routed gather."""
+        split`), which needs the routed gather.  A capture records the host alone: every
+        pick on the host, the expert cache's too (it learns nothing from a replay)."""
+        if capturing():
+            return self.queue(entry, layer, x, ids, gates)
+        # under CUDA graphs a call of the host alone at the rule's size makes what its
+        # capture will record (records_on_host)
+        fix = not m and self.mode == "auto" and self._state.hook_copies.under_cuda_graphs
         routed = getattr(self._state, "routed", None)
         if routed is None or not routed.usable:
             m, where = 0, None
         else:
             where = routed.cache_rows(layer)
         if not m and where is None:
-            return self.queue(entry, layer, x, ids, gates)
+            return self.queue(entry, layer, x, ids, gates, fix=fix)
         self.ran[layer] = f"split {m}"
         keep = split.keep_on_device(ids, m, where)
         sentinel = torch.full_like(ids, entry.experts)
@@ -452,7 +469,7 @@ class HostExperts:
             module = entry.module
             return split.device_experts(x, ids_device, gates, module.gate_up_proj,
                                         module.down_proj, keep)
-        return self.queue(entry, layer, x, ids_host, gates, device_part)
+        return self.queue(entry, layer, x, ids_host, gates, device_part, fix=fix)
 
     def _plan(self, entry: HostWeights, layer: int, tokens: int, k: int) -> int:
         """How many of each token's ``k`` picks the device computes: the rule's
