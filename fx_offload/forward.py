@@ -68,12 +68,10 @@ class CompiledForward:
 
     # A compile around the model (transformers' ``generate`` compiles ``model.__call__`` for
     # a static cache on CUDA) would trace through this call and drop our backend: its graph
-    # then reads each offloaded layer through the eager hooks, whole.  It breaks here
-    # instead, and our compiled forward runs as it is.
+    # then reads each offloaded layer through the eager hooks, whole.  It runs this call as
+    # it is instead (with fullgraph=True too), and our compiled forward with it.
     @torch._dynamo.disable(reason="fx_offload: model.forward is compiled by compile_forward "
-                           "with its own backend; a compile around the model must allow a "
-                           "graph break here (fullgraph=False), or be left out (generate("
-                           "..., disable_compile=True))")
+                           "with its own backend; a compile around the model runs it as it is")
     def __call__(self, *args, **kwargs):
         return self.compiled(*args, **kwargs)
 

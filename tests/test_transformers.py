@@ -170,13 +170,14 @@ def test_greedy_generate_with_a_static_cache():
     assert state.stats["prefetches"] > 0 and state.stats["sync_loads"] == 0
 
 
-def test_generates_own_compile_of_the_decode_steps_keeps_compile_forwards_graphs():
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_generates_own_compile_of_the_decode_steps_keeps_compile_forwards_graphs(fullgraph):
     """With a static cache on CUDA, ``generate`` compiles ``model.__call__`` itself (forced
     here on the CPU).  That compile traced through the callable that compile_forward sets as
     the forward (for deepcopy) into the compiled forward, whose backend it then dropped:
     every decode step loaded each offloaded layer whole through the eager hooks (9 times
-    slower on an H200, with the right tokens) and host compute never ran.  It now breaks at
-    that callable, and the forward's own graphs run."""
+    slower on an H200, with the right tokens) and host compute never ran.  It now runs that
+    callable as it is (``fullgraph=True`` too), and with it the forward's own graphs."""
     transformers = pytest.importorskip("transformers")
     from helpers import small_moe
     model, reference = small_moe("qwen3_moe").eval(), small_moe("qwen3_moe").eval()
@@ -185,7 +186,7 @@ def test_generates_own_compile_of_the_decode_steps_keeps_compile_forwards_graphs
     fx_offload.compile_forward(model, dynamic=False, group_size=1, num_in_group=1,
                                experts="routed", host_compute="always",
                                inner_backend="aot_eager")
-    config = transformers.CompileConfig(backend="aot_eager", mode=None)
+    config = transformers.CompileConfig(backend="aot_eager", mode=None, fullgraph=fullgraph)
     config._compile_all_devices = True      # (generate compiles on CUDA alone otherwise)
     ids = torch.randint(0, 256, (1, 8))
     kwargs = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False,
