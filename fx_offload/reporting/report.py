@@ -182,10 +182,10 @@ class Report:
 
 
 def _host_line(ran: dict[int, str], read: int) -> str:
-    where = {place: [layer for layer, r in ran.items() if r == place] for place in
-             ("host", "device", "host (CUDA graph)")}
-    replayed = where.pop("host (CUDA graph)")
-    where["host"] += replayed
+    hosted = ("host", "host (CUDA graph)")
+    where = {"host": [layer for layer, r in ran.items() if r in hosted],
+             "device": [layer for layer, r in ran.items() if r == "device"]}
+    replayed = [layer for layer, r in ran.items() if r == "host (CUDA graph)"]
     split = {layer: r.split()[1] for layer, r in ran.items() if r.startswith("split ")}
     line = ("  host compute: the last call computed the experts or MLPs of layers "
             f"{where['host'] + list(split)} on the host (reading {format_bytes(read)} of host "
@@ -198,7 +198,7 @@ def _host_line(ran: dict[int, str], read: int) -> str:
                  "cache holds): " + ", ".join(f"layer {layer} {m}" for layer, m in
                                                split.items()))
     streamed = {layer: r for layer, r in ran.items()
-                if r not in where and r != "host (CUDA graph)" and layer not in split}
+                if r not in (*hosted, "device") and layer not in split}
     if streamed:
         line += "; " + "; ".join(f"layer {layer} {r}" for layer, r in streamed.items())
     return line

@@ -147,28 +147,23 @@ class _StreamJobs:
                 "y": (T * H, f32, True), "floats": (floats, f32, False),
                 "ints": (ints, i64, False)}
 
-    def fixed_for(self, layer: int, x, ids) -> _Fixed | None:
-        """What a capture of ``layer``'s job at this call's size records, if an earlier
-        call outside a capture made it."""
-        return self.fixed.get((layer, x.shape[0], ids.shape[1]))
-
     def run(self, entry, layer: int, x, ids, gates, device_part=None, fix: bool = False):
         """Queue ``layer``'s host job for ``x``, ``ids``, ``gates`` on a stream of its own and
         return (its result on the compute stream, plus ``device_part()`` (an fp32 (T, H)
         the compute stream makes meanwhile; :mod:`~fx_offload.host_compute.split`), the
-        job's record).  Inside a capture the job is :meth:`fixed_for`'s (the caller checked
-        it is there); ``fix``: a call outside a capture makes what a capture of its size
-        would record, if not made yet."""
+        job's record).  Inside a capture the job is the :class:`_Fixed` of its layer and
+        size (the caller checked it is there); ``fix``: a call outside a capture makes what
+        a capture of its size would record, if not made yet."""
         main = torch.cuda.current_stream(x.device)
         side = self._side(x.device)
         (T, H), k = x.shape, ids.shape[1]
         gate_up, down = entry.gate_up, entry.down
-        fixed = self.fixed_for(layer, x, ids) if capturing() else None
+        sizes = self._sizes(entry, x, ids)
+        fixed = self.fixed[(layer, T, k)] if capturing() else None
         if fix and fixed is None and T * k <= self.FIXED_PAIRS and \
                 (layer, T, k) not in self.fixed:
-            self.fixed[(layer, T, k)] = _Fixed(self._sizes(entry, x, ids))
+            self.fixed[(layer, T, k)] = _Fixed(sizes)
         buffer = self.buffer if fixed is None else fixed.buffer
-        sizes = self._sizes(entry, x, ids)
         # converted on the compute stream into temporaries the side stream is recorded to
         # use (the caching allocator hands them to no one else before it is done).  None
         # is kept: a device buffer made in a warm-up under CUDA graphs would be a live
@@ -363,10 +358,10 @@ class HostExperts:
         keeps the host alone at this size (a split needs the device's share gathered, not
         recorded yet), the kernel can be queued, and a call of this size outside the capture
         made the job's buffers (:class:`_Fixed`).  The expert cache does not split a
-        recorded layer: the host computes every pick."""
+        recorded layer: the host computes every pick.  (Only the queued path on a CUDA
+        device makes those buffers, so their presence says the kernel can be queued.)"""
         entry, jobs = self._layers.get(layer), self._jobs
-        if not tokens or entry is None or jobs is None or not entry.queueable or \
-                (layer, tokens, k) not in jobs.fixed:
+        if not tokens or entry is None or jobs is None or (layer, tokens, k) not in jobs.fixed:
             return False
         return self._predicted(entry, layer, tokens, k)[0] == 0
 
@@ -418,9 +413,7 @@ class HostExperts:
             return laid_out_as(x, entry.module(x, ids, gates))
         # (a capture under "auto" records the host alone or streams: records_on_host)
         if capturing() and self.mode == "auto":
-            queueable = x.device.type == "cuda" and x.dim() == 2 and ids.dim() == 2 and \
-                native.library() is not None
-            m = 0 if queueable and self.records_on_host(layer, tokens, k) else k
+            m = 0 if self.records_on_host(layer, tokens, k) else k
         else:
             m = self._plan(entry, layer, tokens, k)
         host = m < k
