@@ -73,6 +73,10 @@ def test_always_gives_the_models_logits_and_copies_no_mlp_weight(family, inner):
             "passed between them") in str(timed)
     assert ("the Python thread took 0.60 ms to queue one and launched it 2.10 ms before it "
             "began (medians") in str(timed)
+    replayed = dataclasses.replace(rep, host_jobs_last_call=(8, 2_800_000_000, 0.022, 0.036,
+                                                             None, None))
+    assert str(replayed).count("a CUDA graph's replay launched them (no Python between") == 1
+    assert "Python thread took" not in str(replayed)
     # each of the three weights is a chunk of its own (none shares a copy with a norm)
     chunks = registry.state_for_model(model).learned.layout[1]
     assert [c.suffixes for c in chunks[-3:]] == [

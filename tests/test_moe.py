@@ -270,14 +270,17 @@ def test_routed_experts_inside_cuda_graphs():
 
 @pytest.mark.cuda
 def test_routed_experts_recorded_as_host_jobs_inside_cuda_graphs(monkeypatch):
-    """reduce-overhead with host_compute="auto" where its rule keeps the host alone (forced
-    here): the decode graph records each layer's experts as a host job (a host node of the
+    """reduce-overhead with host_compute="auto" where its rule finds the host alone faster
+    than streaming (forced here): the decode graph records each layer's experts as a host job (a host node of the
     graph), and every replay computes the experts its own ids pick on the host.  Logits as
     the model's (the host sums in fp32, in another order: 1e-4), no expert byte crosses the
     link, the replays' host reads counted from their jobs' records, and the report says the
     experts ran on the host in a CUDA graph."""
     from fx_offload.host_compute import split
-    monkeypatch.setattr(split, "device_picks", lambda *args: 0)
+    # the rule splits, which a capture cannot record: it takes the host alone, faster than
+    # streaming by the rule's times
+    monkeypatch.setattr(split, "device_picks", lambda *args: 1)
+    monkeypatch.setattr(split, "layer_seconds", lambda m, tokens, k, *rest: float(m == k))
     model = build("qwen3_moe", "batched_mm").eval().cuda()
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend="prefetch_offload", options={
@@ -307,6 +310,10 @@ def test_routed_experts_recorded_as_host_jobs_inside_cuda_graphs(monkeypatch):
                          for c in state.contents.chunks(layer)
                          if not state.routed.gathers(layer, c))
             assert 0 < rep.copied_bytes_last_call <= others, (i, rep.copied_bytes_last_call)
+            # the replay's jobs timed from their records, launched by no Python
+            count, nbytes, ran, span, queueing, ahead = rep.host_jobs_last_call
+            assert (count, nbytes, queueing, ahead) == (4, 2 * experts, None, None), i
+            assert 0 < ran <= span and "a CUDA graph's replay launched them" in str(rep)
 
 
 @pytest.mark.cuda

@@ -63,11 +63,12 @@ class Report:
     # bytes of host memory the latest call's host-computed experts and MLPs read in place
     # (beside copied_bytes_last_call, what crossed the link)
     host_read_bytes_last_call: int = 0
-    # the latest call's host jobs queued on the stream: (how many, bytes they read, seconds
+    # the latest call's host jobs queued on the stream or replayed: (how many, bytes they read, seconds
     # they ran, seconds from the first one's start to the last one's end, the Python
     # thread's median seconds to queue one, the median seconds from a job's launch to its
-    # start); None: none queued
-    host_jobs_last_call: tuple[int, int, float, float, float, float] | None = None
+    # start; both None where a CUDA graph's replay ran them all); None: none ran
+    host_jobs_last_call: tuple[int, int, float, float, float | None,
+                               float | None] | None = None
     # host_compute="auto": per call size (tokens), the timed calls' medians and what stays
     # (host_compute.trial), in words
     host_timing: dict[int, str] = dataclasses.field(default_factory=dict)
@@ -204,15 +205,17 @@ def _host_line(ran: dict[int, str], read: int) -> str:
     return line
 
 
-def _jobs_line(count: int, nbytes: int, ran: float, span: float, queueing: float,
-               ahead: float) -> str:
+def _jobs_line(count: int, nbytes: int, ran: float, span: float, queueing: float | None,
+               ahead: float | None) -> str:
     rate = f", reading {nbytes / ran / 1e9:.1f} GB/s" if ran > 0 else ""
-    return (f"    its {count} host job(s) on the stream ran {ran * 1e3:.2f} ms{rate}; "
+    line = (f"    its {count} host job(s) on the stream ran {ran * 1e3:.2f} ms{rate}; "
             f"{max(span - ran, 0.0) * 1e3:.2f} ms passed between them (the device's work "
-            "between them, the round trips, and any wait for the Python thread's launches); "
-            f"the Python thread took {queueing * 1e3:.2f} ms to queue one and launched it "
-            f"{ahead * 1e3:.2f} ms before it began (medians; near 0: the thread's launches "
-            "pace the jobs)")
+            "between them, the round trips, and any wait for the Python thread's launches); ")
+    if queueing is None:
+        return line + "a CUDA graph's replay launched them (no Python between them)"
+    return line + (f"the Python thread took {queueing * 1e3:.2f} ms to queue one and "
+                   f"launched it {ahead * 1e3:.2f} ms before it began (medians; near 0: the "
+                   "thread's launches pace the jobs)")
 
 
 def _ran_on(state) -> dict[int, str]:

@@ -265,6 +265,8 @@ class HostExperts:
         if self.mode == "auto" and tokens and self._k and self._layers:
             layer, entry = next(iter(self._layers.items()))
             plan, *seconds = self._predicted(entry, layer, tokens, self._k)
+            if self._state.hook_copies.under_cuda_graphs:
+                plan = self._graphed(entry, layer, tokens, self._k)
             device = self._state.device
             # (under CUDA graphs a call may be a replay, which runs what was recorded: the
             # rule decides, untimed)
@@ -318,24 +320,30 @@ class HostExperts:
                 if layer not in self.ran and held[0][1] >= self._began}
 
     @property
-    def jobs_timed(self) -> tuple[int, int, float, float, float, float] | None:
-        """The latest call's jobs queued on the stream: (how many, bytes they read, seconds
-        they ran, seconds from the first one's start to the last one's end, the median
-        seconds the Python thread took to launch one, the median seconds from its launch to
-        its start), None where none was queued; waits for them.  They run one after another
-        on one stream, so the span less the time they ran is the time the host's cores
-        waited between them; a job that begins as soon as it is launched waited for the
-        Python thread (both clocks are the host's monotonic clock)."""
+    def jobs_timed(self) -> tuple[int, int, float, float, float | None,
+                                  float | None] | None:
+        """The latest call's host jobs, queued on the stream or replayed from a CUDA graph:
+        (how many, bytes they read, seconds they ran, seconds from the first one's start
+        to the last one's end, the median seconds the Python thread took to launch one, the
+        median seconds from its launch to its start), None where none ran; waits for them.
+        They run one after another on one stream, so the span less the time they ran is
+        the time the host's cores waited between them; a job that begins as soon as it is
+        launched waited for the Python thread (both clocks are the host's monotonic clock).
+        A replay launches its jobs without Python: the last two are None where every job
+        was replayed."""
         self.synchronize()
         done = [(r[0] * size, r[1], r[2], began, queued)
                 for r, size, began, queued in self._queued_reads if r[2] >= r[1] > 0]
+        done += [(r[0] * size, r[1], r[2], None, None)
+                 for r, size in self._replayed().values() if r[2] >= r[1] > 0]
         if not done:
             return None
+        launched = [(g, q, b) for _, b, _, g, q in done if g is not None]
         return (len(done), sum(n for n, *_ in done),
                 sum(e - b for _, b, e, _, _ in done) / 1e9,
                 (max(e for _, _, e, _, _ in done) - min(b for _, b, _, _, _ in done)) / 1e9,
-                statistics.median(q - g for *_, g, q in done) / 1e9,
-                statistics.median(b - q for _, b, _, _, q in done) / 1e9)
+                statistics.median(q - g for g, q, _ in launched) / 1e9 if launched else None,
+                statistics.median(b - q for _, q, b in launched) / 1e9 if launched else None)
 
     def skips(self, layer: int, chunk) -> bool:
         """The prefetch of ``layer``'s ``chunk`` copies nothing: its experts, or its dense
@@ -363,7 +371,16 @@ class HostExperts:
         entry, jobs = self._layers.get(layer), self._jobs
         if not tokens or entry is None or jobs is None or (layer, tokens, k) not in jobs.fixed:
             return False
-        return self._predicted(entry, layer, tokens, k)[0] == 0
+        return self._graphed(entry, layer, tokens, k) == 0
+
+    def _graphed(self, entry: HostWeights, layer: int, tokens: int, k: int) -> int:
+        """``"auto"``'s plan under CUDA graphs: 0 (the host alone) or ``k`` (streamed),
+        whichever the rule predicts faster.  A split is no choice there: its device share
+        needs the routed gather, which a capture does not record with a host job, so a
+        rule that would split (say, where the host reads slower than the link) would
+        otherwise stream a layer the host alone beats."""
+        _, _, host, streamed = self._predicted(entry, layer, tokens, k)
+        return 0 if host < streamed else k
 
     @property
     def state(self):
@@ -469,6 +486,8 @@ class HostExperts:
         (:func:`~fx_offload.host_compute.split.device_picks`), or the timer's plan."""
         if self.mode == "always":
             return 0
+        if self._state.hook_copies.under_cuda_graphs:    # what a capture of it records
+            return self._graphed(entry, layer, tokens, k)
         if self._call is not None and self._call[0] != tokens:
             # the call's first argument miscounted its tokens: this call is not timed
             self.timer.discard()
