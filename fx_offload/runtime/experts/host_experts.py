@@ -20,8 +20,9 @@ function becomes a host node of the graph, and every replay runs the job with no
 between the layers.  A recorded job takes buffers, job arguments and a record of its own
 (:class:`_Fixed`), made at an earlier call of the same size outside the capture (the
 warm-up every CUDA graph runs first), for its graph's replays to find in place.  What
-``"auto"`` records on the host: where its rule keeps the host alone for the call's size
-(:meth:`HostExperts.records_on_host`); elsewhere the capture streams the experts.
+``"auto"`` records on the host: where its rule finds the host alone faster than streaming
+for the call's size (:meth:`HostExperts.records_on_host`; a split is no choice there);
+elsewhere the capture streams the experts.
 
 Elsewhere (a CPU device, another layout, no C compiler) :meth:`HostExperts.on_host` stages,
 waits for the stream once, computes and copies back.  A call predicted to run on the host
@@ -363,8 +364,8 @@ class HostExperts:
     def records_on_host(self, layer: int, tokens: int | None, k: int) -> bool:
         """Inside a capture under ``"auto"``: ``layer``'s experts at this call size are
         recorded as a host job (a host node of the graph), not streamed.  So where the rule
-        keeps the host alone at this size (a split needs the device's share gathered, not
-        recorded yet), the kernel can be queued, and a call of this size outside the capture
+        finds the host alone faster than streaming at this size (:meth:`_graphed`), the
+        kernel can be queued, and a call of this size outside the capture
         made the job's buffers (:class:`_Fixed`).  The expert cache does not split a
         recorded layer: the host computes every pick.  (Only the queued path on a CUDA
         device makes those buffers, so their presence says the kernel can be queued.)"""
