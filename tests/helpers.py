@@ -63,15 +63,17 @@ SMALL_HF = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_
                 num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
 
 
-def small_moe(name: str, impl: str = "grouped_mm"):
+def small_moe(name: str, impl: str = "grouped_mm", **smaller):
     """``name`` (qwen3_moe, mixtral, qwen2_moe, deepseek_v3) of 4 small layers, its experts
-    computed by transformers' ``impl``, seeded."""
+    computed by transformers' ``impl``, seeded; ``smaller``: qwen3_moe's config entries
+    set otherwise (fewer layers or experts, where a test compiles many frames)."""
     transformers = pytest.importorskip("transformers", reason="install the test extra")
     torch.manual_seed(0)
     kw = dict(SMALL_HF, experts_implementation=impl)
     if name == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(**kw, moe_intermediate_size=32, num_experts=16,
-                                             num_experts_per_tok=2)
+        config = transformers.Qwen3MoeConfig(**(kw | dict(moe_intermediate_size=32,
+                                                          num_experts=16,
+                                                          num_experts_per_tok=2) | smaller))
         return transformers.Qwen3MoeForCausalLM(config)
     if name == "mixtral":
         config = transformers.MixtralConfig(**kw, num_local_experts=8, num_experts_per_tok=2)

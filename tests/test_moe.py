@@ -421,7 +421,8 @@ def test_the_eager_experts_loop_offloads_with_a_warning_naming_the_implementatio
     model is still offloaded (its layers loaded synchronously, whole), outputs equal the
     model without offloading, and the warning names the implementations that compile."""
     import logging
-    model = build("qwen3_moe", "eager").eval()
+    # (2 layers of 4 experts: the loop's graph breaks compile a frame per expert hit)
+    model = build("qwen3_moe", "eager", num_hidden_layers=2, num_experts=4).eval()
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend="prefetch_offload",
                              options={"inner_backend": "aot_eager"})
@@ -439,7 +440,7 @@ def test_the_eager_experts_loop_offloads_with_a_warning_naming_the_implementatio
     # generate through compile_forward(dynamic=True): Dynamo traces a layer's frame again
     # (a restart for its dynamic scalars), and the warning still comes once
     caplog.clear()
-    model = build("qwen3_moe", "eager").eval()
+    model = build("qwen3_moe", "eager", num_hidden_layers=2, num_experts=4).eval()
     reference = copy.deepcopy(model)
     fx_offload.compile_forward(model, dynamic=True, inner_backend="aot_eager")
     with caplog.at_level(logging.WARNING, logger="fx_offload"), torch.no_grad():
