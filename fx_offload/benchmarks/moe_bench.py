@@ -48,6 +48,7 @@ import os
 import torch
 
 from .. import backend, compile_forward, registry, report
+from ..reporting.report import jobs_line
 from .bench import gather_bandwidth, h2d_bandwidth
 from .common import (add_flags, add_generate_arguments, build_random, fastest_host_read,
                      plain_read_rate, unavailable, with_accelerate)
@@ -166,6 +167,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {name}, batch {b}: prefill {rows[(name, b)][0]:.1f} ms, decode "
                   f"{rows[(name, b)][1]:.2f} ms/token", flush=True)   # (a row takes minutes)
             moved[(name, b)] = _step_bytes(model)
+            jobs = report(model).host_jobs_last_call
+            if jobs is not None:    # (the report after the row holds the last batch's only)
+                print(f"  batch {b}, the last step: {jobs_line(*jobs).strip()}",
+                      flush=True)
             if args.profile:
                 _profile(model, prompts[b][0], extra)
         print(report(model), flush=True)

@@ -146,7 +146,7 @@ class Report:
         if self.ran_on:
             lines.append(_host_line(self.ran_on, self.host_read_bytes_last_call))
             if self.host_jobs_last_call:
-                lines.append(_jobs_line(*self.host_jobs_last_call))
+                lines.append(jobs_line(*self.host_jobs_last_call))
             for tokens, timing in self.host_timing.items():
                 lines.append(f"    'auto' at {tokens} token(s) a call: {timing}")
         if self.planner is not None:
@@ -205,8 +205,10 @@ def _host_line(ran: dict[int, str], read: int) -> str:
     return line
 
 
-def _jobs_line(count: int, nbytes: int, ran: float, span: float, queueing: float | None,
-               ahead: float | None) -> str:
+def jobs_line(count: int, nbytes: int, ran: float, span: float, queueing: float | None,
+              ahead: float | None) -> str:
+    """``host_jobs_last_call`` in words (the report's line; the ``moe`` benchmark prints it
+    per batch)."""
     rate = f", reading {nbytes / ran / 1e9:.1f} GB/s" if ran > 0 else ""
     line = (f"    its {count} host job(s) on the stream ran {ran * 1e3:.2f} ms{rate}; "
             f"{max(span - ran, 0.0) * 1e3:.2f} ms passed between them (the device's work "
