@@ -449,13 +449,16 @@ def test_on_a_gpu_auto_splits_a_layers_picks_between_device_and_host(monkeypatch
 
 
 @pytest.mark.parametrize("host_faster", [True, False])
-def test_under_cuda_graphs_auto_takes_the_host_alone_or_streams_never_a_split(host_faster):
+def test_under_cuda_graphs_auto_takes_the_host_alone_or_streams_never_a_split(host_faster,
+                                                                              monkeypatch):
     """A CUDA graph records a layer's experts as a host job or streams them, never a split
     (its device share needs the routed gather): under mode="reduce-overhead" "auto" takes
     the faster of the host alone and streaming, by the rule's own times, where the rule
     would split (once a 1.75x slower decode: the capture streamed the split layers).  The
     GPU test of the capture: test_moe's ..._recorded_as_host_jobs_inside_cuda_graphs."""
+    from fx_offload.host_compute import native
     from fx_offload.runtime.experts.host_experts import HostExperts
+    monkeypatch.setattr(native, "library", lambda: object())    # (a C compiler)
     alone, streamed = (1.0, 2.0) if host_faster else (2.0, 1.0)
     # the rule's (m, seconds with m, with 0, with k): it would split, 1 pick on the device
     runtime = types.SimpleNamespace(
@@ -463,14 +466,19 @@ def test_under_cuda_graphs_auto_takes_the_host_alone_or_streams_never_a_split(ho
         _state=types.SimpleNamespace(hook_copies=types.SimpleNamespace(
             under_cuda_graphs=True)))
     runtime._graphed = types.MethodType(HostExperts._graphed, runtime)
+    entry = types.SimpleNamespace(queueable=True)
     want = 0 if host_faster else 8
-    assert runtime._graphed(None, 3, 1, 8) == want
+    assert runtime._graphed(entry, 3, 1, 8) == want
     # a call under CUDA graphs outside a capture (the warm-up that makes a recorded job's
     # buffers) plans the same
-    assert HostExperts._plan(runtime, None, 3, 1, 8) == want
+    assert HostExperts._plan(runtime, entry, 3, 1, 8) == want
+    # a size no capture records as a host job (more than 64 token picks), or a layout the
+    # queued kernel does not take, streams as its capture does
+    assert runtime._graphed(entry, 3, 9, 8) == 8
+    assert runtime._graphed(types.SimpleNamespace(queueable=False), 3, 1, 8) == 8
     runtime._state.hook_copies.under_cuda_graphs = False
     assert HostExperts._plan(types.SimpleNamespace(**vars(runtime), _call=None),
-                             None, 3, 1, 8) == 1
+                             entry, 3, 1, 8) == 1
 
 
 def test_the_read_probe_reads_more_than_a_cache_holds_through_a_job_thread(monkeypatch):

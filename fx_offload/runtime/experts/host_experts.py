@@ -379,7 +379,13 @@ class HostExperts:
         whichever the rule predicts faster.  A split is no choice there: its device share
         needs the routed gather, which a capture does not record with a host job, so a
         rule that would split (say, where the host reads slower than the link) would
-        otherwise stream a layer the host alone beats."""
+        otherwise stream a layer the host alone beats.  A size a capture cannot record as
+        a host job (more token picks than :attr:`_StreamJobs.FIXED_PAIRS`, a layout the
+        queued kernel does not take, no C compiler) streams, as its capture does, so that
+        the prefetches the hooks begin match what the graph recorded."""
+        if tokens * k > _StreamJobs.FIXED_PAIRS or not entry.queueable or \
+                native.library() is None:
+            return k
         _, _, host, streamed = self._predicted(entry, layer, tokens, k)
         return 0 if host < streamed else k
 
