@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import fx_offload
 from fx_offload.host_compute import attention as kernel
-from fx_offload.kv import attention, kv_ops, runtime_of
+from fx_offload.kv import host_attention, kv_ops, runtime_of
 
 transformers = pytest.importorskip("transformers", reason="install the test extra")
 
@@ -328,7 +328,7 @@ def test_auto_on_a_cpu_device_keeps_the_attention_on_the_device():
 
 
 def _found(rows):
-    return attention.Found(None, [], None, None, None, rows)
+    return host_attention.Found(None, [], None, None, None, rows)
 
 
 @pytest.mark.parametrize("mode, torch_mode, rows, device, why", [
@@ -344,7 +344,7 @@ def test_the_choice_and_its_reasons(monkeypatch, mode, torch_mode, rows, device,
     monkeypatch.setattr(kernel, "library", lambda: object())
     options = types.SimpleNamespace(host_compute=mode, mode=torch_mode)
     runtime = types.SimpleNamespace(device=torch.device(device))
-    got = attention.choose(options, runtime, {0: _found(rows), 1: "its heads are wider"})
+    got = host_attention.choose(options, runtime, {0: _found(rows), 1: "its heads are wider"})
     assert got[1] == "streamed: its heads are wider"
     assert got[0] == "host" if why is None else (got[0].startswith("streamed: ") and
                                                  why in got[0])
@@ -363,7 +363,7 @@ def test_auto_weighs_the_kernels_measured_rate_against_the_link(monkeypatch, hos
         read_rate=90e9, flop_rate=1e12, latency=1e-4, link_rate=55e9))
     options = types.SimpleNamespace(host_compute="auto", mode="default")
     runtime = types.SimpleNamespace(device=torch.device("cuda"))
-    got = attention.choose(options, runtime, {0: _found(4)})
+    got = host_attention.choose(options, runtime, {0: _found(4)})
     assert (got[0] == "host") == hosted
     if not hosted:
         assert "reads the cache at 50 GB/s, not 1.2x the link's 55 GB/s" in got[0]
@@ -383,7 +383,7 @@ def test_always_without_a_c_compiler_is_refused(monkeypatch):
     options = types.SimpleNamespace(host_compute="always", mode="default")
     runtime = types.SimpleNamespace(device=torch.device("cpu"))
     with pytest.raises(fx_offload.OffloadError, match="needs a C compiler"):
-        attention.choose(options, runtime, {0: _found(1)})
+        host_attention.choose(options, runtime, {0: _found(1)})
 
 
 @pytest.mark.cuda

@@ -21,7 +21,7 @@ from torch._dynamo.utils import counters
 from .. import registry
 from ..errors import OffloadError
 from ..passes.frame import pass_frame
-from . import attention, cache, kv_ops, reroute, verify_reroute
+from . import cache, host_attention, kv_ops, reroute, verify_reroute
 from .runtime import HostKV, summary
 
 log = logging.getLogger("fx_offload")
@@ -111,10 +111,10 @@ def run_kv_pass(gm, example_inputs, options) -> list[int]:
                 "the model (model(...), generate), not model.forward directly",
                 where="kv_cache='host'")
         return []
-    found = {kl.layer: attention.find(kl) for kl in layers}
-    chosen = attention.choose(options, runtime, found)
-    runtime.attention.rows = attention.rows_for(options.host_compute)
-    runtime.hosting[attention.call_tokens(gm)] = chosen
+    found = {kl.layer: host_attention.find(kl) for kl in layers}
+    chosen = host_attention.choose(options, runtime, found)
+    runtime.attention.rows = host_attention.rows_for(options.host_compute)
+    runtime.hosting[host_attention.call_tokens(gm)] = chosen
     hosted = {layer: found[layer] for layer, where in chosen.items() if where == "host"}
     with pass_frame("fx_offload_kv", gm, "kv_pass_us"):
         reroute.apply(gm, runtime, layers, hosted)

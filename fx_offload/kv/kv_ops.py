@@ -11,7 +11,7 @@
         valid length; -1 and ``[]``: none)
     kv_attend(anchor, query, key, value, index, keys, values, mask, h, layer, scale) -> out
         in place of the two writes and the attention that reads the cache, for a layer whose
-        attention runs on the host (:mod:`.attention`): the tokens written at ``index``
+        attention runs on the host (:mod:`.host_attention`): the tokens written at ``index``
         straight into the host cache, the attention's output returned
     kv_join(acts, h)
         before the graph's output, tied to the outputs: every write-back has landed

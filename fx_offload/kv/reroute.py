@@ -10,7 +10,7 @@ whole cache::
     V.index_copy_(2, idx, v)                                  h, L, L2)
     attn(q, K[...], V[...])                    attn(q, kv[0][...], kv[1][...])
 
-or, for a layer whose attention runs on the host (:mod:`.attention`), both writes and the
+or, for a layer whose attention runs on the host (:mod:`.host_attention`), both writes and the
 attention become one ``kv_attend``, and the layer takes no slot;
 
 and at the top of the graph and before its output::
@@ -40,7 +40,7 @@ from torch import fx
 
 from ..errors import OffloadError
 from ..graph_inputs import storage_of, value_of
-from . import attention, kv_ops
+from . import host_attention, kv_ops
 
 log = logging.getLogger("fx_offload")
 _INDEX_COPY = {torch.Tensor.index_copy_, torch.ops.aten.index_copy_.default}
@@ -141,7 +141,7 @@ def _assign_targets(runtime, layers: list[KVLayer]) -> list[KVLayer]:
 
 def apply(gm: fx.GraphModule, runtime, layers: list[KVLayer],
           attended: dict | None = None) -> None:
-    """``attended``: layer -> :class:`.attention.Found`, the layers whose attention runs on
+    """``attended``: layer -> :class:`.host_attention.Found`, the layers whose attention runs on
     the host (one ``kv_attend`` each; they take no slot)."""
     graph = gm.graph
     attended = attended or {}
@@ -161,7 +161,7 @@ def apply(gm: fx.GraphModule, runtime, layers: list[KVLayer],
             [kl.pos for kl in begun], runtime.handle, [kl.layer for kl in begun])), None)
     last_update = None
     for kl in hosted:
-        last_update = attention.rewrite(graph, kl, attended[kl.layer], anchor,
+        last_update = host_attention.rewrite(graph, kl, attended[kl.layer], anchor,
                                         runtime.handle, kv_ops.ATTEND)
     order = {n: i for i, n in enumerate(graph.nodes)}
     for kl in layers:

@@ -37,7 +37,7 @@ import weakref
 import torch
 
 from . import copies
-from .attention import HostAttention
+from .host_attention import HostAttention
 from .next_call import BeforeReplay, NextCall
 from .kv_slots import KVSlots
 
@@ -228,7 +228,7 @@ class HostKV:
                 "model.forward directly, so that the hook puts each cache on the host")
 
     def attend(self, layer: int, query, key, value, index, keys, values, mask, scale):
-        """``layer``'s step with its attention on the host (:mod:`.attention`)."""
+        """``layer``'s step with its attention on the host (:mod:`.host_attention`)."""
         self._check_owner(layer, keys)
         out = self.attention.run(self, layer, query, key, value, index, keys, values, mask,
                                  scale)
