@@ -237,8 +237,13 @@ def test_a_moe_model_with_dense_layers_hosts_both_kinds():
     state = registry.state_for_model(model)
     assert list(state.choice.mlps) == [1] and 3 in state.choice.experts
     assert fx_offload.report(model).ran_on == {1: "host", 3: "host"}
-    assert "layer 1: a host_mlp op (its MLP); layer 3: a host_experts op" in \
-        explain(reference, torch.zeros(1, 2, dtype=torch.long), **ALWAYS).plan_text()
+    shown = explain(reference, torch.zeros(1, 2, dtype=torch.long), **ALWAYS)
+    assert "layer 1: a host_mlp op (its MLP); layer 3: a host_experts op" in shown.plan_text()
+    assert "under CUDA graphs" not in shown.plan_text()
+    # a CUDA model compiled with reduce-overhead (no CUDA here): what a graph records
+    object.__setattr__(shown.choice, "under_cuda_graphs", True)
+    assert "under CUDA graphs: a host_experts op is recorded as a host job" in \
+        shown.plan_text()
 
 
 def test_the_host_runtime_goes_with_the_model_without_a_garbage_collection():

@@ -118,6 +118,11 @@ class Explanation:
                 f"layer {layer}: " + (why if why != "host" else "a host_mlp op (its MLP)"
                                       if layer in self.choice.mlps else "a host_experts op")
                 for layer, why in sorted(self.learned.hosting.items()))]
+        if hosting and choice.under_cuda_graphs:
+            hosting.append("  under CUDA graphs: a host_experts op is recorded as a host job "
+                           "(a host node) where the host alone is predicted faster than "
+                           "streaming at the call's size, else its experts stream in the "
+                           "graph; a host_mlp op streams (report(model) says where each ran)")
         return "\n".join(head + [""] + render_table(self.plan_rows()) + [""] + params
                          + hosting + planner) + "\n"
 
