@@ -277,7 +277,7 @@ def test_an_attention_scale_given_per_call_is_right_at_each_value():
                                   cache_position=torch.arange(start, start + n)).logits[:, -1]
                 step[m] = logits[m].argmax(-1, keepdim=True)
             torch.testing.assert_close(logits[model], logits[eager], rtol=1e-5, atol=1e-5)
-            print("ATT", scale, position, fx_offload.report(model).kv["attended"]); assert fx_offload.report(model).kv["attended"] == [0, 1]
+            assert fx_offload.report(model).kv["attended"] == [0, 1], (scale, position)
         results.append(logits[eager])
     assert not torch.allclose(results[0], results[1])
 

@@ -271,11 +271,11 @@ def test_routed_experts_inside_cuda_graphs():
 @pytest.mark.cuda
 def test_routed_experts_recorded_as_host_jobs_inside_cuda_graphs(monkeypatch):
     """reduce-overhead with host_compute="auto" where its rule finds the host alone faster
-    than streaming (forced here): the decode graph records each layer's experts as a host job (a host node of the
-    graph), and every replay computes the experts its own ids pick on the host.  Logits as
-    the model's (the host sums in fp32, in another order: 1e-4), no expert byte crosses the
-    link, the replays' host reads counted from their jobs' records, and the report says the
-    experts ran on the host in a CUDA graph."""
+    than streaming (forced here): the decode graph records each layer's experts as a host
+    job (a host node of the graph), and every replay computes the experts its own ids pick
+    on the host.  Logits as the model's (the host sums in fp32, in another order: 1e-4), no
+    expert byte crosses the link, the replays' host reads counted from their jobs' records,
+    and the report says the experts ran on the host in a CUDA graph."""
     from fx_offload.host_compute import split
     # the rule splits, which a capture cannot record: it takes the host alone, faster than
     # streaming by the rule's times

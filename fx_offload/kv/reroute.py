@@ -10,8 +10,8 @@ whole cache::
     V.index_copy_(2, idx, v)                                  h, L, L2)
     attn(q, K[...], V[...])                    attn(q, kv[0][...], kv[1][...])
 
-or, for a layer whose attention runs on the host (:mod:`.host_attention`), both writes and the
-attention become one ``kv_attend``, and the layer takes no slot;
+or, for a layer whose attention runs on the host (:mod:`.host_attention`), both writes and
+the attention become one ``kv_attend``, and the layer takes no slot;
 
 and at the top of the graph and before its output::
 
@@ -141,8 +141,8 @@ def _assign_targets(runtime, layers: list[KVLayer]) -> list[KVLayer]:
 
 def apply(gm: fx.GraphModule, runtime, layers: list[KVLayer],
           attended: dict | None = None) -> None:
-    """``attended``: layer -> :class:`.host_attention.Found`, the layers whose attention runs on
-    the host (one ``kv_attend`` each; they take no slot)."""
+    """``attended``: layer -> :class:`.host_attention.Found`, the layers whose attention
+    runs on the host (one ``kv_attend`` each; they take no slot)."""
     graph = gm.graph
     attended = attended or {}
     hosted = [kl for kl in layers if kl.layer in attended]
@@ -162,7 +162,7 @@ def apply(gm: fx.GraphModule, runtime, layers: list[KVLayer],
     last_update = None
     for kl in hosted:
         last_update = host_attention.rewrite(graph, kl, attended[kl.layer], anchor,
-                                        runtime.handle, kv_ops.ATTEND)
+                                             runtime.handle, kv_ops.ATTEND)
     order = {n: i for i, n in enumerate(graph.nodes)}
     for kl in layers:
         wk, wv = kl.writes

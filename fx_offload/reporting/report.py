@@ -63,10 +63,10 @@ class Report:
     # bytes of host memory the latest call's host-computed experts and MLPs read in place
     # (beside copied_bytes_last_call, what crossed the link)
     host_read_bytes_last_call: int = 0
-    # the latest call's host jobs queued on the stream or replayed: (how many, bytes they read, seconds
-    # they ran, seconds from the first one's start to the last one's end, the Python
-    # thread's median seconds to queue one, the median seconds from a job's launch to its
-    # start; both None where a CUDA graph's replay ran them all); None: none ran
+    # the latest call's host jobs, queued on the stream or replayed: (how many, bytes they
+    # read, seconds they ran, seconds from the first one's start to the last one's end,
+    # the Python thread's median seconds to queue one, the median seconds from a job's
+    # launch to its start; both None where a CUDA graph's replay ran them all); None: none
     host_jobs_last_call: tuple[int, int, float, float, float | None,
                                float | None] | None = None
     # host_compute="auto": per call size (tokens), the timed calls' medians and what stays

@@ -364,11 +364,11 @@ class HostExperts:
     def records_on_host(self, layer: int, tokens: int | None, k: int) -> bool:
         """Inside a capture under ``"auto"``: ``layer``'s experts at this call size are
         recorded as a host job (a host node of the graph), not streamed.  So where the rule
-        finds the host alone faster than streaming at this size (:meth:`_graphed`), the
-        kernel can be queued, and a call of this size outside the capture
-        made the job's buffers (:class:`_Fixed`).  The expert cache does not split a
-        recorded layer: the host computes every pick.  (Only the queued path on a CUDA
-        device makes those buffers, so their presence says the kernel can be queued.)"""
+        finds the host alone faster than streaming at this size (:meth:`_graphed`) and a
+        call of this size outside the capture made the job's buffers (:class:`_Fixed`).
+        The expert cache does not split a recorded layer: the host computes every pick.
+        (Only the queued path on a CUDA device makes those buffers, so their presence says
+        the kernel can be queued.)"""
         entry, jobs = self._layers.get(layer), self._jobs
         if not tokens or entry is None or jobs is None or (layer, tokens, k) not in jobs.fixed:
             return False
@@ -462,9 +462,9 @@ class HostExperts:
         pick on the host, the expert cache's too (it learns nothing from a replay)."""
         if capturing():
             return self.queue(entry, layer, x, ids, gates)
-        # under CUDA graphs a call of the host alone at the rule's size makes what its
-        # capture will record (records_on_host)
-        fix = not m and self.mode == "auto" and self._state.hook_copies.under_cuda_graphs
+        # under CUDA graphs (where "auto" plans the host alone or streaming: _graphed) a
+        # call on the host makes what its size's capture will record (records_on_host)
+        fix = self.mode == "auto" and self._state.hook_copies.under_cuda_graphs
         routed = getattr(self._state, "routed", None)
         if routed is None or not routed.usable:
             m, where = 0, None
