@@ -3,6 +3,7 @@ a picked expert it holds does not cross the link, outputs stay those of the mode
 offloading, and a change of the weights reaches the cached rows before the next call reads
 them."""
 import copy
+import dataclasses
 import logging
 
 import pytest
@@ -64,6 +65,10 @@ def test_experts_the_cache_holds_do_not_cross_the_link(device):
     assert rep.expert_cache[0] == 16 and rep.expert_cache[2] > 0, rep.expert_cache
     assert "from the expert cache" in rep.experts[1] and "room for the 16 most" in str(rep)
     assert rep.saved_bytes == rep.offloaded_bytes - rep.buffer_bytes - rep.expert_cache[1]
+    # a CUDA graph's host jobs compute every pick: the cache line says why it found nothing
+    assert "cached or not" not in str(rep)
+    replayed = dataclasses.replace(rep, ran_on={1: "host (CUDA graph)"})
+    assert "layers [1] ran as a CUDA graph's host jobs" in str(replayed)
 
 
 def test_a_cache_of_some_experts_keeps_the_most_picked():

@@ -140,7 +140,7 @@ class Report:
             lines.append(f"  expert cache: room for the {rows} most picked expert(s) of each "
                          f"routed layer on the device ({format_bytes(nbytes)}), {held} held "
                          f"now; the last call found {format_bytes(hit)} of its picked "
-                         "experts there")
+                         "experts there" + _cache_unread(self.ran_on))
         if self.copied_bytes_last_call:
             lines.append(f"  the last call copied {format_bytes(self.copied_bytes_last_call)}")
         if self.ran_on:
@@ -180,6 +180,17 @@ class Report:
                     lines.append(f"    attention over the host cache at {at}: on the device "
                                  f"({'; '.join(why)})")
         return "\n".join(lines)
+
+
+def _cache_unread(ran: dict[int, str]) -> str:
+    """Why a replayed host job's layers found nothing in the expert cache: a recorded job
+    computes every pick on the host, cached or not (an eager call gives the cached ones to
+    the device beside the host's job; a capture records no such device share)."""
+    replayed = [layer for layer, r in ran.items() if r == "host (CUDA graph)"]
+    if not replayed:
+        return ""
+    return (f" (layers {replayed} ran as a CUDA graph's host jobs, which compute every pick "
+            "on the host, cached or not; the cache serves the calls that stream)")
 
 
 def _host_line(ran: dict[int, str], read: int) -> str:
