@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import weakref
 from typing import Any, Mapping
 
@@ -33,6 +34,7 @@ from .graph_inputs import GraphInputs, read_graph_inputs
 from .inner import compile_inner
 from .kv import run_kv_pass
 from .learned import Learned
+from .ops import OpCall
 from .options import PLACEMENT_KEYS, OffloadOptions, check_host_compute_mode, parse_options
 from .passes.prefetch import run_prefetch_pass
 from .placement import activate, kept_whole
@@ -153,7 +155,10 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
         state.hook_copies.under_cuda_graphs = True    # (runtime.copies.hook_copies)
     state.compiled_with = options           # the inner compiler report() names
     # 5. inner compile (it may ask Dynamo to trace the frame again: warn once it is done)
+    hosts = any(getattr(OpCall.of(n), "kind", None) == "host" for n in gm.graph.nodes)
     compiled = compile_inner(gm, example_inputs, options, backward)
+    if hosts:   # its host ops must tell the model's first call from another instance's
+        compiled = registry.marks_first_run(compiled, handle)
     if layer_frame:
         _warn_layer_frame(state, gi)
     # 6. materialize: host blocks, slots, hooks (the parameters keep their storage for the
@@ -244,6 +249,11 @@ def _state_for_graph(gm, gi: GraphInputs, options: OffloadOptions, defaulted: bo
               for o in [registry.owner_of_param(p)] if o is not None}
     if owners:
         other, layer = next(iter(owners.values()))
+        if other.holder == threading.get_ident():
+            # a part of the model compiled inside the model's own call (a graph break in
+            # its forward, as transformers' output_hidden_states makes): as a layer's frame
+            _check_same_options(other, options, defaulted)
+            return other, other.choice, other.model_ref(), True
         raise OffloadError(
             f"parameters of this graph's {type(gi.root).__name__} are already offloaded as "
             f"part of layer {layer} of a {other.model_name}; compile that model itself, not a "
@@ -289,17 +299,20 @@ def _warn_layer_frame(state, gi) -> None:
     _WARNED_LAYER_FRAMES.add(model)
     log.warning(
         "fx_offload: Dynamo compiled %s.forward on its own (a graph break in or between the "
-        "layers of %s; recent graph breaks: %s). That graph is reused for every layer, so no "
-        "prefetch can be placed in it: offloaded layers are loaded synchronously before each "
-        "call instead (correct, but the copy is not hidden). Remove the graph break to get "
+        "layers of %s; recent graph breaks: %s). No prefetch is placed in such a graph (a "
+        "layer's is reused for every layer): offloaded layers are loaded synchronously before "
+        "each call instead (correct, but the copy is not hidden). Remove the graph break to get "
         "prefetching%s", type(gi.root).__name__, state.model_name, _recent_graph_breaks(),
         eager_experts_hint(state.model_ref()) if state.model_ref() is not None else "")
 
 
-def _recent_graph_breaks() -> list[str]:
+def _recent_graph_breaks() -> list[str] | str:
     from torch._dynamo.utils import counters
-    return [str(reason).splitlines()[0][:REASON_CHARS]
-            for reason in list(counters["graph_break"])[-GRAPH_BREAKS_SHOWN:]]
+    found = [str(reason).splitlines()[0][:REASON_CHARS]
+             for reason in list(counters["graph_break"])[-GRAPH_BREAKS_SHOWN:]]
+    # an exception raised in the model while Dynamo traced it leaves no count
+    return found or "none counted (an exception raised inside the model as Dynamo traced it " \
+        "is one cause)"
 
 
 def register_names() -> None:

@@ -114,7 +114,7 @@ def join_prefetch(activations, reads, handle):
 def host_experts(x, ids, gates, handle, layer, chunks):
     """``layer``'s routed experts on ``x`` (its tokens' rows), ``ids`` and ``gates`` (its
     router's picks and their weights): a new tensor shaped and typed like ``x``."""
-    return registry.state_for_op(handle).host_experts.run(layer, chunks, x, ids, gates)
+    return registry.state_for_host_op(handle).host_experts.run(layer, chunks, x, ids, gates)
 
 
 _define(host_experts, fake=lambda x, ids, gates, handle, layer, chunks: torch.empty_like(x))
@@ -122,7 +122,7 @@ _define(host_experts, fake=lambda x, ids, gates, handle, layer, chunks: torch.em
 
 def host_mlp(x, handle, layer, chunks):
     """``layer``'s dense MLP on ``x``: a new tensor shaped and typed like ``x``."""
-    return registry.state_for_op(handle).host_experts.run_mlp(layer, chunks, x)
+    return registry.state_for_host_op(handle).host_experts.run_mlp(layer, chunks, x)
 
 
 _define(host_mlp, fake=lambda x, handle, layer, chunks: torch.empty_like(x))

@@ -93,9 +93,13 @@ class _Restored:
         if module is None:
             raise OffloadError(
                 "a graph compiled with host_compute ops (an MLP or experts computed on the "
-                "host) ran for a model that is not offloaded (another instance of its class, "
-                "which Dynamo shares graphs among): compile that instance with "
-                "host_compute='never', or offload it too", where="fx_offload")
+                "host, from the weights of the model it was compiled for) ran for another "
+                "instance of its class that is not offloaded: Dynamo shares one compiled graph "
+                "among the instances of a class, so the backend never saw this one (or it was "
+                "restored). Offload this instance too before calling it "
+                "(fx_offload.place(model, device, <the same options>)), or call "
+                "torch._dynamo.reset() before compiling it, or compile with "
+                "host_compute='never'", where="fx_offload")
         return module
 
     def run_mlp(self, layer, chunks, x):
@@ -216,6 +220,42 @@ def state_for_op(handle: int):
         f"(layers {active.layers}, {active.num_slots} slot(s)): they are offloaded "
         "differently. Offload instances of one model class alike, or call "
         "torch._dynamo.reset() before compiling the other", where="fx_offload")
+
+
+_FIRST_RUNS = threading.local()
+
+
+def marks_first_run(compiled, handle: int):
+    """``compiled`` (a graph with host ops, compiled for ``handle``'s state) marking its
+    first run, the one inside the call that compiled it, for :func:`state_for_host_op`."""
+    pending = [True]
+
+    def run(*args):
+        if not pending[0]:
+            return compiled(*args)
+        pending[0] = False
+        running = _FIRST_RUNS.__dict__.setdefault("handles", [])
+        running.append(handle)
+        try:
+            return compiled(*args)
+        finally:
+            running.remove(handle)
+    return run
+
+
+def state_for_host_op(handle: int):
+    """:func:`state_for_op` for a host op, which computes from the host blocks of the model
+    its graph was compiled for.  Before that model's hooks have ever run, its state serves
+    the graph's first run, the model's own first call; any later run in that window is
+    another instance's call (Dynamo shares the graph), which must not compute with this
+    model's weights: it gets :class:`_Restored`, whose host ops refuse."""
+    state = state_for_op(handle)
+    phase = getattr(state, "phase", None)
+    if phase is not None and not phase.called and \
+            handle not in getattr(_FIRST_RUNS, "handles", ()):
+        _warn_shared_graph(state)
+        return _Restored()
+    return state
 
 
 def model_arg(model, where: str) -> nn.Module:

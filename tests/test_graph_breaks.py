@@ -117,3 +117,30 @@ def test_two_models_stay_independent():
             assert torch.equal(ca(xa), ra(xa))
             assert torch.equal(cb(xb), rb(xb))
     assert fx_offload.report(a).num_slots == 1 and fx_offload.report(b).num_slots == 2
+
+
+def test_hidden_states_asked_after_a_first_call_are_right_with_a_warning(caplog):
+    """transformers' ``output_hidden_states=True`` breaks the graph inside the model, so
+    Dynamo compiles the inner ``LlamaModel.forward`` on its own during the offloaded
+    model's call: a graph of a part of that model, run as a layer's frame is (its offloaded
+    layers loaded synchronously, a warning naming the break), not refused as a part
+    compiled on its own."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=4, vocab_size=256)).eval()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "aot_eager"})
+    ids = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="fx_offload"):
+        assert torch.equal(compiled(ids, use_cache=False).logits,
+                           reference(ids, use_cache=False).logits)
+        for _ in range(2):
+            got = compiled(ids, use_cache=False, output_hidden_states=True)
+            want = reference(ids, use_cache=False, output_hidden_states=True)
+            assert torch.equal(got.logits, want.logits)
+            assert all(torch.equal(g, w) for g, w in zip(got.hidden_states, want.hidden_states))
+    assert "LlamaModel.forward on its own" in caplog.text
+    assert fx_offload.report(model).layers == [1, 3]

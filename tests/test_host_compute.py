@@ -64,6 +64,25 @@ def test_always_gives_the_models_logits_and_copies_no_expert(name, inner):
     assert "computed the experts or MLPs of layers [1, 3] on the host" in str(rep)
 
 
+def test_experts_given_new_storage_with_other_strides_still_compute_on_the_host():
+    """`p.data = t` of the same shape and dtype is taken up as the true weights; the C
+    kernel reads rows in place, so a transposed copy is computed by the module's own code
+    (on the host still), not refused with an error naming a kernel the user never called."""
+    model = small_moe("qwen3_moe").eval()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "aot_eager", **ALWAYS})
+    _calls(compiled, reference, [(2, 3)], **FP32)
+    for m in (model, reference):
+        p = m.model.layers[1].mlp.experts.gate_up_proj
+        p.data = (p.data * 1.5).transpose(-1, -2).contiguous().transpose(-1, -2)
+    _calls(compiled, reference, [(2, 3), (2, 3)], seed=1, **FP32)
+    assert fx_offload.report(model).ran_on == {1: "host", 3: "host"}
+    torch.testing.assert_close(model.model.layers[1].mlp.experts.gate_up_proj,
+                               reference.model.layers[1].mlp.experts.gate_up_proj,
+                               rtol=0, atol=0)
+
+
 def test_generate_gives_the_same_tokens():
     model = small_moe("qwen3_moe").eval()
     reference = copy.deepcopy(model)

@@ -6,14 +6,19 @@ vectorized and the outer loops run in an OpenMP region: its output code has one
 widened to float).
 
 Each (token, slot) pair reads its expert, so at several tokens an expert picked twice is read
-twice; an id outside ``[0, E)`` reads expert 0 with a zero weight.  One compiled graph per
-activation, weight dtype and shape (Dynamo's own cache, static shapes)."""
+twice; an id outside ``[0, E)`` reads expert 0 with a zero weight.  Dynamo's own cache keeps
+the compiled graphs: the first call's shapes static, a second token count makes them dynamic
+(one graph for every count after it), and each activation and dtype adds one.  The graphs
+share one function, so its recompile limit is raised while it runs (at Dynamo's default of
+8, the ninth variant would be an error)."""
 from __future__ import annotations
 
 import torch
+import torch._dynamo
 import torch.nn.functional as F
 
 _compiled: dict = {}
+VARIANTS = 64       # graphs of _pairs Dynamo may keep: activations x dtypes x shapes
 
 
 def _pairs(x, ids, gates, gate_up, down, act: str):
@@ -38,5 +43,8 @@ def experts(x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor, gate_up: to
     ids = torch.where(valid, ids, 0)
     gates = torch.where(valid, gates.float(), 0.0)
     if act not in _compiled:
-        _compiled[act] = torch.compile(_pairs, dynamic=False, fullgraph=True)
-    return _compiled[act](x, ids, gates, gate_up, down, act)
+        _compiled[act] = torch.compile(_pairs, dynamic=None, fullgraph=True)
+    limit = max(torch._dynamo.config.recompile_limit, VARIANTS)
+    with torch._dynamo.config.patch(recompile_limit=limit):
+        return _compiled[act](x.contiguous(), ids.contiguous(), gates.contiguous(), gate_up,
+                              down, act)

@@ -112,7 +112,7 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor,
     contributes nothing."""
     _check_experts(x, ids, gates, gate_up, down, act, path)
     T, H = x.shape
-    if T == 0 or ids.shape[1] == 0:
+    if T == 0 or ids.shape[1] == 0 or 0 in gate_up.shape:     # nothing to compute
         return torch.zeros(T, H, dtype=torch.float32)
     path = path or pick(T, gate_up.dtype, experts=True)
     lib = _native.library(LOOPS[path]) if path in LOOPS else None
@@ -154,6 +154,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     _check_linear(x, w, bias, path)
     path = path or pick(x.numel() // max(x.shape[-1], 1), w.dtype, experts=False)
     b = None if bias is None else bias.float().contiguous()
+    if 0 in w.shape or x.numel() == 0:      # torch's own answer: no rows to split up
+        return F.linear(x.float(), w.float(), b)
     lib = _native.library(LOOPS[path]) if path in LOOPS else None
     if lib is not None:
         x2 = x.reshape(-1, x.shape[-1]).float().contiguous()

@@ -177,6 +177,7 @@ static inline int64_t lesser(int64_t a, int64_t b) { return a < b ? a : b; }
    threads reading memory at once do not progress evenly, and a static share leaves the
    region waiting for the slowest (a fifth to a third slower, docs/host_compute.md). */
 static inline int64_t block_for(int64_t rows, int threads) {
+    if (rows < 1 || threads < 1) return 1;
     int64_t per = (rows + 16 * threads - 1) / (16 * threads);
     int64_t block = (rows + threads * per - 1) / (threads * per);
     return block < 1 ? 1 : block;

@@ -43,8 +43,10 @@ def refuse_grad(state, args, layer_call: bool = False) -> None:
 # graph would hold this process's ops, or weights split between the host and the device)
 EXPORT_REFUSED = (
     "an exported program cannot carry weights that this process streams from host memory. "
-    "Call fx_offload.restore(model) first and export the plain model (compile it again "
-    "afterwards to offload it anew)")
+    "Call fx_offload.restore(model) first and export the plain model (then "
+    "fx_offload.place(model, device, <the same options>) to offload it anew: a torch.compile "
+    "with the same options reuses the graph Dynamo holds, whose ops do nothing after a "
+    "restore)")
 
 
 def exporting() -> bool:

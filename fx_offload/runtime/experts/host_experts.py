@@ -533,7 +533,7 @@ class HostExperts:
             gate, up = entry.gate_up
             h = F.silu(kernels.linear(xh, gate)) * kernels.linear(xh, up)
             out = kernels.linear(h, entry.down)
-        elif entry.fused:
+        elif entry.fused and entry.contiguous:
             out = kernels.routed_experts(xh, idh, gh, entry.host["gate_up_proj"],
                                          entry.host["down_proj"], act="silu")
         else:

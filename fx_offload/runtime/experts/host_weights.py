@@ -31,9 +31,11 @@ class HostWeights:
         self.dtype = next(iter(self.host.values())).dtype
         self.element_size = next(iter(self.host.values())).element_size()
         self.fused = mlp is not None or _fused_silu(module, self.host, experts)
+        # the kernels read rows in place: a weight given new storage with other strides
+        # (the user's `.data = t`) is computed by its module's own code instead
+        self.contiguous = all(t.is_contiguous() for t in self.host.values())
         # the C kernel can be queued on the stream for it (weights it reads as they are)
-        self.queueable = self.fused and self.dtype in native.WEIGHT_CODES and \
-            all(t.is_contiguous() for t in self.host.values())
+        self.queueable = self.fused and self.dtype in native.WEIGHT_CODES and self.contiguous
 
     def reads(self, masters) -> bool:
         """Its host views are still the layer's (a weight given new storage, a new dtype,
