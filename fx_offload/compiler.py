@@ -34,7 +34,6 @@ from .graph_inputs import GraphInputs, read_graph_inputs
 from .inner import compile_inner
 from .kv import run_kv_pass
 from .learned import Learned
-from .ops import OpCall
 from .options import PLACEMENT_KEYS, OffloadOptions, check_host_compute_mode, parse_options
 from .passes.prefetch import run_prefetch_pass
 from .placement import activate, kept_whole
@@ -155,9 +154,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
         state.hook_copies.under_cuda_graphs = True    # (runtime.copies.hook_copies)
     state.compiled_with = options           # the inner compiler report() names
     # 5. inner compile (it may ask Dynamo to trace the frame again: warn once it is done)
-    hosts = any(getattr(OpCall.of(n), "kind", None) == "host" for n in gm.graph.nodes)
     compiled = compile_inner(gm, example_inputs, options, backward)
-    if hosts:   # its host ops must tell the model's first call from another instance's
+    if plan is not None and plan.hosts:     # its host ops must tell the model's first
+        # call from another instance's (registry.state_for_host_op)
         compiled = registry.marks_first_run(compiled, handle)
     if layer_frame:
         _warn_layer_frame(state, gi)

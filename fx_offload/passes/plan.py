@@ -89,6 +89,7 @@ class GraphPlan:
     join_acts: list[fx.Node]
     join_reads: list[fx.Node]
     entry: EntryStarts | None = None
+    hosts: bool = False                 # holds host_experts / host_mlp ops (host_regions)
 
     @property
     def has_starts(self) -> bool:

@@ -45,6 +45,7 @@ def run_prefetch_pass(gm: fx.GraphModule, gi: GraphInputs, choice: Choice, learn
         if host_compute != "never" and host_regions(gm, gi, plan, choice, learned,
                                                     host_mlps):
             plan = plan_graph(gm, gi, choice, learned, handle)
+            plan.hosts = True
         apply_plan(gm, plan)
         verify_graph(gm, plan.weight_chunks(),
                      slot_model_for(choice.schedule, chunks, [lp.layer for lp in plan.layers]))

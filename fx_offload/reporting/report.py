@@ -186,18 +186,23 @@ def _cache_unread(ran: dict[int, str]) -> str:
     """Why a replayed host job's layers found nothing in the expert cache: a recorded job
     computes every pick on the host, cached or not (an eager call gives the cached ones to
     the device beside the host's job; a capture records no such device share)."""
-    replayed = [layer for layer, r in ran.items() if r == "host (CUDA graph)"]
+    replayed = _replayed(ran)
     if not replayed:
         return ""
     return (f" (layers {replayed} ran as a CUDA graph's host jobs, which compute every pick "
             "on the host, cached or not; the cache serves the calls that stream)")
 
 
+def _replayed(ran: dict[int, str]) -> list[int]:
+    """The layers a CUDA graph's replay ran as recorded host jobs."""
+    return [layer for layer, r in ran.items() if r == "host (CUDA graph)"]
+
+
 def _host_line(ran: dict[int, str], read: int) -> str:
     hosted = ("host", "host (CUDA graph)")
     where = {"host": [layer for layer, r in ran.items() if r in hosted],
              "device": [layer for layer, r in ran.items() if r == "device"]}
-    replayed = [layer for layer, r in ran.items() if r == "host (CUDA graph)"]
+    replayed = _replayed(ran)
     split = {layer: r.split()[1] for layer, r in ran.items() if r.startswith("split ")}
     line = ("  host compute: the last call computed the experts or MLPs of layers "
             f"{where['host'] + list(split)} on the host (reading {format_bytes(read)} of host "
