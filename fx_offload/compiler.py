@@ -127,7 +127,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
             # place(model, inner_backend=...): used by a compile that sets neither
             options = dataclasses.replace(options, **placed_with)
     placed = choice.options
-    check_host_compute_mode(placed.host_compute, options.mode)     # placed with "always"
+    check_host_compute_mode(placed.host_compute, options.mode,     # placed with "always"
+                            placed.kv_cache)
     backward = check_grad_mode(gi, choice, learned, handle, example_inputs, options,
                                layer_frame)
     host_compute = placed.host_compute_in(choice.device.type, options.mode)

@@ -426,7 +426,7 @@ def _check_host_compute(options: Mapping[str, Any], experts: str, expert_cache, 
             "option host_compute='always' computes routed MoE layers' experts on the host, "
             f"and applies with experts='routed' only, got experts={experts!r}: drop one of "
             "them")
-    check_host_compute_mode(value, mode)
+    check_host_compute_mode(value, mode, options.get("kv_cache", "auto"))
     if expert_cache not in ("auto", 0):
         raise OffloadError(
             f"option expert_cache ({format_bytes(expert_cache, as_option=True)}) keeps "
@@ -439,10 +439,12 @@ def _check_host_compute(options: Mapping[str, Any], experts: str, expert_cache, 
     return value
 
 
-def check_host_compute_mode(host_compute: str, mode: str) -> None:
+def check_host_compute_mode(host_compute: str, mode: str, kv_cache: str = "auto") -> None:
     """Refuse host_compute='always' under CUDA graphs (also where the model was placed with
-    it and a later compile asks for mode='reduce-overhead')."""
-    if host_compute == "always" and mode == "reduce-overhead":
+    it and a later compile asks for mode='reduce-overhead'), but with kv_cache='host': a
+    capture records the attention over the host cache as host jobs (the experts and MLPs
+    'always' would take are refused at their capture, by the runtime)."""
+    if host_compute == "always" and mode == "reduce-overhead" and kv_cache != "host":
         raise OffloadError(
             "option host_compute='always' runs the experts on the host in every call, which "
             "CUDA graphs (mode='reduce-overhead') do not promise: use host_compute='auto' "

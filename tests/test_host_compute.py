@@ -298,10 +298,10 @@ def test_a_job_still_queued_is_waited_for_before_the_host_blocks_change(monkeypa
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
     state.synchronize()
     assert waited == []                         # nothing queued
-    jobs.queued[0], jobs.jobs[0].done = True, 0
+    jobs.ring.queued[0], jobs.ring.jobs[0].done = True, 0
     state.synchronize()
     assert len(waited) == 1
-    jobs.jobs[0].done = 1                       # the job marked itself done
+    jobs.ring.jobs[0].done = 1                  # the job marked itself done
     state.synchronize()
     assert len(waited) == 1
 

@@ -22,7 +22,9 @@ stopping criteria).  Rows:
 * ``budget``: :func:`fx_offload.compile_forward` with default options and a
   ``memory_budget`` (``--budget``; by default the weights plus half the cache, so the cache
   does not fit beside them): the planner chooses what goes to the host;
-* ``host-graphs``: the same with ``mode="reduce-overhead"`` (CUDA graphs);
+* ``host-graphs``, ``host-attend-graphs``, ``host-always-graphs``: ``host``,
+  ``host-attend`` and ``host-always`` with ``mode="reduce-overhead"`` (CUDA graphs: a decode
+  step's attention jobs on the host recorded as host nodes);
 * ``transformers``: ``cache_implementation="offloaded_static"`` (eager: the whole cache
   of the next layer is prefetched, in Python).
 
@@ -68,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default="device,host,host-attend,host-offload,budget,host-graphs,"
                                 "transformers",
                         help="comma-separated among device, host, host-attend, host-always, "
-                             "host-offload, budget, host-graphs, transformers")
+                             "host-offload, budget, host-graphs, host-attend-graphs, "
+                             "host-always-graphs, transformers")
 
 
 def _generate(model, prompt, new: int, mark: bool = False, **kwargs):
@@ -123,10 +126,11 @@ def _row(method, model, prompt, args, kept):
         compile_forward(model, dynamic=True, memory_budget=args.budget)
         extra = lambda: dict(past_key_values=_fresh(kept, model, args))  # noqa: E731
     elif method.startswith("host"):
-        graphs = method == "host-graphs"    # one graph per shape there: a prefill's and a
-        weights = {} if method == "host-offload" else RESIDENT      # decode step's
-        if method != "host-attend":
-            weights = dict(weights, host_compute="always" if method == "host-always"
+        graphs = method.endswith("-graphs")     # one graph per shape there: a prefill's and
+        base = method[:-len("-graphs")] if graphs else method       # a decode step's
+        weights = {} if method == "host-offload" else RESIDENT
+        if base != "host-attend":
+            weights = dict(weights, host_compute="always" if base == "host-always"
                            else "never")
         compile_forward(model, dynamic=not graphs, kv_cache="host",
                         kv_block_size=args.block, kv_slots=args.slots,

@@ -40,6 +40,7 @@ SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 /* one register of fp32: 16 lanes with AVX-512, else 8 */
 #ifdef __AVX512F__
@@ -361,6 +362,50 @@ void fx_attend(int wt, const char* k, const char* v, int64_t B, int64_t KVH, int
         for (int64_t d = 0; d < DV; d++) o[d] /= total;
     }
 }
+
+/* One layer's attention as a job a CUDA stream runs (cuLaunchHostFunc), its valid tokens
+   read when it runs: one past the largest position written (index), or the whole cache
+   where there is no bias or the bias lets a row read further.  chunks: what the scratch
+   holds at most.  It leaves record[0] the tokens read, record[1] and record[2] the
+   monotonic clock (ns) at its start and end, and done = 1. */
+typedef struct {
+    int32_t wt, threads, done, hb;
+    const char *k, *v;
+    int64_t B, KVH, T, D, DV, rep, NQ, TB, n_index, chunks;
+    const float *q, *bias;
+    const int64_t* index;
+    float scale, unused;
+    float *out, *scratch;
+    int64_t* record;
+} fx_attend_job;
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+void fx_attend_run(void* arg) {
+    fx_attend_job* j = (fx_attend_job*)arg;
+    int64_t began = now_ns(), L = 0;
+    for (int64_t i = 0; i < j->n_index; i++) if (j->index[i] + 1 > L) L = j->index[i] + 1;
+    if (L > j->T) L = j->T;
+    if (!j->bias) L = j->T;
+    for (int64_t r = 0; j->bias && L < j->T && r < j->B * j->hb * j->NQ; r++)
+        for (int64_t t = L; t < j->TB; t++)
+            if (j->bias[r * j->TB + t] != -INFINITY) { L = j->T; break; }
+    int64_t pieces = j->B * j->KVH, chunks = (4 * j->threads + pieces - 1) / pieces;
+    int64_t most = L / 256 > 1 ? L / 256 : 1;
+    chunks = chunks < most ? chunks : most;
+    chunks = chunks < j->chunks ? chunks : j->chunks;
+    fx_attend(j->wt, j->k, j->v, j->B, j->KVH, j->T, j->D, j->DV, L, j->q, j->rep, j->NQ,
+              j->bias, j->hb, j->TB, j->scale, j->out, j->scratch, chunks > 0 ? chunks : 1,
+              j->threads);
+    j->record[0] = L;
+    j->record[1] = began;
+    j->record[2] = now_ns();
+    __atomic_store_n(&j->done, 1, __ATOMIC_RELEASE);
+}
 """
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-strict-aliasing", "-Wno-psabi",
          "-fopenmp", "-fPIC", "-shared"]
@@ -381,6 +426,7 @@ def load(flags: list = FLAGS):
         lib.fx_attend.argtypes = [ctypes.c_int, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr,
                                   i64, i64, ptr, i64, i64, ctypes.c_float, ptr, ptr, i64,
                                   ctypes.c_int]
+        lib.fx_attend_run.argtypes = [ptr]
     return lib
 
 
@@ -465,12 +511,51 @@ def attend(lib, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, token
     threads = threads or torch.get_num_threads()
     out = torch.empty(b, h, nq, dv) if out is None else out
     rep, tokens = h // kvh, min(int(tokens), t)
-    chunks = chunks_for(b * kvh, tokens, threads)
-    padded = -(-dv // 128) * 128           # the source's PV, for 8 registers of 16 lanes
-    scratch = torch.empty(b * kvh * chunks * rep * nq * (padded + 2))
+    # (the source's PV at most: 8 registers of 16 lanes)
+    floats, chunks = scratch_floats(q.shape, kvh, tokens, dv, threads)
+    scratch = torch.empty(floats)
     lib.fx_attend(CODES[keys.dtype], keys.data_ptr(), values.data_ptr(), b, kvh, t, d, dv,
                   tokens, q.data_ptr(), rep, nq, None if bias is None else bias.data_ptr(),
                   0 if bias is None else bias.shape[1], 0 if bias is None else bias.shape[-1],
                   float(scale if scale is not None else 1 / math.sqrt(d)), out.data_ptr(),
                   scratch.data_ptr(), chunks, threads)
     return out
+
+
+class AttendJob(ctypes.Structure):
+    """``fx_attend_job`` of the C source: one layer's attention, run by a CUDA stream."""
+    _fields_ = [("wt", ctypes.c_int32), ("threads", ctypes.c_int32), ("done", ctypes.c_int32),
+                ("hb", ctypes.c_int32), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
+                *((name, ctypes.c_int64) for name in
+                  ("B", "KVH", "T", "D", "DV", "rep", "NQ", "TB", "n_index", "chunks")),
+                ("q", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("index", ctypes.c_void_p),
+                ("scale", ctypes.c_float), ("unused", ctypes.c_float),
+                ("out", ctypes.c_void_p), ("scratch", ctypes.c_void_p),
+                ("record", ctypes.c_void_p)]
+
+
+def scratch_floats(q_shape, kvh: int, tokens: int, dv: int, threads: int) -> tuple[int, int]:
+    """(floats of scratch, chunks it holds) for :func:`attend` over up to ``tokens``."""
+    b, h, nq, _ = q_shape
+    chunks = chunks_for(b * kvh, tokens, threads)
+    return b * kvh * chunks * h // kvh * nq * (-(-dv // 128) * 128 + 2), chunks
+
+
+def fill_job(job: AttendJob, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+             index: torch.Tensor, bias: torch.Tensor | None, scale: float | None,
+             out: torch.Tensor, scratch: torch.Tensor, chunks: int, record,
+             threads: int) -> None:
+    """``job``'s fields for :func:`attend`'s arguments, the valid tokens left to the job
+    (from ``index``, int64, and ``bias``); host tensors that stay alive until it has run."""
+    (b, h, nq, d), kvh, t, dv = q.shape, keys.shape[1], keys.shape[2], values.shape[-1]
+    job.wt, job.threads, job.done = CODES[keys.dtype], threads, 0
+    job.hb = 0 if bias is None else bias.shape[1]
+    job.k, job.v = keys.data_ptr(), values.data_ptr()
+    job.B, job.KVH, job.T, job.D, job.DV, job.rep, job.NQ = b, kvh, t, d, dv, h // kvh, nq
+    job.TB = 0 if bias is None else bias.shape[-1]
+    job.n_index, job.chunks = index.numel(), chunks
+    job.q, job.bias = q.data_ptr(), None if bias is None else bias.data_ptr()
+    job.index = index.data_ptr()
+    job.scale = float(scale if scale is not None else 1 / math.sqrt(d))
+    job.out, job.scratch = out.data_ptr(), scratch.data_ptr()
+    job.record = ctypes.addressof(record)

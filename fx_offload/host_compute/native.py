@@ -383,6 +383,28 @@ class ExpertsJob(ctypes.Structure):
                   ("x", "ids", "gates", "xp", "h", "gp", "is_", "y", "record"))]
 
 
+class JobRing:
+    """Arguments of the jobs a stream runs as host functions, reused in turn: a job's are
+    written again only once it has run (its ``done``), after waiting for the stream if not."""
+
+    def __init__(self, make, size: int = 64):
+        self.jobs = [make() for _ in range(size)]
+        self.queued = [False] * size
+        self.next = 0
+
+    def take(self, stream) -> ctypes.Structure:
+        i, self.next = self.next, (self.next + 1) % len(self.jobs)
+        job = self.jobs[i]
+        if self.queued[i] and not job.done:     # a ring behind: wait for it
+            stream.synchronize()
+        self.queued[i] = True
+        return job
+
+    def pending(self) -> bool:
+        """A job queued on a stream has not finished."""
+        return any(q and not j.done for q, j in zip(self.queued, self.jobs))
+
+
 # what a job leaves behind: the distinct experts it read, and the monotonic clock (ns) at its
 # start and end (``time.monotonic_ns`` reads the same clock)
 JobRecord = ctypes.c_int64 * 3
@@ -427,8 +449,9 @@ def fill_job(job: ExpertsJob, gate_up, down: torch.Tensor, act: str,
 _driver: list = []
 
 
-def launch_host_function(lib, stream: int, job: ExpertsJob) -> None:
-    """Enqueue ``fx_experts_run(job)`` on the CUDA ``stream`` (a ``cudaStream_t`` as an int):
+def launch_host_function(lib, stream: int, job: ctypes.Structure,
+                         function: str = "fx_experts_run") -> None:
+    """Enqueue ``function(job)`` of ``lib`` on the CUDA ``stream`` (a ``cudaStream_t`` as an int):
     the stream runs it on a thread of the driver once the work before it is done, and the
     work after it waits for it; the caller does not wait."""
     if not _driver:
@@ -436,7 +459,7 @@ def launch_host_function(lib, stream: int, job: ExpertsJob) -> None:
         cuda.cuLaunchHostFunc.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         cuda.cuLaunchHostFunc.restype = ctypes.c_int
         _driver.append(cuda)
-    fn = ctypes.cast(lib.fx_experts_run, ctypes.c_void_p)
+    fn = ctypes.cast(getattr(lib, function), ctypes.c_void_p)
     status = _driver[0].cuLaunchHostFunc(stream, fn, ctypes.addressof(job))
     if status:
         raise RuntimeError(f"cuLaunchHostFunc failed with CUDA driver error {status}")

@@ -62,6 +62,7 @@ def install(model, options) -> HostKV:
     def prepare_cache(module, args, kwargs):
         live = ref()
         if live is not None:
+            live.attention.call_began()     # (a replay runs none of the runtime's Python)
             with torch.inference_mode(False):   # host layers and slots outlive the call
                 cache.prepare(live, module, args, kwargs)
                 if live.before_replay.enabled:

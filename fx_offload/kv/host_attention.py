@@ -13,11 +13,11 @@ attention that reads its cache become one op::
 (``repeat_kv``: the view nodes between the cache and the attention, checked to repeat
 each KV head as transformers' ``repeat_kv`` or ``repeat_interleave`` do; the attention must
 follow both writes).  At run time (:class:`HostAttention`) the op writes the step's tokens
-into the host cache through its mapped address, stages the query, the mask (as an fp32
-bias) and the positions in page-locked buffers, waits for the device, runs
-:mod:`fx_offload.host_compute.attention` over the valid tokens (the whole cache where there
-is no mask or the mask reads further) and copies the output back.  Such a layer takes no
-slot: nothing is filled for it.
+into the host cache through its mapped address and, on a GPU, queues a job on a stream of
+its own (:class:`_Jobs`: staging copies, :mod:`fx_offload.host_compute.attention` as a host
+function over the valid tokens, the output copied back; under CUDA graphs a host node of
+the graph); on a CPU it computes in place.  Such a layer takes no slot: nothing is filled
+for it.
 
 The choice is per graph, from its shapes, and per call in a graph of dynamic shapes: under
 ``"auto"`` a decode-shaped call (at most ``ROWS`` query rows read each KV head) on a host
@@ -30,6 +30,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import operator
+import time
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +40,9 @@ from torch import fx
 from ..errors import OffloadError
 from ..graph_inputs import value_of
 from ..host_compute import attention as kernel
+from ..host_compute import native
+from ..host_compute.kernels import job_threads
+from ..runtime.memory.streams import capturing
 from . import copies
 
 log = logging.getLogger("fx_offload")
@@ -49,8 +54,11 @@ _VIEWS = {"expand", "reshape", "view", "contiguous", "repeat_interleave", operat
           torch.reshape, torch.repeat_interleave}
 ROWS = 8        # query rows per KV head up to which "auto" attends on the host
 # how much faster than the link the host's kernel must read for "auto" to take it: each
-# layer's attention then waits for the device and back (streaming overlaps its copies)
-FASTER = 1.2
+# layer's attention then waits for the device and back (streaming overlaps its copies), and
+# a decode step's jobs read slower than the probe does.  On a 16-core H200 host the probe
+# read 68.7 GB/s (1.24x the link's 55.3), the jobs 58, and streaming was the faster (81.95
+# against 91.89 ms a token, 16 layers at 64k); on 32 cores the probe reads 2.0-2.2x the link
+FASTER = 1.5
 
 
 @dataclasses.dataclass
@@ -223,8 +231,9 @@ def choose(options, runtime, found: dict) -> dict[int, str]:
     why = None
     if mode == "never":
         why = "host_compute='never'"
-    elif options.mode == "reduce-overhead":
-        why = "a CUDA graph cannot capture it (mode='reduce-overhead')"
+    elif options.mode == "reduce-overhead" and any(found[l].dynamic for l in ready):
+        why = ("a graph of dynamic shapes under CUDA graphs (mode='reduce-overhead'): a "
+               "prefill's call would copy the cache in from inside a capture")
     elif mode == "auto" and device.type != "cuda":
         why = "host_compute='auto' on a CPU device (there is no link to spare)"
     elif mode == "auto" and any(found[l].rows > ROWS and not found[l].dynamic
@@ -278,19 +287,227 @@ def rewrite(graph: fx.Graph, kl, found: Found, anchor: fx.Node, handle: int,
     return node
 
 
-class HostAttention:
-    """The ``kv_attend`` op at run time, for one host KV runtime: page-locked staging, and
-    what the latest call read."""
+class _Fixed:
+    """The buffers of the jobs CUDA graphs record for one layer and shapes, never grown or
+    used for another, alive as long as the runtime (every replay of a graph runs its job on
+    these addresses).  Graphs recorded for other caches of the same shapes share them (their
+    jobs run one at a time on the stream), each with job arguments and a record of its own
+    (:attr:`jobs`: the arguments name the cache; plain host memory, made even inside a
+    capture)."""
 
-    def __init__(self):
-        self.staging: dict[str, torch.Tensor] = {}
+    def __init__(self, sizes: dict):
+        self.buffers = {name: torch.empty(max(numel, 1), dtype=dtype, pin_memory=pinned)
+                        for name, (numel, dtype, pinned) in sizes.items()}
+        # (cache keys' address, values', scale) -> (job, record, the cache keys)
+        self.jobs: dict[tuple, tuple] = {}
+
+    def buffer(self, name: str, numel: int, dtype: torch.dtype,
+               pinned: bool = True) -> torch.Tensor:
+        return self.buffers[name][:numel]
+
+    def job_for(self, host_k, host_v, scale, stream) -> tuple:
+        """(job, record) of the graphs that read this cache; the jobs of caches that are
+        gone are dropped (no graph replays them again), once ``stream`` has run those
+        queued."""
+        key = (host_k.data_ptr(), host_v.data_ptr(), scale)
+        held = self.jobs.get(key)
+        if held is None or held[2]() is not host_k:
+            if not capturing() and any(j[2]() is None for j in self.jobs.values()):
+                stream.synchronize()
+                self.jobs = {k: j for k, j in self.jobs.items() if j[2]() is not None}
+            held = self.jobs[key] = (kernel.AttendJob(), native.JobRecord(),
+                                     weakref.ref(host_k))
+        return held[:2]
+
+
+class _Jobs:
+    """The attention jobs of one host KV runtime on a CUDA device, each queued on a stream
+    of its own as a host function (the experts' pattern, :mod:`fx_offload.runtime.experts.
+    host_experts`)::
+
+        compute stream: cache writes (mapped), q fp32, bias, positions          -> event
+        job stream:     (waits the event) -> page-locked staging copies
+                        host function: the kernel over the valid tokens it reads from
+                        the positions and the bias; out (fp32) -> the device      -> event
+        compute stream: (waits the event) out -> the query's dtype
+
+    The Python thread never waits: it goes on queueing the next layers' work while the job
+    runs.  Jobs run one at a time in stream order, so one set of staging buffers serves
+    them all; a buffer grows only once the stream is idle.
+
+    Under CUDA graphs (``mode="reduce-overhead"``) the same pattern is recorded, the host
+    function a host node of the graph, and each job takes buffers, arguments and a record of
+    its own (:class:`_Fixed`, per layer and shapes), made at an earlier call outside the
+    capture (the warm-up every CUDA graph runs first), since every replay runs the job on
+    the addresses it was recorded with.  The valid tokens are read by the job itself, from
+    the positions the replay copied in."""
+
+    RING = 64       # jobs in flight before one's arguments are written again
+
+    def __init__(self, device: torch.device):
+        self.lib = kernel.library()
+        self.threads = job_threads()
+        self.stream = torch.cuda.Stream(device)
+        self.entered, self.left = torch.cuda.Event(), torch.cuda.Event()
+        self.ring = native.JobRing(kernel.AttendJob, self.RING)
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.records: dict[int, object] = {}    # layer -> its latest job's record
+        self.fixed: dict[tuple, _Fixed] = {}    # (layer, shapes, ...) -> what a graph records
+
+    def buffer(self, name: str, numel: int, dtype: torch.dtype,
+               pinned: bool = True) -> torch.Tensor:
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            if buf is not None:         # a queued job may still read the smaller one
+                self.stream.synchronize()
+            buf = self.buffers[name] = torch.empty(max(numel, 1), dtype=dtype,
+                                                   pin_memory=pinned)
+        return buf[:numel]
+
+    def __del__(self):
+        # a queued job reads this object's buffers and arguments (a recorded one, at every
+        # replay): never free them under it
+        try:
+            if self.ring.pending() or self.fixed:
+                self.stream.synchronize()
+        except Exception:       # (interpreter shutdown: CUDA may be gone already)
+            pass
+
+    def run(self, layer: int, q, bias, index, host_k, host_v, scale, fixed: bool = False):
+        """Queue ``layer``'s job (``q`` fp32, ``bias`` fp32 or None, ``index`` int64: device
+        tensors of the compute stream; ``host_k``/``host_v`` the page-locked cache) and
+        return (its output, fp32 on the compute stream, the job's record).  ``fixed``: the
+        job of a :class:`_Fixed` of its own (under CUDA graphs; inside a capture, one an
+        earlier call made)."""
+        sizes = {"q": (q.numel(), torch.float32, True),
+                 "bias": (0 if bias is None else bias.numel(), torch.float32, True),
+                 "index": (index.numel(), torch.int64, True),
+                 "out": (q.numel() // q.shape[-1] * host_v.shape[-1], torch.float32, True),
+                 "scratch": (kernel.scratch_floats(q.shape, host_k.shape[1], host_k.shape[2],
+                                                   host_v.shape[-1], self.threads)[0],
+                             torch.float32, False)}
+        mine = None
+        if fixed:
+            key = (layer, tuple(q.shape), None if bias is None else tuple(bias.shape),
+                   index.numel(), tuple(host_k.shape), tuple(host_v.shape), host_k.dtype)
+            mine = self.fixed.get(key)
+            if mine is None:
+                if capturing():
+                    raise OffloadError(
+                        f"host KV layer {layer}'s attention on the host is being captured "
+                        "into a CUDA graph with no call of its shapes before: the graph's "
+                        "job would have no buffers of its own. Let torch run the graph once "
+                        "before its capture (torch.compile's mode='reduce-overhead' does), "
+                        "or use host_compute='never'", where="kv_cache='host'")
+                mine = self.fixed[key] = _Fixed(sizes)
+        return self._queue(layer, q, bias, index, host_k, host_v, scale, mine)
+
+    def _queue(self, layer, q, bias, index, host_k, host_v, scale, mine):
+        main = torch.cuda.current_stream(q.device)
+        side = self.stream
+        (b, h, nq, _), dv = q.shape, host_v.shape[-1]
+        out_there = torch.empty(b, h, nq, dv, dtype=torch.float32, device=q.device)
+        # temporaries of the compute stream the job stream reads (or writes): the caching
+        # allocator hands them to no one else before it is done
+        for t in (q, bias, index, out_there):
+            if t is not None:
+                t.record_stream(side)
+        buffer = self.buffer if mine is None else mine.buffer
+        self.entered.record(main)
+        floats, chunks = kernel.scratch_floats(q.shape, host_k.shape[1], host_k.shape[2],
+                                               dv, self.threads)
+        with torch.cuda.stream(side):
+            side.wait_event(self.entered)
+            staged = []
+            for name, t in (("q", q), ("bias", bias), ("index", index)):
+                if t is None:
+                    staged.append(None)
+                    continue
+                view = buffer(name, t.numel(), t.dtype).view(t.shape)
+                view.copy_(t, non_blocking=True)
+                staged.append(view)
+            out = buffer("out", out_there.numel(), torch.float32).view(out_there.shape)
+            scratch = buffer("scratch", floats, torch.float32, False)
+            if mine is None:
+                record = self.records.setdefault(layer, native.JobRecord())
+                job = self.ring.take(side)
+            else:
+                job, record = mine.job_for(host_k, host_v, scale, side)
+            kernel.fill_job(job, staged[0], host_k, host_v, staged[2], staged[1], scale, out,
+                            scratch, chunks, record, self.threads)
+            native.launch_host_function(self.lib, side.cuda_stream, job, "fx_attend_run")
+            out_there.copy_(out, non_blocking=True)
+            self.left.record(side)
+        main.wait_event(self.left)
+        return out_there, record
+
+
+class HostAttention:
+    """The ``kv_attend`` op at run time, for one host KV runtime: the queued jobs, and what
+    the latest call did."""
+
+    def __init__(self, graphs: bool = False):
         self.rows = kernel.MAX_ROWS     # query rows per KV head the host takes (rows_for)
-        self.layers: list[int] = []     # attended on the host in the latest call
+        self.graphs = graphs            # under CUDA graphs: every job a _Fixed of its own
+        self._layers: list[int] = []    # attended on the host in the latest call, the op ran
         self.on_device: list[int] = []  # attended on the device: the call had more rows
-        self.read = 0                   # bytes of host cache they read
+        self._read = 0                  # bytes of host cache they read, waited for
+        self._queued: list = []         # (record, bytes a token) of this call's queued jobs
+        self._jobs: _Jobs | None = None     # on a CUDA device, made at the first job
+        # jobs recorded into CUDA graphs: (layer, its record, bytes a token); a replay runs
+        # no Python, so what it attended is read from the records
+        self.recorded: list[tuple] = []
+        self._began = 0                 # the host's monotonic clock (ns) at the call hook
 
     def begin_call(self) -> None:
-        self.layers, self.on_device, self.read = [], [], 0
+        """The call's begin op (not run by a replay)."""
+        self._layers, self.on_device, self._read, self._queued = [], [], 0, []
+
+    def call_began(self) -> None:
+        """The model's call hook (run before a replay too): a new call."""
+        self.begin_call()
+        self._began = time.monotonic_ns()
+
+    def _replayed(self) -> list[tuple]:
+        """(layer, record, bytes a token) of the recorded jobs a replay ran in the latest
+        call: those started since its call hook, of layers its op did not run.  Waits for
+        them."""
+        if not self.recorded:
+            return []
+        self._jobs.stream.synchronize()
+        live = {id(j[1]) for f in self._jobs.fixed.values()     # (a dead cache's: gone)
+                for j in f.jobs.values()}
+        self.recorded = [held for held in self.recorded if id(held[1]) in live]
+        return [(layer, r, n) for layer, r, n in self.recorded
+                if r[1] >= self._began and layer not in self._layers]
+
+    @property
+    def layers(self) -> list[int]:
+        """The layers the latest call attended on the host (a replay's too)."""
+        return sorted({*self._layers, *(layer for layer, _, _ in self._replayed())})
+
+    def _records(self) -> list[tuple]:
+        if self._queued:
+            self._jobs.stream.synchronize()
+        return self._queued + [(r, n) for _, r, n in self._replayed()]
+
+    @property
+    def read(self) -> int:
+        """Bytes of host cache the latest call's attention read (waits for its jobs)."""
+        return self._read + sum(record[0] * per_token for record, per_token in self._records())
+
+    @property
+    def jobs_timed(self) -> tuple[int, float, float] | None:
+        """The latest call's jobs on a stream (queued, or replayed from a CUDA graph): (how
+        many, seconds they ran, seconds from the first one's start to the last one's end),
+        None where none ran; waits for them.  They run one after another on one stream: the
+        span less the time they ran is the time the host's cores waited for the device
+        between them."""
+        records = [record for record, _ in self._records()]
+        if not records:
+            return None
+        return (len(records), sum(r[2] - r[1] for r in records) / 1e9,
+                (max(r[2] for r in records) - min(r[1] for r in records)) / 1e9)
 
     def device_path(self, runtime, layer, query, key, value, index, keys, values, mask,
                     scale) -> torch.Tensor:
@@ -319,21 +536,6 @@ class HostAttention:
         return F.scaled_dot_product_attention(query, k, v, attn_mask=mask,
                                               scale=scale).contiguous()
 
-    def _buffer(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
-        """A page-locked buffer of ours shaped ``shape``, grown as calls grow."""
-        numel = torch.Size(shape).numel()
-        buf = self.staging.get(name)
-        if buf is None or buf.numel() < numel or buf.dtype != dtype:
-            buf = self.staging[name] = torch.empty(max(numel, 1), dtype=dtype,
-                                                   pin_memory=True)
-        return buf[:numel].view(shape)
-
-    def _staged(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """``t`` copied (queued, not waited for) into a page-locked buffer of ours."""
-        view = self._buffer(name, t.shape, t.dtype)
-        view.copy_(t, non_blocking=True)
-        return view
-
     def run(self, runtime, layer: int, query, key, value, index, keys, values, mask,
             scale) -> torch.Tensor:
         if query.shape[1] // keys.shape[1] * query.shape[2] > self.rows or \
@@ -349,26 +551,25 @@ class HostAttention:
             bias = mask.expand(full)
             bias = torch.zeros(full, device=mask.device).masked_fill(~bias, float("-inf")) \
                 if mask.dtype == torch.bool else bias.float().contiguous()
-        host_k, host_v = keys, values
-        if query.device.type == "cuda":
-            q = self._staged("q", q)
-            bias = None if bias is None else self._staged("bias", bias)
-            index = self._staged("index", index.reshape(-1))
+        per_token = sum(t.numel() // t.shape[2] * t.element_size() for t in (keys, values))
+        if query.device.type == "cuda":     # queued on a stream: the thread never waits
+            if self._jobs is None:
+                self._jobs = _Jobs(query.device)
             host_k, host_v = (runtime.pinned[t.data_ptr()]() for t in (keys, values))
-            done = torch.cuda.Event()
-            done.record()
-            done.synchronize()                  # the staging and the tokens have landed
+            out, record = self._jobs.run(layer, q, bias, index.reshape(-1).long(), host_k,
+                                         host_v, scale, fixed=self.graphs)
+            if capturing():     # its replays run no Python: what they read, from the record
+                if not any(r is record for _, r, _ in self.recorded):
+                    self.recorded.append((layer, record, per_token))
+            else:
+                self._layers.append(layer)
+                self._queued.append((record, per_token))
+            return out.to(query.dtype)
+        self._layers.append(layer)
         tokens = int(index.max()) + 1 if index.numel() else 0
         if bias is None or (tokens < keys.shape[2] and
                             not torch.isneginf(bias[..., tokens:]).all()):
             tokens = keys.shape[2]              # the attention reads further: the whole cache
-        # on a GPU into a page-locked buffer: the last layer's copy of it was waited for
-        out = self._buffer("out", (*query.shape[:-1], values.shape[-1]), torch.float32) \
-            if query.device.type == "cuda" else None
-        out = kernel.attend(kernel.library(), q, host_k, host_v, tokens, bias, scale, out)
-        self.layers.append(layer)
-        self.read += tokens * sum(t.numel() // t.shape[2] * t.element_size()
-                                  for t in (keys, values))
-        if query.device.type == "cuda":
-            out = out.to(query.device, non_blocking=True)
+        out = kernel.attend(kernel.library(), q, keys, values, tokens, bias, scale)
+        self._read += tokens * per_token
         return out.to(query.dtype)

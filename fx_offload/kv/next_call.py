@@ -226,6 +226,11 @@ class BeforeReplay:
         firsts = runtime.layers[:min(runtime.num_slots, len(runtime.layers))]
         if any(lengths.get(layer) is None for layer in firsts):
             return
+        # a layer whose attention a call of this size ran on the host reads no slot: the
+        # next (a decode step after a decode step) does the same, and a fill would only
+        # take the link and the host's memory from its job
+        hosted = runtime.hosting.get(tokens, {})
+        firsts = [layer for layer in firsts if hosted.get(layer) != "host"]
         stream = runtime.copy_stream
         if stream is not None:
             called = torch.cuda.Event()

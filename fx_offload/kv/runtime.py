@@ -85,7 +85,8 @@ class HostKV:
         self.before_replay = BeforeReplay(enabled=options.mode == "reduce-overhead")
         self.done: torch.Tensor | None = None
         self.ended = True                        # the last call reached its join
-        self.attention = HostAttention()         # layers whose attention runs on the host
+        # layers whose attention runs on the host (under CUDA graphs: recorded as host nodes)
+        self.attention = HostAttention(graphs=options.mode == "reduce-overhead")
         # per graph, keyed by the tokens a call writes: layer -> "host" or "streamed: why"
         self.hosting: dict = {}
 
@@ -310,7 +311,8 @@ def summary(kv) -> dict:
                plan=kv.plan.describe() if kv.plan is not None and kv.budget is not None
                else None, attended=list(kv.attention.layers),
                attended_on_device=list(kv.attention.on_device),
-               attended_read=kv.attention.read, hosting=dict(kv.hosting))
+               attended_read=kv.attention.read, attended_jobs=kv.attention.jobs_timed,
+               hosting=dict(kv.hosting))
     out.update(kv.figures)
     if kv.layers and out["attended"]:    # those layers copied nothing in
         out["copied_per_step"] = out["copied_per_step"] * \

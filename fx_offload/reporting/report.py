@@ -166,6 +166,13 @@ class Report:
                     f"    attention over the host cache: the last call computed layers "
                     f"{kv['attended']} on the host, reading {format_bytes(kv['attended_read'])}"
                     " of the cache in place (those layers copy none of it)")
+                if kv.get("attended_jobs"):
+                    n, ran, span = kv["attended_jobs"]
+                    lines.append(
+                        f"    its {n} jobs on the host ran {ran * 1e3:.2f} ms at "
+                        f"{kv['attended_read'] / max(ran, 1e-9) / 1e9:.1f} GB/s, over "
+                        f"{span * 1e3:.2f} ms from the first one's start to the last one's "
+                        "end (the rest: the host waited for the device between them)")
             if kv.get("attended_on_device"):
                 lines.append(
                     f"    attention over the host cache: the last call computed layers "

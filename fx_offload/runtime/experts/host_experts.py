@@ -96,9 +96,7 @@ class _StreamJobs:
     def __init__(self, lib, threads: int):
         self.lib = lib
         self.threads = threads      # read once, at the model's first call on the host
-        self.jobs = [native.ExpertsJob() for _ in range(self.RING)]
-        self.queued = [False] * self.RING
-        self.next = 0
+        self.ring = native.JobRing(native.ExpertsJob, self.RING)
         self.buffers: dict[str, torch.Tensor] = {}
         self.records: dict[int, native.JobRecord] = {}   # layer -> its latest job's record
         # the jobs' stream, and the events between it and the compute stream
@@ -120,7 +118,7 @@ class _StreamJobs:
 
     def pending(self) -> bool:
         """A job queued on a stream has not finished."""
-        return any(q and not j.done for q, j in zip(self.queued, self.jobs))
+        return self.ring.pending()
 
     def __del__(self):
         # a queued job reads this object's buffers and arguments: never free them under it
@@ -129,14 +127,6 @@ class _StreamJobs:
                 torch.cuda.synchronize()
         except Exception:       # (interpreter shutdown: CUDA may be gone already)
             pass
-
-    def job(self, stream) -> native.ExpertsJob:
-        i, self.next = self.next, (self.next + 1) % self.RING
-        job = self.jobs[i]
-        if self.queued[i] and not job.done:     # 64 layers behind: wait for it
-            stream.synchronize()
-        self.queued[i] = True
-        return job
 
     @staticmethod
     def _sizes(entry, x, ids) -> dict:
@@ -188,7 +178,7 @@ class _StreamJobs:
             y = buffer("y", T * H, torch.float32, side).view(T, H)
             if fixed is None:
                 record = self.records.setdefault(layer, native.JobRecord())
-                job = self.job(side)
+                job = self.ring.take(side)
             else:
                 record, job = fixed.record, fixed.job
             native.fill_job(job, gate_up, down, "silu", *staged,
