@@ -53,6 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "stands for the device memory that config's weights take, or "
                              "give sizes such as 3GiB; empty for none (default: those of "
                              "g2n1s1, g2n1s2, g4n1s1 that are run)")
+    parser.add_argument("--inner-backend", default="inductor",
+                        choices=("inductor", "aot_eager"),
+                        help="what compiles the resident row and the offloaded graphs "
+                             "(aot_eager: no kernels built, for a quick check that the bench "
+                             "runs)")
     parser.add_argument("--repeats", type=int, default=7, help="timed runs of each row")
     parser.add_argument("--per-param-copies", action="store_true",
                         help="also run each config with one copy per parameter instead of "
@@ -210,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
     if args.pass_cost:
         return pass_cost(args)
     bench = Bench(args)
-    bench.measure("resident (inductor)", bench.resident)
+    bench.measure(bench.resident_name, bench.resident)
     bench.run_configs()
     bench.run_budgets()
     bench.run_alternatives()
@@ -288,8 +293,12 @@ class Bench:
             torch.cuda.empty_cache()
         return timed
 
+    @property
+    def resident_name(self) -> str:
+        return f"resident ({self.args.inner_backend})"
+
     def resident(self):
-        return torch.compile(self.build(), backend="inductor", dynamic=True)
+        return torch.compile(self.build(), backend=self.args.inner_backend, dynamic=True)
 
     def run_configs(self) -> None:
         default_packed = SlotBuffers.packed
@@ -313,7 +322,7 @@ class Bench:
                     model = self.build()
                     total = weights_bytes(model, self.device)
                     options = dict(group_size=group, num_in_group=num, prefetch_step=step,
-                                   **extra)
+                                   inner_backend=args.inner_backend, **extra)
                     fn = torch.compile(model, backend="prefetch_offload", dynamic=True,
                                        options=options)
                     with torch.no_grad():
@@ -351,7 +360,8 @@ class Bench:
             def planned(first=todo[0]):
                 model = self.build()
                 fn = torch.compile(model, backend="prefetch_offload", dynamic=True,
-                                   options=dict(memory_budget=budget, plan_tokens=[first]))
+                                   options=dict(memory_budget=budget, plan_tokens=[first],
+                                                inner_backend=self.args.inner_backend))
                 with torch.no_grad():   # two tokens: a size-1 dimension would be traced static
                     fn(torch.zeros(1, 2, dtype=torch.long, device=self.device))
                 rep = report(model)
@@ -400,7 +410,7 @@ class Bench:
 
     @property
     def compute(self) -> dict[int, float]:
-        return {r.tokens: r.median_ms for r in self.rows if r.method == "resident (inductor)"}
+        return {r.tokens: r.median_ms for r in self.rows if r.method == self.resident_name}
 
 
 def annotate(self: Bench) -> None:
@@ -499,7 +509,7 @@ def planner_summary(rows, chosen, weights_on_device, configs, plans) -> str:
             lines.append(text)
     errors = [r.median_ms / r.predicted_ms for r in rows if r.predicted_ms]
     resident = [(r.median_ms, ms.get(("resident (predicted)", r.tokens))) for r in rows
-                if r.method == "resident (inductor)"]
+                if r.method.startswith("resident (") and r.method != "resident (predicted)"]
     errors_res = [m / p for m, p in resident if p]
     if errors:
         lines.append(f"measured / predicted, offloaded rows: {min(errors):.3f} .. "
