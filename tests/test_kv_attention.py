@@ -90,6 +90,20 @@ def test_a_queued_job_finds_its_valid_tokens_as_the_op_did(case):
     assert record[2] >= record[1] > 0
 
 
+def test_a_capture_with_no_call_of_its_shapes_before_is_refused(monkeypatch):
+    """Under CUDA graphs a job takes buffers made at an earlier call of its shapes (the
+    warm-up); a capture that finds none is refused with what to do, before anything is
+    queued."""
+    monkeypatch.setattr(host_attention, "capturing", lambda: True)
+    jobs = object.__new__(host_attention._Jobs)     # (no stream: nothing is queued)
+    jobs.fixed, jobs.threads = {}, 2
+    keys = torch.zeros(1, 2, 64, 16)
+    with pytest.raises(fx_offload.OffloadError, match="no call of its shapes before"):
+        jobs.run(3, torch.zeros(1, 4, 1, 16), None, torch.zeros(1, dtype=torch.int64), keys,
+                 keys.clone(), None, fixed=True)
+    assert jobs.fixed == {}
+
+
 def _pair(host_compute="always", **kv):
     torch.manual_seed(0)
     reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
