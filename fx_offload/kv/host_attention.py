@@ -379,13 +379,9 @@ class _Jobs:
         return (its output, fp32 on the compute stream, the job's record).  ``fixed``: the
         job of a :class:`_Fixed` of its own (under CUDA graphs; inside a capture, one an
         earlier call made)."""
-        sizes = {"q": (q.numel(), torch.float32, True),
-                 "bias": (0 if bias is None else bias.numel(), torch.float32, True),
-                 "index": (index.numel(), torch.int64, True),
-                 "out": (q.numel() // q.shape[-1] * host_v.shape[-1], torch.float32, True),
-                 "scratch": (kernel.scratch_floats(q.shape, host_k.shape[1], host_k.shape[2],
-                                                   host_v.shape[-1], self.threads)[0],
-                             torch.float32, False)}
+        dv = host_v.shape[-1]
+        floats, chunks = kernel.scratch_floats(q.shape, host_k.shape[1], host_k.shape[2],
+                                               dv, self.threads)
         mine = None
         if fixed:
             key = (layer, tuple(q.shape), None if bias is None else tuple(bias.shape),
@@ -399,13 +395,16 @@ class _Jobs:
                         "job would have no buffers of its own. Let torch run the graph once "
                         "before its capture (torch.compile's mode='reduce-overhead' does), "
                         "or use host_compute='never'", where="kv_cache='host'")
-                mine = self.fixed[key] = _Fixed(sizes)
-        return self._queue(layer, q, bias, index, host_k, host_v, scale, mine)
-
-    def _queue(self, layer, q, bias, index, host_k, host_v, scale, mine):
+                f32 = torch.float32
+                mine = self.fixed[key] = _Fixed({
+                    "q": (q.numel(), f32, True),
+                    "bias": (0 if bias is None else bias.numel(), f32, True),
+                    "index": (index.numel(), torch.int64, True),
+                    "out": (q.numel() // q.shape[-1] * dv, f32, True),
+                    "scratch": (floats, f32, False)})
         main = torch.cuda.current_stream(q.device)
         side = self.stream
-        (b, h, nq, _), dv = q.shape, host_v.shape[-1]
+        b, h, nq, _ = q.shape
         out_there = torch.empty(b, h, nq, dv, dtype=torch.float32, device=q.device)
         # temporaries of the compute stream the job stream reads (or writes): the caching
         # allocator hands them to no one else before it is done
@@ -414,8 +413,6 @@ class _Jobs:
                 t.record_stream(side)
         buffer = self.buffer if mine is None else mine.buffer
         self.entered.record(main)
-        floats, chunks = kernel.scratch_floats(q.shape, host_k.shape[1], host_k.shape[2],
-                                               dv, self.threads)
         with torch.cuda.stream(side):
             side.wait_event(self.entered)
             staged = []
