@@ -312,8 +312,10 @@ def test_the_host_jobs_threads_leave_an_eighth_of_the_pool_or_follow_the_variabl
     pool = torch.get_num_threads()
     monkeypatch.delenv("FX_OFFLOAD_HOST_THREADS", raising=False)
     assert job_threads() == max(1, pool - max(1, pool // 8))
+    assert job_threads(spare=False) == pool        # an attention job's: every core
     monkeypatch.setenv("FX_OFFLOAD_HOST_THREADS", "3")
     assert job_threads() == 3
+    assert job_threads(spare=False) == 3
     monkeypatch.setenv("FX_OFFLOAD_HOST_THREADS", "0")
     with caplog.at_level("WARNING", logger="fx_offload"):
         assert job_threads() == max(1, pool - max(1, pool // 8))

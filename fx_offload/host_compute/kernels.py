@@ -68,11 +68,14 @@ def host_threads() -> int:
     return torch.get_num_threads()
 
 
-def job_threads() -> int:
+def job_threads(spare: bool = True) -> int:
     """Threads of a job the stream runs: ``FX_OFFLOAD_HOST_THREADS`` where set, else torch's
-    pool less an eighth of it (at least one fewer).  The job runs while the Python thread
-    enqueues the next layers and the driver's threads serve the copies; a team on every core
-    slows all three (measured: docs/host_compute.md, threads of a queued job)."""
+    pool, less an eighth of it (at least one fewer) where ``spare``.  An experts job runs
+    while the Python thread enqueues the next layers and the driver's threads serve the
+    copies of the layers' other weights; a team on every core slows all three.  An attention
+    job read the cache faster with every core, and the kernel probe that ``"auto"`` weighs
+    runs with every core too (both measured: docs/host_compute.md, threads of a queued
+    job)."""
     value = os.environ.get("FX_OFFLOAD_HOST_THREADS", "").strip()
     if value:
         try:
@@ -83,7 +86,7 @@ def job_threads() -> int:
         log.warning("fx_offload: FX_OFFLOAD_HOST_THREADS=%r is no count of threads (a whole "
                     "number of at least 1); using the default", value)
     pool = host_threads()
-    return max(1, pool - max(1, pool // 8))
+    return max(1, pool - max(1, pool // 8)) if spare else pool
 
 
 def physical_cores() -> int:

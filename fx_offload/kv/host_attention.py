@@ -346,7 +346,9 @@ class _Jobs:
 
     def __init__(self, device: torch.device):
         self.lib = kernel.library()
-        self.threads = job_threads()
+        # every core: measured faster on 32 cores (docs/host_compute.md), and the kernel's
+        # probe that 'auto' weighs runs with every core too
+        self.threads = job_threads(spare=False)
         self.stream = torch.cuda.Stream(device)
         self.entered, self.left = torch.cuda.Event(), torch.cuda.Event()
         self.ring = native.JobRing(kernel.AttendJob, self.RING)
