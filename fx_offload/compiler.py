@@ -26,6 +26,7 @@ import threading
 import weakref
 from typing import Any, Mapping
 
+import torch
 from torch import fx, nn
 
 from . import registry
@@ -41,7 +42,7 @@ from .runtime.state import OffloadState
 from .selection import NothingOffloaded, choose
 from .selection.budget import sizes_of
 from .selection.stack import (eager_experts_hint, find_enclosing_model, find_layer_stack,
-                              find_parent_model, top_level_lists)
+                              find_outer_model, find_parent_model, top_level_lists)
 from .text import format_bytes
 from .training import check_grad_mode
 
@@ -161,6 +162,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
         compiled = registry.marks_first_run(compiled, handle)
     if layer_frame:
         _warn_layer_frame(state, gi)
+        if first:
+            compiled = _traced_again_after_first_run(compiled)
     # 6. materialize: host blocks, slots, hooks (the parameters keep their storage for the
     # rest of this call, whose graphs read them as they are, and let it go after the graph
     # that ends the call: the hooks that end a call do not run in the call they were
@@ -193,6 +196,25 @@ def _describe(state: OffloadState, options: OffloadOptions, given: tuple[str, ..
         return (f"{placed.describe(placement_only=True)} (as placed), "
                 f"inner_backend={options.inner_backend!r}")
     return options.describe() + ("" if given else " (defaults)")
+
+
+def _traced_again_after_first_run(compiled):
+    """A part of the model compiled on its own before the model was offloaded (a decoder
+    whose causal LM's forward broke the graph in its first call) was traced with no layer
+    hooks, and Dynamo does not guard on hooks added since: run as it is once (the weights
+    still hold their storage in this call), then drop the frame's cached code so that its
+    next call is traced again, with the hooks that load each layer."""
+    from .graph_inputs import _frame
+    code = _frame()[2]
+    ran = []
+
+    def run(*args):
+        out = compiled(*args)
+        if not ran and code is not None:
+            ran.append(True)
+            torch._dynamo.reset_code(code)
+        return out
+    return run
 
 
 def _then_settle(compiled, state: OffloadState):
@@ -259,6 +281,11 @@ def _state_for_graph(gm, gi: GraphInputs, options: OffloadOptions, defaulted: bo
             f"part of layer {layer} of a {other.model_name}; compile that model itself, not a "
             "part of it, or call fx_offload.restore on it first")
     parent = find_parent_model(gi.root) if gi.frame_is_root_forward else None
+    if parent is None and gi.frame_is_root_forward:
+        # a decoder compiled on its own inside its causal LM's call (a graph break in the
+        # LM's forward): the LM owns the layers, as a graph without the break would have
+        # made it, and this graph is loaded as a layer's frame is
+        parent = find_outer_model(gi.root)
     if parent is not None:
         state = registry.state_for_model(parent)
         if state is not None:

@@ -119,12 +119,14 @@ def test_two_models_stay_independent():
     assert fx_offload.report(a).num_slots == 1 and fx_offload.report(b).num_slots == 2
 
 
-def test_hidden_states_asked_after_a_first_call_are_right_with_a_warning(caplog):
+@pytest.mark.parametrize("first", ["plain", "hidden_states"])
+def test_hidden_states_asked_in_any_call_are_right_with_a_warning(caplog, first):
     """transformers' ``output_hidden_states=True`` breaks the graph inside the model, so
     Dynamo compiles the inner ``LlamaModel.forward`` on its own during the offloaded
     model's call: a graph of a part of that model, run as a layer's frame is (its offloaded
     layers loaded synchronously, a warning naming the break), not refused as a part
-    compiled on its own."""
+    compiled on its own.  Asked in the very first call, the causal LM still owns the
+    layers (not the decoder compiled first), so later plain calls prefetch as usual."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -134,13 +136,28 @@ def test_hidden_states_asked_after_a_first_call_are_right_with_a_warning(caplog)
     compiled = torch.compile(model, backend="prefetch_offload",
                              options={"inner_backend": "aot_eager"})
     ids = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="fx_offload"):
+
+    def plain():
         assert torch.equal(compiled(ids, use_cache=False).logits,
                            reference(ids, use_cache=False).logits)
+
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="fx_offload"):
+        if first == "plain":
+            plain()
         for _ in range(2):
             got = compiled(ids, use_cache=False, output_hidden_states=True)
             want = reference(ids, use_cache=False, output_hidden_states=True)
             assert torch.equal(got.logits, want.logits)
             assert all(torch.equal(g, w) for g, w in zip(got.hidden_states, want.hidden_states))
+        plain()
+        state = fx_offload.registry.state_for_model(model)
+        loads = state.stats["sync_loads"]
+        plain()                 # the whole model's graph: prefetched, nothing loaded whole
+        assert state.stats["sync_loads"] == loads
     assert "LlamaModel.forward on its own" in caplog.text
-    assert fx_offload.report(model).layers == [1, 3]
+    rep = fx_offload.report(model)
+    assert rep.model == "LlamaForCausalLM" and rep.layers == [1, 3]
+    assert fx_offload.registry.state_for_model(model.model) is None
+    fx_offload.restore(model)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 reference.state_dict().values()))

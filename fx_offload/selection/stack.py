@@ -259,10 +259,27 @@ def find_enclosing_model(module: nn.Module, max_frames: int = MAX_CALLER_FRAMES)
     return _caller(module, holds, max_frames, outermost=False)
 
 
-def _caller(module: nn.Module, wanted, max_frames: int, outermost: bool):
+def find_outer_model(module: nn.Module, max_frames: int = MAX_CALLER_FRAMES):
+    """The outermost caller inside the same compiled call whose ``self`` is a model sharing
+    one of ``module``'s layer stacks: for a graph Dynamo compiled from a model's own frame
+    because the forward around it fell back to eager (a graph break in the outer forward,
+    as transformers' ``output_hidden_states`` makes), the model a graph without the break
+    would have had as its root (the causal LM around its decoder).  None where ``module`` is
+    what ``torch.compile`` wrapped: a module calling the compiled model is not it."""
+    mine = {id(stack) for _, stack in top_level_lists(module)}
+    if not mine:
+        return None
+    return _caller(module, lambda value: any(
+        id(stack) in mine for _, stack in top_level_lists(value)), max_frames,
+        outermost=True, within_call=True)
+
+
+def _caller(module: nn.Module, wanted, max_frames: int, outermost: bool,
+            within_call: bool = False):
     """The nearest (or outermost) module ``wanted`` accepts among the ``self`` locals of the
     module-call frames above the function calling this one's caller; the outermost stops at
-    the call ``torch.compile`` wrapped (a module calling the compiled model is not it)."""
+    the call ``torch.compile`` wrapped (a module calling the compiled model is not it), and
+    ``within_call`` stops there even before one is found."""
     frame = sys._getframe(2)
     seen = set()
     found = None
@@ -270,7 +287,7 @@ def _caller(module: nn.Module, wanted, max_frames: int, outermost: bool):
         if frame is None:
             break
         name = frame.f_code.co_name
-        if found is not None and name in _COMPILE_ENTRY_FRAMES and \
+        if (found is not None or within_call) and name in _COMPILE_ENTRY_FRAMES and \
                 frame.f_code.co_filename.endswith(_COMPILE_ENTRY_FILE):
             break
         if name in _MODULE_CALL_FRAMES or name.startswith(_RESUME_PREFIX):
