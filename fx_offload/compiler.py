@@ -162,7 +162,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
         compiled = registry.marks_first_run(compiled, handle)
     if layer_frame:
         _warn_layer_frame(state, gi)
-        if first:
+        if first and top_level_lists(gi.root):   # it holds the layers, their hooks inside
             compiled = _traced_again_after_first_run(compiled)
     # 6. materialize: host blocks, slots, hooks (the parameters keep their storage for the
     # rest of this call, whose graphs read them as they are, and let it go after the graph
@@ -203,7 +203,9 @@ def _traced_again_after_first_run(compiled):
     whose causal LM's forward broke the graph in its first call) was traced with no layer
     hooks, and Dynamo does not guard on hooks added since: run as it is once (the weights
     still hold their storage in this call), then drop the frame's cached code so that its
-    next call is traced again, with the hooks that load each layer."""
+    next call is traced again, with the hooks that load each layer.  (Other instances of
+    the class trace that frame again too, once.)  A layer's own frame needs none of this:
+    its hooks run outside it."""
     from .graph_inputs import _frame
     code = _frame()[2]
     ran = []
