@@ -36,14 +36,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():       # before diffusers' import, which takes seconds
+        print("error: the flux benchmark needs a GPU", file=sys.stderr)
+        return 2
     try:
         from diffusers import FluxTransformer2DModel
     except ImportError:
         print('error: the flux benchmark needs diffusers: pip install "diffusers==0.42.1"',
               file=sys.stderr)
-        return 2
-    if not torch.cuda.is_available():
-        print("error: the flux benchmark needs a GPU", file=sys.stderr)
         return 2
     torch.manual_seed(0)
     base = FluxTransformer2DModel(num_layers=args.double, num_single_layers=args.single,
