@@ -273,9 +273,11 @@ def _state_for_graph(gm, gi: GraphInputs, options: OffloadOptions, defaulted: bo
               for o in [registry.owner_of_param(p)] if o is not None}
     if owners:
         other, layer = next(iter(owners.values()))
-        if other.holder == threading.get_ident():
+        if other.holder == threading.get_ident() or (
+                gi.frame_is_root_forward and find_outer_model(gi.root) is other.model_ref()):
             # a part of the model compiled inside the model's own call (a graph break in
             # its forward, as transformers' output_hidden_states makes): as a layer's frame
+            # (the model's first call holds no turn: its state was made inside it)
             _check_same_options(other, options, defaulted)
             return other, other.choice, other.model_ref(), True
         raise OffloadError(

@@ -112,10 +112,14 @@ def check_grad_mode(gi, choice, learned, handle: int, example_inputs, options,
                            for v in example_inputs):
         # (its parameters are named from the layer, not the model: checked here)
         raise GradModeError(
-            "trains only a model whose layers run in its own graph: Dynamo compiled a layer's "
-            "forward on its own (a graph break in or between the layers), where no backward "
-            "prefetch can be placed. Remove the graph break, or call the model under "
-            "torch.no_grad()")
+            "trains only a model whose layers run in its own graph: Dynamo compiled "
+            f"{type(gi.root).__name__}.forward on its own (a graph break in or between the "
+            "layers, or in the model's forward around them: TORCH_LOGS=graph_breaks shows "
+            "where; a Hugging Face model training with gradient checkpointing breaks at its "
+            "embeddings' require-grad hook: call model.disable_input_require_grads(), and "
+            "torch._dynamo.reset() if the model was called before), where "
+            "no backward prefetch can be placed. Remove the graph break, or call the model "
+            "under torch.no_grad()")
     reads = [name for name, _ in gi.params.values() if name in offloaded]
     if not reads:
         return None

@@ -161,3 +161,62 @@ def test_hidden_states_asked_in_any_call_are_right_with_a_warning(caplog, first)
     fx_offload.restore(model)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
                                                  reference.state_dict().values()))
+
+
+def test_hidden_states_in_an_encoder_decoders_first_call_are_right():
+    """T5 asked for hidden states in its very first call: each of its two stacks compiles
+    on its own inside the model's call, the first before the model was offloaded, the
+    second after; both are the model's, and later plain calls prefetch."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=4, num_decoder_layers=4,
+        num_heads=4, decoder_start_token_id=0)).eval()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={"inner_backend": "aot_eager"})
+    g = torch.Generator().manual_seed(1)
+    ids, decoder_ids = torch.randint(0, 128, (1, 7), generator=g), \
+        torch.randint(0, 128, (1, 5), generator=g)
+    with torch.no_grad():
+        for hidden in (True, False, True, False):
+            got = compiled(input_ids=ids, decoder_input_ids=decoder_ids,
+                           output_hidden_states=hidden)
+            want = reference(input_ids=ids, decoder_input_ids=decoder_ids,
+                             output_hidden_states=hidden)
+            assert torch.equal(got.logits, want.logits)
+            if hidden:
+                for mine, theirs in ((got.encoder_hidden_states, want.encoder_hidden_states),
+                                     (got.decoder_hidden_states, want.decoder_hidden_states)):
+                    assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
+        state = fx_offload.registry.state_for_model(model)
+        loads = state.stats["sync_loads"]
+        compiled(input_ids=ids, decoder_input_ids=decoder_ids)
+        assert state.stats["sync_loads"] == loads
+    assert fx_offload.report(model).model == "T5ForConditionalGeneration"
+
+
+def test_a_decoder_offloaded_on_its_own_then_its_causal_lm_compiled_is_refused_then_works():
+    """The decoder inside a causal LM compiled and offloaded on its own, then the LM
+    compiled too: both hold the layers, a model is offloaded once; the error says so and
+    what to do, nothing is lost, and after restoring the decoder the LM offloads."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=4, vocab_size=256)).eval()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(1))
+    options = {"inner_backend": "aot_eager"}
+    with torch.no_grad():
+        torch.compile(model.model, backend="prefetch_offload", options=options)(ids)
+        compiled = torch.compile(model, backend="prefetch_offload", options=options)
+        with pytest.raises(Exception, match=r"LlamaModel and this LlamaForCausalLM, one module "
+                                            r"inside the other, both hold these layers.*"
+                                            r"call fx_offload.restore on it first"):
+            compiled(ids)
+        fx_offload.restore(model.model)
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                     reference.state_dict().values()))
+        assert torch.equal(compiled(ids).logits, reference(ids).logits)
+    assert fx_offload.report(model).model == "LlamaForCausalLM"

@@ -355,16 +355,28 @@ def test_hugging_face_gradient_checkpointing_trains_the_adapters_bitwise():
 
 def test_the_require_grad_hook_of_gradient_checkpointing_gets_advice_not_already_offloaded():
     """Left on, transformers' hook that makes the embeddings' output require grad breaks
-    the graph; Dynamo then compiles the inner model's forward apart from the offloaded
-    outer one: the error says so and what to call, and nothing is lost."""
+    the graph; Dynamo then compiles the inner model's forward on its own, where no backward
+    prefetch can be placed: the error says so and what to call, and nothing is lost."""
     model, reference, ids = lora_llama(num_layers=2)
     model.gradient_checkpointing_enable()
     compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
-    with pytest.raises(Exception, match=r"compiled .*forward on their own, one module inside the other.*"
+    with pytest.raises(Exception, match=r"compiled LlamaModel.forward on its own .*"
                                         r"disable_input_require_grads"):
         compiled(input_ids=ids, labels=ids, use_cache=False)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(p, q), name
+    # the advice followed: it trains, its gradients the reference's
+    for m in (model, reference):
+        m.disable_input_require_grads()
+    torch._dynamo.reset()
+    ref_compiled = torch.compile(reference, backend="aot_eager")
+    losses = [f(input_ids=ids, labels=ids, use_cache=False).loss
+              for f in (compiled, ref_compiled)]
+    for loss in losses:
+        loss.backward()
+    assert torch.equal(*losses)
+    assert_grads(model, reference)
+    assert fx_offload.report(model).layers == [1]
 
 
 @pytest.mark.parametrize("where", ["unrolled", "inside"])

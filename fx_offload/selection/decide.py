@@ -164,16 +164,19 @@ def _check_not_offloaded_elsewhere(params, model: nn.Module) -> None:
             if other is not None and other is not model and (
                     any(m is model for m in other.modules()) or
                     any(m is other for m in model.modules())):
-                # Dynamo fell back to eager in an outer forward and compiled a module inside
-                # it apart: two frames, one inside the other, claim the same layers
+                # two models, one inside the other, claim the same layers: the inner one
+                # compiled on its own, or apart after a graph break in the outer forward
                 raise OffloadError(
-                    f"Dynamo compiled {type(model).__name__}.forward and "
-                    f"{owner[0].model_name}.forward on their own, one module inside the "
-                    "other, and both hold these offloaded layers: a graph break in the outer "
-                    "forward outside the layers (TORCH_LOGS=graph_breaks shows where; a "
-                    "Hugging Face model training with gradient checkpointing breaks at its "
-                    "embeddings' require-grad hook: call model.disable_input_require_grads()). "
-                    "Remove the graph break, or offload and compile the inner module alone")
+                    f"{owner[0].model_name} and this {type(model).__name__}, one module "
+                    "inside the other, both hold these layers, and the "
+                    f"{owner[0].model_name} is already offloaded; a model is offloaded once. "
+                    "If it was compiled on its own, compile only one of the two (call "
+                    "fx_offload.restore on it first); else Dynamo compiled it apart after a "
+                    "graph break in the outer forward outside the layers (TORCH_LOGS="
+                    "graph_breaks shows where; a Hugging Face model training with gradient "
+                    "checkpointing breaks at its embeddings' require-grad hook: call "
+                    "model.disable_input_require_grads(), and torch._dynamo.reset() if the "
+                    "model was called before): remove the graph break")
             raise OffloadError(
                 f"{p.name} is already offloaded (layer {owner[1]} of a "
                 f"{owner[0].model_name}); a model is offloaded once. Call "
