@@ -119,6 +119,14 @@ def test_two_models_stay_independent():
     assert fx_offload.report(a).num_slots == 1 and fx_offload.report(b).num_slots == 2
 
 
+def _tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=4, vocab_size=256)).eval()
+
+
 @pytest.mark.parametrize("first", ["plain", "hidden_states"])
 def test_hidden_states_asked_in_any_call_are_right_with_a_warning(caplog, first):
     """transformers' ``output_hidden_states=True`` breaks the graph inside the model, so
@@ -127,11 +135,7 @@ def test_hidden_states_asked_in_any_call_are_right_with_a_warning(caplog, first)
     layers loaded synchronously, a warning naming the break), not refused as a part
     compiled on its own.  Asked in the very first call, the causal LM still owns the
     layers (not the decoder compiled first), so later plain calls prefetch as usual."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-        num_hidden_layers=4, vocab_size=256)).eval()
+    model = _tiny_llama()
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend="prefetch_offload",
                              options={"inner_backend": "aot_eager"})
@@ -200,11 +204,7 @@ def test_a_decoder_offloaded_on_its_own_then_its_causal_lm_compiled_is_refused_t
     """The decoder inside a causal LM compiled and offloaded on its own, then the LM
     compiled too: both hold the layers, a model is offloaded once; the error says so and
     what to do, nothing is lost, and after restoring the decoder the LM offloads."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-        num_hidden_layers=4, vocab_size=256)).eval()
+    model = _tiny_llama()
     reference = copy.deepcopy(model)
     ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(1))
     options = {"inner_backend": "aot_eager"}
