@@ -163,7 +163,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: OffloadOptions,
     if layer_frame:
         _warn_layer_frame(state, gi)
         if first and top_level_lists(gi.root):   # it holds the layers, their hooks inside
-            compiled = _traced_again_after_first_run(compiled)
+            compiled = _traced_again_after_first_run(compiled, gi.code)
     # 6. materialize: host blocks, slots, hooks (the parameters keep their storage for the
     # rest of this call, whose graphs read them as they are, and let it go after the graph
     # that ends the call: the hooks that end a call do not run in the call they were
@@ -198,7 +198,7 @@ def _describe(state: OffloadState, options: OffloadOptions, given: tuple[str, ..
     return options.describe() + ("" if given else " (defaults)")
 
 
-def _traced_again_after_first_run(compiled):
+def _traced_again_after_first_run(compiled, code):
     """A part of the model compiled on its own before the model was offloaded (a decoder
     whose causal LM's forward broke the graph in its first call) was traced with no layer
     hooks, and Dynamo does not guard on hooks added since: run as it is once (the weights
@@ -206,14 +206,15 @@ def _traced_again_after_first_run(compiled):
     next call is traced again, with the hooks that load each layer.  (Other instances of
     the class trace that frame again too, once.)  A layer's own frame needs none of this:
     its hooks run outside it."""
-    from .graph_inputs import _frame
-    code = _frame()[2]
-    ran = []
+    if code is None:
+        return compiled
+    ran = False
 
     def run(*args):
+        nonlocal ran
         out = compiled(*args)
-        if not ran and code is not None:
-            ran.append(True)
+        if not ran:
+            ran = True
             torch._dynamo.reset_code(code)
         return out
     return run

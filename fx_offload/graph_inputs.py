@@ -28,6 +28,7 @@ class GraphInputs:
     root_expr: str | None                     # "L['self']": how nn_module_stack paths begin
     params: dict[fx.Node, tuple[str, nn.Parameter]]  # parameter placeholder -> name, object
     placeholders: list[fx.Node]
+    code: object = None                       # the code object of the frame Dynamo traced
 
 
 def _source_name(source) -> str:
@@ -100,7 +101,7 @@ def read_graph_inputs(gm: fx.GraphModule, example_inputs) -> GraphInputs:
             roots.setdefault(id(obj), (obj, expr))
         param_nodes.append((node, value, obj))
     if not roots:
-        return GraphInputs(None, False, None, {}, placeholders)
+        return GraphInputs(None, False, None, {}, placeholders, f_code)
     if len(roots) > 1:
         raise OffloadError(
             "compiles one model per graph, but this graph reads parameters of "
@@ -111,7 +112,8 @@ def read_graph_inputs(gm: fx.GraphModule, example_inputs) -> GraphInputs:
     for name, p in root.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
     params = {node: (names[id(p)], p) for node, p, _ in param_nodes if id(p) in names}
-    return GraphInputs(root, _is_forward_frame(root, f_code), expr, params, placeholders)
+    return GraphInputs(root, _is_forward_frame(root, f_code), expr, params, placeholders,
+                       f_code)
 
 
 def _is_forward_frame(root: nn.Module, f_code) -> bool:

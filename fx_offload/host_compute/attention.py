@@ -379,12 +379,7 @@ typedef struct {
     int64_t* record;
 } fx_attend_job;
 
-static int64_t now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
-}
-
+""" + native.NOW_NS + r"""
 void fx_attend_run(void* arg) {
     fx_attend_job* j = (fx_attend_job*)arg;
     int64_t began = now_ns(), L = 0;

@@ -25,6 +25,16 @@ import torch
 
 log = logging.getLogger(__name__)
 
+# the host's monotonic clock (ns) a job notes at its start and end; this kernel's and the
+# attention kernel's sources both hold it
+NOW_NS = r"""
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+"""
+
 SOURCE = r"""
 #include <immintrin.h>
 #include <math.h>
@@ -279,12 +289,7 @@ typedef struct {
     float *xp, *h, *gp; int64_t* is; float* y; int64_t* record;
 } fx_experts_job;
 
-static int64_t now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
-}
-
+""" + NOW_NS + r"""
 void fx_experts_run(void* arg) {
     fx_experts_job* j = (fx_experts_job*)arg;
     int64_t began = now_ns();
