@@ -4,32 +4,41 @@ By the time backward runs, the forward's refills have put other layers into the 
 whose weights AOTAutograd saved for it (as the forward's graph inputs, or views of them),
 and the call that pointed the parameters at their slots has ended.  So the backward graph
 gets ops of its own: the same ``wait_prefetch`` / ``start_prefetch`` the forward has, in
-the order backward reads the layers (reverse), into the same slots, and a pair that makes
-backward a call of the model::
+the order backward reads the layers (reverse), into the same slots, chunk by chunk, and a
+pair that makes backward a call of the model::
 
     forward graph (as for inference)      backward graph (this module adds the ops)
     wait(L0) ... L0 ... start(L0 -> L2)   d = empty(0)           the chain our ops mutate
     wait(L1) ... L1 ... start(L1 -> L3)   backward_enter([d])    params -> slots
-    wait(L2) ... L2 ... start(L2 -> L0)   start([d], L3 -> L3)   whatever the slot holds
-    wait(L3) ... L3 ... start(L3 -> L1)   wait([d, g3], L3) ... reads ... start(L3 -> L1)
-                                          start([d], L2 -> L2)
-                                          wait([d, g2], L2) ... reads ... start(L2 -> L0)
-                                          wait([d, g1], L1) ... reads
-                                          wait([d, g0], L0) ... reads
+    wait(L2) ... L2 ... start(L2 -> L0)   start([d], L3 -> L3)   each slot's first layer:
+    wait(L3) ... L3 ... start(L3 -> L1)   start([d], L2 -> L2)   whatever it does not hold
+                                          ... the head's backward ...
+                                          wait([d, g], L3 c2) ... reads of c2 ...
+                                          start([d], L3 -> L1 c2)
+                                          wait([d, g'], L3 c1) ... reads of c1 ...
+                                          start([d], L3 -> L1 c1)  ... c0 likewise
+                                          wait([d, g], L2 c2) ... (L2 -> L0, the same way)
+                                          wait([d, g], L1 c2) ... reads ...
+                                          wait([d, g], L0 c2) ... reads ...
                                           backward_leave([d], grads)    params -> host
 
-(two slots; ``g``: the values the layer's first reads take besides its weights, live at the
-wait.)  Each slot's first wait in backward is preceded by a start of that layer itself,
-which copies only where the slot does not hold it already (what the forward left there
-depends on where its circular prefetch ran).
+(two slots, three chunks a layer; ``g``: the values the chunk's first reads take besides
+its weights, live at the wait.)  Backward reads a layer's chunks in about the reverse of
+the forward's order (the MLP's first), so each chunk of the slot's next layer is begun once
+the bytes it overwrites were last read, and waited for before its own first read: the link
+works through the leaving layer's backward instead of waiting for its end.  A chunk whose
+reads are not all computed from what its first read takes (q, k and v's gradients come from
+one attention backward) is waited for with the chunks before it.  Each slot's first layer
+in backward is begun at the top of the graph, and copies only where the slot does not hold
+it already (what the forward left there depends on where its circular prefetch ran).
 
 Which backward inputs are offloaded weights: the forward compiler reads, from its graph's
 placeholders (one per input Dynamo passed, in order), the fake tensors of the offloaded
 weights; a backward input is a weight of layer L if its fake tensor shares that storage (the
 weight itself, or a view the partitioner chose to save).  Reads are followed through views
 (which read nothing until their consumer does).  Every op mutates ``d`` (and a wait, its
-layer's ``g``), so Inductor keeps them in program order and orders every read of the layer's
-weights after its wait; every start reads the outputs of its layer's reads.  The verifier
+chunk's ``g``), so Inductor keeps them in program order and orders every read of the chunk's
+weights after its wait; every start reads the outputs of the reads of the bytes it overwrites.  The verifier
 (``passes.verify``) then proves the backward's schedule from slots holding nothing known at
 entry.
 
@@ -76,6 +85,7 @@ def _backward_enter(activations, handle):
         raise OffloadError(RESTORED)
     try:
         state.enter(root=False)
+        state.copies.backward = True
     except ShapeChanged as changed:
         raise OffloadError(
             f"backward: offloaded parameter {changed} changed shape or dtype since the "
@@ -86,6 +96,7 @@ def _backward_enter(activations, handle):
 def _backward_leave(activations, reads, handle):
     state = registry.state_for_handle(handle)
     if getattr(state, "phase", Phase.RESTORED) is not Phase.RESTORED:
+        state.copies.backward = False
         state.leave()
 
 
@@ -224,10 +235,10 @@ class BackwardOps:
         weights = self.weights_of(bw)
         if not weights:
             return
-        reads = _reads_by_layer(bw, weights)
+        reads = _reads_by_chunk(bw, weights)
         schedule = self.choice.schedule
-        place_backward_ops(bw, reads, set(weights), schedule.slot_of, self.handle)
         chunks = {layer: self.learned.layout[layer] for layer in reads}
+        place_backward_ops(bw, reads, set(weights), schedule.slot_of, chunks, self.handle)
         verify_graph(bw, weights, SlotModel(dict(schedule.slot_of), chunks,
                                             [None] * schedule.num_slots, None))
         log.debug("fx_offload: backward streams layers %s", list(reads))
@@ -280,62 +291,133 @@ def _holding(nodes, storages: dict) -> dict[fx.Node, tuple[int, int]]:
     return found
 
 
-def _reads_by_layer(bw: fx.GraphModule, weights) -> dict[int, list[fx.Node]]:
-    """Layer -> the nodes reading its weights, through views, in program order; layers in
-    the order backward first reads them."""
-    found: dict[int, set[fx.Node]] = {}
-    for w, (layer, _) in weights.items():
+def _reads_by_chunk(bw: fx.GraphModule, weights) -> dict[int, dict[int, list[fx.Node]]]:
+    """Layer -> chunk -> the nodes reading that chunk's weights, through views, in program
+    order; layers in the order backward first reads them, each layer's chunks too."""
+    found: dict[tuple[int, int], set[fx.Node]] = {}
+    for w, at in weights.items():
         todo = list(w.users)
         while todo:
             user = todo.pop()
-            found.setdefault(layer, set()).add(user)
+            found.setdefault(at, set()).add(user)
             if _is_view(user):
                 todo.extend(user.users)
     order = {n: i for i, n in enumerate(bw.graph.nodes)}
-    by_layer = {layer: sorted(users, key=order.__getitem__) for layer, users in found.items()}
-    return dict(sorted(by_layer.items(), key=lambda item: order[item[1][0]]))
+    by_chunk = sorted(((at, sorted(users, key=order.__getitem__)) for at, users in found.items()),
+                      key=lambda item: order[item[1][0]])
+    reads: dict[int, dict[int, list[fx.Node]]] = {}
+    for (layer, chunk), nodes in by_chunk:
+        reads.setdefault(layer, {})[chunk] = nodes
+    return reads
 
 
-def place_backward_ops(bw: fx.GraphModule, reads: dict[int, list[fx.Node]], weights: set,
-                       slot_of: dict[int, int], handle: int) -> None:
-    """The ops of the module docstring around ``reads`` (layer -> its reading nodes, layers
-    in the order backward reads them; ``weights``: the inputs that are offloaded weights)."""
+def place_backward_ops(bw: fx.GraphModule, reads: dict[int, dict[int, list[fx.Node]]],
+                       weights: set, slot_of: dict[int, int], layout: dict[int, list],
+                       handle: int) -> None:
+    """The ops of the module docstring around ``reads`` (:func:`_reads_by_chunk`; layers in
+    the order backward reads them; ``weights``: the inputs that are offloaded weights;
+    ``layout``: each layer's chunks).
+
+    Backward reads a layer's chunks in about the reverse of the forward's order (the MLP's
+    before the attention's), so the slot is refilled chunk by chunk: each chunk of the next
+    layer is begun once the leaving layer's last read of the bytes it overwrites is done,
+    and waited for before its own first read.  A whole-layer refill would leave the link
+    idle for the leaving layer's whole backward (with one slot: every layer's)."""
     graph = bw.graph
-    weights = weights | {n for ns in reads.values() for n in ns if _is_view(n)}
-    first = next(iter(reads.values()))[0]
-    device = _device_of(first)
-    with graph.inserting_before(first):
+    flat = {layer: sorted({n for ns in chunks.values() for n in ns},
+                          key={n: i for i, n in enumerate(graph.nodes)}.__getitem__)
+            for layer, chunks in reads.items()}
+    weights = weights | {n for ns in flat.values() for n in ns if _is_view(n)}
+    device = _device_of(next(iter(flat.values()))[0])
+    layers = list(reads)
+    # At the top: the forward has read the slots already.  Each slot's first layer is begun
+    # (a copy only where the forward left the slot holding another layer) before the
+    # backward of the head, so the copy overlaps it.
+    top = next(n for n in graph.nodes if n.op != "placeholder")
+    with graph.inserting_before(top):
         chain = graph.call_function(torch.ops.aten.empty.memory_format, ([0],),
                                     {"device": device})
         chain.meta["val"] = torch.empty(0, device="meta")
         _call(graph, ENTER, ([chain], handle))
-    layers = list(reads)
-    seen_slots: set[int] = set()
-    for i, layer in enumerate(layers):
-        nodes = reads[layer]
-        order = {n: k for k, n in enumerate(graph.nodes)}
-        at = nodes[0]
-        acts = [a for n in nodes for a in n.all_input_nodes
-                if a not in weights and order[a] < order[at] and _is_tensor(a)]
-        acts = list(dict.fromkeys(acts))
-        with graph.inserting_before(at):
-            if slot_of[layer] not in seen_slots:    # the slot's first layer in backward
+        seen_slots: set[int] = set()
+        for layer in layers:
+            if slot_of[layer] not in seen_slots:
                 seen_slots.add(slot_of[layer])
                 _call(graph, START, ([chain], [], handle, layer, layer, -1))
-            _call(graph, WAIT, ([chain, *acts], handle, layer, -1))
-        _check_tied(graph, layer, nodes, acts, at)
+    for i, layer in enumerate(layers):
+        _place_waits(graph, chain, layer, reads[layer], weights, handle)
         refill = next((other for other in layers[i + 1:]
                        if slot_of[other] == slot_of[layer]), None)
         if refill is not None:
-            outs = [n for n in nodes if not _is_view(n) and _is_tensor(n)]
-            with graph.inserting_after(nodes[-1]):
-                _call(graph, START, ([chain], outs, handle, layer, refill, -1))
+            _place_starts(graph, chain, layer, refill, reads[layer], flat[layer],
+                          layout, handle)
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     grads = [a for a in output.all_input_nodes if _is_tensor(a)]
     with graph.inserting_before(output):
         _call(graph, LEAVE, ([chain], grads, handle))
     graph.lint()
     bw.recompile()
+
+
+def _place_waits(graph, chain, layer, chunks, weights, handle) -> None:
+    """A wait for each of ``layer``'s chunks before its first read, tied to the values its
+    reads take (``acts``).  Where a chunk's reads are not all computed from those, so that a
+    compiler could run one before the wait (q, k and v's gradients come from one attention
+    backward: the first read takes one of them), the chunk is waited for with the chunks
+    before it, at their wait, tied to what those reads take; if even the layer's first
+    read is too late for that, nothing can order the reads: refused."""
+    order = {n: k for k, n in enumerate(graph.nodes)}
+
+    def acts_at(reading, at):
+        return list(dict.fromkeys(a for n in reading for a in n.all_input_nodes
+                                  if a not in weights and order[a] < order[at]
+                                  and _is_tensor(a)))
+    groups: list[tuple[list[int], list[fx.Node]]] = []     # (chunks, their reads)
+    for chunk, reading in chunks.items():
+        groups.append(([chunk], list(reading)))
+        while True:
+            ids, reading = groups[-1]
+            at = min(reading, key=order.__getitem__)
+            loose = _loose(graph, reading, acts_at(reading, at), at)
+            if not loose:
+                break
+            if len(groups) == 1:
+                raise ScheduleError(
+                    f"backward: {loose[0].format_node()} reads a weight of layer {layer} but "
+                    "takes nothing the layer's backward wait is tied to, so a compiler could "
+                    "run it before the wait; call the model under torch.no_grad(), or keep "
+                    "the layer resident")
+            groups[-2:] = [(groups[-2][0] + ids, groups[-2][1] + reading)]
+    for ids, reading in groups:
+        at = min(reading, key=order.__getitem__)
+        acts = acts_at(reading, at)
+        with graph.inserting_before(at):
+            for chunk in ([-1] if len(groups) == 1 and len(ids) > 1 else ids):
+                _call(graph, WAIT, ([chain, *acts], handle, layer, chunk))
+
+
+def _place_starts(graph, chain, layer, refill, chunks, nodes, layout, handle) -> None:
+    """A start for each of ``refill``'s chunks after ``layer``'s last read of the bytes it
+    overwrites (after the layer's last read where backward reads none of them), reading
+    those reads' outputs so that every compiler orders it after them.  Begun in the order
+    the bytes come free; chunks freed together in the order ``layer`` first read them,
+    which is the order the refill's backward will want them."""
+    order = {n: k for k, n in enumerate(graph.nodes)}
+    rank = {chunk: k for k, chunk in enumerate(chunks)}
+    starts = []
+    for target in layout[refill]:
+        overwritten = [n for c in layout[layer] if c.overlaps(target)
+                       for n in chunks.get(c.index, ())] or nodes
+        after = max(overwritten, key=order.__getitem__)
+        firsts = [rank[c.index] for c in layout[layer] if c.overlaps(target) and c.index in rank]
+        starts.append((order[after], min(firsts, default=len(rank)), after, target.index,
+                       [n for n in overwritten if not _is_view(n) and _is_tensor(n)]))
+    last_after = at = None
+    for _, _, after, chunk, outs in sorted(starts, key=lambda s: s[:2]):
+        if after is not last_after:     # (several after one read: one after the other)
+            last_after = at = after
+        with graph.inserting_after(at):
+            at = _call(graph, START, ([chain], outs, handle, layer, refill, chunk))
 
 
 def _call(graph: fx.Graph, op, args) -> fx.Node:
@@ -366,15 +448,10 @@ def _downstream(graph: fx.Graph, acts, at) -> set:
     return tied
 
 
-def _check_tied(graph: fx.Graph, layer: int, nodes: list[fx.Node], acts, first) -> None:
-    """(``first``: the layer's first read, which the wait went before: itself checked.)
-    Every read of ``layer``'s weights that computes (not a view) takes, directly or
-    through what it is computed from after the wait, a value the wait is tied to: so
-    Inductor, which orders by data, orders it after the wait too."""
+def _loose(graph: fx.Graph, nodes: list[fx.Node], acts, first) -> list[fx.Node]:
+    """Those of the reads ``nodes`` (``first``, the first, which the wait goes before) that
+    compute (not a view) from nothing the wait is tied to (``acts``), directly or through
+    what is computed from them after the wait: a compiler, which orders by data, could run
+    them before the wait."""
     tied = _downstream(graph, acts, first)
-    loose = [n for n in nodes if not _is_view(n) and n not in tied]
-    if loose:
-        raise ScheduleError(
-            f"backward: {loose[0].format_node()} reads a weight of layer {layer} but takes "
-            "nothing the layer's backward wait is tied to, so a compiler could run it before "
-            "the wait; call the model under torch.no_grad(), or keep the layer resident")
+    return [n for n in nodes if not _is_view(n) and n not in tied]

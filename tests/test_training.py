@@ -332,6 +332,66 @@ def test_lora_adapters_train_on_an_offloaded_llama(tmp_path, inner="aot_eager"):
         assert len(match) == 1 and torch.equal(match[0], value), key
 
 
+def _backward_graphs(monkeypatch):
+    """The backward graphs, as the backward's ops were placed in them."""
+    from fx_offload import training
+    graphs, real = [], training.BackwardOps.backward
+
+    def keep(self, bw):
+        real(self, bw)
+        graphs.append(bw)
+    monkeypatch.setattr(training.BackwardOps, "backward", keep)
+    return graphs
+
+
+def test_backward_refills_the_slot_chunk_by_chunk_as_its_bytes_come_free(monkeypatch):
+    """A layer's backward reads its MLP's chunks before its attention's.  The next layer of
+    the slot is begun chunk by chunk, each once the bytes it overwrites were last read (not
+    after the leaving layer's whole backward, which leaves the link idle that long), and
+    each chunk is waited for before its own first read; the gradients stay bitwise, with
+    no synchronous load."""
+    from fx_offload.ops import OpCall
+    graphs = _backward_graphs(monkeypatch)
+    model, reference, ids = lora_llama(num_layers=4)
+    compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+    ref_compiled = torch.compile(reference, backend="aot_eager")
+    for f in (compiled, ref_compiled):
+        f(input_ids=ids, labels=ids).loss.backward()
+    assert_grads(model, reference)
+    calls = [(i, c) for i, n in enumerate(graphs[0].graph.nodes)
+             if (c := OpCall.of(n)) is not None and c.kind in ("wait", "start")]
+    waits = [(i, c.chunk) for i, c in calls if c.kind == "wait" and c.layer == 3]
+    starts = [(i, c.chunk) for i, c in calls
+              if c.kind == "start" and (c.layer, c.refill) == (3, 1)]
+    chunks = len(fx_offload.registry.state_for_model(model).learned.layout[3])
+    assert chunks > 1
+    assert sorted(c for _, c in waits) == list(range(chunks)), waits
+    assert sorted(c for _, c in starts) == list(range(chunks)), starts
+    # the first chunk freed is begun before layer 3's last chunk is even waited for
+    assert min(i for i, _ in starts) < max(i for i, _ in waits)
+    assert fx_offload.registry.state_for_model(model).stats["sync_loads"] == 0
+
+
+@pytest.mark.cuda
+def test_lora_adapters_train_on_the_gpu_bitwise_with_chunked_refills():
+    """On the GPU the backward's refills run on the copy stream, chunk by chunk, beside the
+    backward's kernels: three steps' adapter gradients equal the model's compiled with
+    aot_eager alone, bitwise, and every layer was prefetched (no synchronous load)."""
+    model, reference, ids = lora_llama(num_layers=6)
+    model, reference, ids = model.cuda(), reference.cuda(), ids.cuda()
+    compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+    ref_compiled = torch.compile(reference, backend="aot_eager")
+    opts = [torch.optim.AdamW(trained(m).values(), lr=1e-2) for m in (model, reference)]
+    for _ in range(3):
+        for f in (compiled, ref_compiled):
+            f(input_ids=ids, labels=ids).loss.backward()
+        assert_grads(model, reference)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    assert fx_offload.registry.state_for_model(model).stats["sync_loads"] == 0
+
+
 def test_hugging_face_gradient_checkpointing_trains_the_adapters_bitwise():
     # graph breaks under torch.compile, as the docs say: transformers' hook that makes the
     # embeddings' output require grad (not needed with use_reentrant=False), and its warning

@@ -151,23 +151,24 @@ def _row(method, model, prompt, args, kept):
     _generate(model, prompt, 1, **extra())
     prefill = (time.perf_counter() - start) * 1e3
     if args.profile and method != "device" and method != "transformers":
-        _profile(method, model, prompt, extra)
+        _profile(method, model, prompt, extra, args.new_tokens)
     return prefill, decode, out, torch.cuda.max_memory_allocated()
 
 
-def _profile(method, model, prompt, extra) -> None:
-    """The link's busy time and idle gaps over the decode steps of one generate (from the
-    second step: the prefill and the first decode step excluded)."""
+def _profile(method, model, prompt, extra, new: int) -> None:
+    """The link's busy time and idle gaps over the decode steps of one generate of up to 6
+    tokens (``new``: no more than the cache holds; from the second step: the prefill and
+    the first decode step excluded)."""
     from torch.profiler import ProfilerActivity, profile
     from .profiling import link_gaps
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        _generate(model, prompt, 6, mark=True, **extra())
+        _generate(model, prompt, min(new, 6), mark=True, **extra())
     events = prof.events()
     # a mark is taken as a step's token is queued: from the second, the decode steps
     starts = sorted(ev.time_range.start for ev in events if ev.name == "fx_offload_step")
     after = starts[1] if len(starts) > 1 else 0.0
     # under CUDA graphs the fills are the kernel that reads the host through SMs
-    print(f"  {method}, 4 decode steps profiled: "
+    print(f"  {method}, {max(len(starts) - 2, 0)} decode steps profiled: "
           f"{link_gaps(events, after, kernels=('_fill_prefix',))}", flush=True)
 
 

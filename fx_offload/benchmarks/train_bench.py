@@ -16,13 +16,14 @@ adapters over one batch of ``--seq`` tokens.  Rows:
   (parameters on the host, copied in per layer for forward and backward, eager);
 * ``accelerate``: accelerate's ``cpu_offload`` hooks on the same layers (eager).
 
-``copied GiB`` is what an offloaded row must copy a step: the frozen weights of the offloaded
-layers, twice (forward, and backward for the input gradients).
+``copied GiB``: for ``fx_offload`` what its last timed step copied (``report``'s
+``copied_bytes_last_call``, forward and backward: the layers a slot still holds where the
+backward begins, or the next forward, are not copied again); for the other offloaded rows the
+frozen weights of the offloaded layers, twice (forward, and backward for the input gradients).
 
 Each row prints the median step time of ``--steps`` timed steps after two warm-up steps, the
-peak device memory, and the bound: the larger of the resident step and the bytes the step
-must copy (the offloaded frozen weights twice) over the pinned host-to-device rate measured
-in the same process.  The adapters' gradients after the first step are compared with the
+peak device memory, and the bound: the larger of the resident step and the row's copied
+bytes over the pinned host-to-device rate measured in the same process.  The adapters' gradients after the first step are compared with the
 resident row's.  ``--device cpu --quick`` is a smoke run of seconds (a tiny model,
 ``aot_eager``, no bound).
 """
@@ -187,10 +188,13 @@ def _row(method, args, device, ids, reference):
         times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     if method == "fx_offload":
-        offloaded = report(model).offloaded_bytes
-        if 2 * offloaded != copied:
-            print(f"note: fx_offload offloaded {offloaded} bytes, the frozen weights of the "
-                  f"layers asked for are {copied // 2}")
+        rep = report(model)
+        if 2 * rep.offloaded_bytes != copied:
+            print(f"note: fx_offload offloaded {rep.offloaded_bytes} bytes, the frozen weights "
+                  f"of the layers asked for are {copied // 2}")
+        # what the last step copied (its forward and backward): a layer still in its slot
+        # where backward begins, or where the next forward begins, is not copied again
+        copied = rep.copied_bytes_last_call or copied
         restore(model)
     out = dict(method=method, ms=1e3 * statistics.median(times), peak=peak, copied=copied,
                grads=grads, diff=diff)

@@ -229,6 +229,7 @@ class OffloadState:
         turns, me = self.turns, threading.get_ident()
         if root:
             turns.interrupted = None     # a new call: an interrupt reached its caller
+            self.copies.backward = False    # (a backward that raised did not say it ended)
         if turns.holder == me and turns.kind == "call":
             if not root:
                 turns.depth += 1         # a layer inside this thread's call

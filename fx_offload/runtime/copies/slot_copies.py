@@ -38,6 +38,9 @@ class SlotCopies:
         self.buffers = self.routed = self.copy_stream = None
         self.events: dict[tuple[int, int], tuple] = {}   # (layer, chunk) -> (fork, done)
         self.stats = {"prefetches": 0, "sync_loads": 0}
+        # a backward runs (fx_offload.training): its refills go to earlier layers, the
+        # reverse ring, and none of them is the circular prefetch
+        self.backward = False
 
     @property
     def ahead(self):
@@ -84,7 +87,8 @@ class SlotCopies:
         overwrites in their slot: copy it in asynchronously (``by_hook``: the call hook's
         entry refills, begun outside the graph)."""
         held, capturing = self.contents.slot(refill), _capturing()
-        at_end = chunk >= 0 and Schedule.wraps(layer, refill)   # an entry start's chunk: -1
+        at_end = chunk >= 0 and not self.backward and Schedule.wraps(layer, refill)
+        # (an entry start's chunk: -1)
         if at_end and not self.circular.copies_at_end(capturing):
             return          # left to the next call's entry start (fx_offload.schedule)
         for c in self.contents.chunks(refill, chunk):
