@@ -352,6 +352,31 @@ def test_under_cuda_graphs_the_hooks_fill_the_next_calls_first_slots():
     assert not runtime.next_call.enabled
     # every decode step of the last two generates found both first slots filled
     assert runtime.before_replay.taken >= 2 * 2 * 11
+    # and each of those fills began once its slot's last layer was done with the slot, not
+    # after the whole replay: every capture recorded both slots' events
+    assert runtime.before_replay.every_capture_records
+    assert runtime.before_replay.early >= 2 * 2 * 11
+
+
+def test_a_capture_that_records_not_every_slot_leaves_the_hook_waiting_for_whole_replays(
+        monkeypatch):
+    """Under CUDA graphs the hook's fill of a slot waits for the event the slot's last layer
+    records in the call.  A captured call that recorded not every slot's (a graph without
+    one of those layers) would leave its replays an older record to wait for, so a fill
+    could overwrite a slot the replay still reads: from then on the hook waits for whole
+    replays."""
+    from fx_offload.kv import next_call
+    hooks = next_call.BeforeReplay(enabled=True)
+    hooks.free = {0: object(), 1: object()}
+    monkeypatch.setattr(next_call, "capturing", lambda: True)
+    hooks.begin_call()
+    hooks.recorded.update({0, 1})
+    hooks.joined()
+    assert hooks.every_capture_records
+    hooks.begin_call()
+    hooks.recorded.add(1)
+    hooks.joined()
+    assert not hooks.every_capture_records
 
 
 def test_compiled_again_with_other_kv_options_or_without():

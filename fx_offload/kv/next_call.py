@@ -23,7 +23,20 @@ begun outside it, nor would the replay of another graph see what the slot holds.
 
 Under CUDA graphs each first layer's fill by the hook ends on an external event of its own,
 so a replay's first layer waits for its own fill alone, and the next layer's refill is
-queued behind the hook's fills while they still run.
+queued behind the hook's fills while they still run.  Each fill also begins on an external
+event: the one the update of its slot's last layer records in the graph, behind that
+update's read of the slot and the call's write-backs so far, so the fill overlaps the
+replay's last layers instead of waiting for its end::
+
+    replay (compute / write-back)             copy stream (the hook's, after the launch)
+    update C (slot 0's last) ... write-backs   wait free[0]
+    record free[0]                             fill A -> slot 0   (while D is filled,
+    update D (slot 1's last) ... write-backs   wait free[1]        attended, written back)
+    record free[1]                             fill B -> slot 1
+    join
+
+A capture that recorded not every slot's event (a graph without a slot's last layer) would
+leave its replays an older record: from then on the fills wait for whole replays.
 
 The gap this closes, the check that a begun fill still holds (why the runtime's records of
 the host tensors and the version counters are compared), and what the hooks do around a
@@ -179,6 +192,14 @@ class BeforeReplay:
         self.lengths: dict[int, int] = {}   # read by the hook before the call
         self.tokens: int | None = None      # the call's new tokens
         self.taken = 0                      # fills found done before a call (tests, logging)
+        # slot -> an external event a call records once its slot's last layer has read the
+        # slot and its tokens are back on the host, so that the hook's fill for the next
+        # call waits for that alone, not for the whole replay; trusted while every capture
+        # seen recorded all of them between its begin and its join
+        self.free: dict[int, torch.cuda.Event] = {}
+        self.recorded: set[int] = set()     # slots recorded since the call began
+        self.every_capture_records = True
+        self.early = 0                      # hook fills that waited for their slot alone
 
     def use_device(self, runtime) -> None:
         """Made once, before any capture: the events that end the hook's fills are
@@ -189,6 +210,32 @@ class BeforeReplay:
             with torch.cuda.device(runtime.device):
                 self.events = {layer: torch.cuda.Event(external=True)
                                for layer in runtime.layers[:runtime.num_slots]}
+                self.free = {slot: torch.cuda.Event(external=True)
+                             for slot in range(min(runtime.num_slots, len(runtime.layers)))}
+
+    def begin_call(self) -> None:
+        self.recorded = set()
+
+    def slot_read(self, runtime, layer: int) -> None:
+        """``layer`` was its slot's last this call, and its update has queued its last read
+        of the slot (the copy it returns) and its write-back: record the slot's event on
+        the write stream behind both (and behind every earlier write-back of the call)."""
+        if not self.free or runtime.write_stream is None:
+            return
+        slot = runtime.slot_of(layer)
+        read = torch.cuda.Event()
+        read.record()
+        runtime.write_stream.wait_event(read)
+        self.free[slot].record(runtime.write_stream)
+        self.recorded.add(slot)
+
+    def joined(self) -> None:
+        """A call's join: a capture that did not record every slot's event makes them
+        untrusted for good (its replays would leave an older record to wait for)."""
+        if capturing() and self.free and self.recorded != set(self.free):
+            log.debug("fx_offload: a captured call recorded slots %s of %s; the hook's fills "
+                      "wait for whole replays", sorted(self.recorded), sorted(self.free))
+            self.every_capture_records = False
 
     def before_call(self, runtime, cache, tokens: int | None) -> None:
         """The hook before a call, its lengths read: flag the fills begun after the last
@@ -218,7 +265,8 @@ class BeforeReplay:
 
     def after_call(self, runtime, cache) -> None:
         """The hook after a call (its replay queued): begin the first slots' fills for the
-        next call, behind the call's reads of the slots and its write-backs."""
+        next call, behind the call's reads of the slots and its write-backs (each behind its
+        slot's event, where the call recorded every slot's; else behind the whole call)."""
         lengths, tokens, self.lengths, self.tokens = self.lengths, self.tokens, {}, None
         if not self.enabled or tokens is None or capturing() or not runtime.layers or \
                 cache not in runtime.caches:
@@ -232,12 +280,19 @@ class BeforeReplay:
         hosted = runtime.hosting.get(tokens, {})
         firsts = [layer for layer in firsts if hosted.get(layer) != "host"]
         stream = runtime.copy_stream
-        if stream is not None:
+        # each fill waits for its slot's last read in the call and the call's write-backs
+        # before it (the slot's event), where the call recorded them; else for the replay
+        early = stream is not None and self.every_capture_records and bool(self.free) and \
+            self.recorded == set(self.free) and "host" not in hosted.values()
+        if stream is not None and not early:
             called = torch.cuda.Event()
             called.record()
             stream.wait_event(called)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for layer in firsts:
+                if early:
+                    stream.wait_event(self.free[runtime.slot_of(layer)])
+                    self.early += 1
                 keys, values = cache.layers[layer].keys, cache.layers[layer].values
                 filled = copies.rounded(lengths[layer] + tokens, runtime.block, keys.shape[2])
                 if not runtime.fill_now(layer, keys, values, filled):

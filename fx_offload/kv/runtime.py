@@ -159,6 +159,7 @@ class HostKV:
         # model.forward called directly, reads them on the device)
         self.call_lengths, self.lengths = self.lengths, {}
         self.next_call.begin_call()
+        self.before_replay.begin_call()
         self.attention.begin_call()
         ended, self.ended = self.ended, False
         if self.write_stream is not None and not torch.cuda.is_current_stream_capturing():
@@ -268,6 +269,7 @@ class HostKV:
             self.start(target, *nxt, previous=layer)
         else:
             self.next_call.last_in_slot(self, layer)
+            self.before_replay.slot_read(self, layer)
         return out
 
     def join(self) -> None:
@@ -283,6 +285,7 @@ class HostKV:
         if self.done is not None:   # (a replay's too: the flags serve one call)
             self.done.zero_()
         self.next_call.prefetch(self)
+        self.before_replay.joined()
         self.ended = True
 
 
