@@ -470,7 +470,8 @@ def test_hugging_face_trainer_trains_the_adapters_as_without_offloading(tmp_path
     """transformers' Trainer (AdamW, a linear schedule, its own loop and data order) on a
     model whose forward compile_forward offloaded: after three steps the adapters equal
     those trained the same way without offloading (both compiled with aot_eager, so
-    bitwise), the frozen base is unchanged, and the Trainer's saved adapter loads back."""
+    bitwise), the frozen base is unchanged, the Trainer's saved adapter loads back, and
+    model.eval() then generate gives the same tokens."""
     transformers = pytest.importorskip("transformers", reason="install the test extra")
     model, reference, _ = lora_llama(num_layers=2)
     base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
@@ -499,6 +500,15 @@ def test_hugging_face_trainer_trains_the_adapters_as_without_offloading(tmp_path
     from safetensors.torch import load_file
     saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
     assert len(saved) == len(lora)
+    # then evaluation on the same model: greedy generate gives the reference's tokens
+    ids = torch.randint(0, 64, (1, 6), generator=gen)
+    tokens = []
+    for m in (model, reference):
+        m.eval()
+        m.generation_config.eos_token_id = None
+        with torch.no_grad():
+            tokens.append(m.generate(input_ids=ids, max_new_tokens=5, do_sample=False))
+    assert tokens[0].shape == (1, 11) and torch.equal(*tokens)
 
 
 def _weights(model):
