@@ -45,8 +45,9 @@ entry.
 ``backward_enter`` makes the backward a call of the model as the forward's hooks do
 (``OffloadState.enter``: the turn, what the user changed taken up, the parameters pointed
 at their slots, since the saved weights may be the parameter objects themselves);
-``backward_leave`` ends it.  A backward after ``fx_offload.restore`` is refused (views of
-freed slots may be among its saved tensors).  The compilers: ``aot_eager``'s own (our ops
+``backward_leave`` ends it, or, where the backward raises before its last op,
+:class:`EndsOnError` around the compiled backward.  A backward after
+``fx_offload.restore`` is refused (views of freed slots may be among its saved tensors).  The compilers: ``aot_eager``'s own (our ops
 called in place, then run as they are), Inductor's ``compile_fx_inner`` behind
 ``compile_fx``'s ``inner_compile``.  What trains and what is refused, and why:
 docs/training.md, "How the backward gets the weights" and "What works and what is refused".
@@ -254,7 +255,7 @@ class BackwardOps:
 
         def bw(g, inputs):
             self.backward(g)
-            return boxed_nop(g, inputs)
+            return EndsOnError(boxed_nop(g, inputs), self.handle)
         with _no_autograd_cache():
             return lookup_backend("aot_eager")(gm, example_inputs, fw_compiler=fw,
                                                bw_compiler=bw)
@@ -265,11 +266,33 @@ class BackwardOps:
         def inner(g, inputs, **kwargs):
             if kwargs.get("is_backward"):
                 self.backward(g)
-            else:
-                self.forward(g)
+                return EndsOnError(compile_fx_inner(g, inputs, **kwargs), self.handle)
+            self.forward(g)
             return compile_fx_inner(g, inputs, **kwargs)
         with _no_autograd_cache():
             return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
+
+
+class EndsOnError:
+    """A compiled backward that ends the call its ``backward_enter`` began where it raises
+    (its ``backward_leave``, the graph's last op, does not run then): the parameters point
+    at their true weights again, and another thread may call, as after a forward that
+    raised.  Called boxed, as the compiled graph it wraps; any other attribute is that
+    graph's."""
+
+    def __init__(self, compiled, handle: int):
+        self.compiled, self.handle = compiled, handle
+        self._boxed_call = True     # (on the instance: Dynamo's wrapper copies its __dict__)
+
+    def __call__(self, args):
+        try:
+            return self.compiled(args)
+        except BaseException:
+            _backward_leave(None, None, self.handle)
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self.compiled, name)
 
 
 def _no_autograd_cache():

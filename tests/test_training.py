@@ -251,6 +251,43 @@ def test_backward_after_restore_is_refused_and_loses_nothing():
         assert torch.equal(p, q), name
 
 
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_a_backward_that_raises_midway_leaves_the_weights_and_the_next_step_right(
+        monkeypatch, inner):
+    """A refill that raises in the middle of the backward (after it began as a call of the
+    model, before the graph's last op ends it): the error reaches the caller, the model's
+    parameters hold their true weights at once (not their slots), and the next forward and
+    backward give the reference's gradients with their refills prefetched."""
+    model, x = frozen_mlp()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={**OPTIONS, "inner_backend": inner})
+    compiled(x).sum().backward()
+    model.zero_grad()
+    state = fx_offload.registry.state_for_model(model)
+    real, seen = state.start, []
+
+    def failing(layer, refill, chunk=-1):
+        seen.append((layer, refill, chunk))
+        if state.copies.backward and len(seen) > 2:
+            raise RuntimeError("injected refill failure")
+        return real(layer, refill, chunk)
+    loss = compiled(x).sum()
+    monkeypatch.setattr(state, "start", failing)
+    with pytest.raises(RuntimeError, match="injected refill failure"):
+        loss.backward()
+    monkeypatch.setattr(state, "start", real)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q), name
+    model.zero_grad()
+    loads = state.stats["sync_loads"]
+    xr = x.detach().clone().requires_grad_(True)
+    compiled(x).sum().backward()
+    reference(xr).sum().backward()
+    assert_grads(model, reference, exact=inner == "aot_eager")
+    assert not state.copies.backward and state.stats["sync_loads"] == loads
+
+
 def test_an_offloaded_weight_unfrozen_after_compile_is_refused_and_loses_nothing():
     model, x = frozen_mlp()
     reference = copy.deepcopy(model)
