@@ -33,12 +33,16 @@ in backward is begun at the top of the graph, and copies only where the slot doe
 it already (what the forward left there depends on where its circular prefetch ran).
 
 Which backward inputs are offloaded weights: the forward compiler reads, from its graph's
-placeholders (one per input Dynamo passed, in order), the fake tensors of the offloaded
-weights; a backward input is a weight of layer L if its fake tensor shares that storage (the
-weight itself, or a view the partitioner chose to save).  Reads are followed through views
-(which read nothing until their consumer does).  Every op mutates ``d`` (and a wait, its
-chunk's ``g``), so Inductor keeps them in program order and orders every read of the chunk's
-weights after its wait; every start reads the outputs of the reads of the bytes it overwrites.  The verifier
+placeholders (one per input Dynamo passed, in order), the offloaded weights and the views
+of them; the partitioner names each backward input after the forward node it saves, so a
+backward input of such a name is that weight (of layer L, chunk c), or a view of it.  A
+storage held by one chunk's weights alone identifies them too; a graph traced inside a call
+(a recompile for a new sequence length) sees the parameters in their slots, where layers
+sharing a slot share storage and offsets, so there the names tell them apart.
+Reads are followed through views (which read nothing until their consumer does).  Every
+op mutates ``d`` (and a wait, its chunk's ``g``), so Inductor keeps them in program order
+and orders every read of the chunk's weights after its wait; every start reads the outputs
+of the reads of the bytes it overwrites.  The verifier
 (``passes.verify``) then proves the backward's schedule from slots holding nothing known at
 entry.
 
@@ -55,6 +59,7 @@ docs/training.md, "How the backward gets the weights" and "What works and what i
 from __future__ import annotations
 
 import logging
+import operator
 
 import torch
 from torch import fx
@@ -195,7 +200,8 @@ class BackwardOps:
         self.choice, self.learned, self.handle = choice, learned, handle
         self.gi = gi
         self.weight_chunks: dict[int, tuple[int, int]] = {}  # input index -> (layer, chunk)
-        self.storages: dict = {}            # fake storage -> (layer, chunk)
+        self.names: dict[str, tuple[int, int]] = {}     # forward node -> (layer, chunk)
+        self.storages: dict = {}            # fake storage -> (layer, chunk), where one only
         self.saved = 0                      # forward outputs that are (views of) them
 
     def set_plan(self, plan) -> None:
@@ -204,25 +210,45 @@ class BackwardOps:
         self.weight_chunks = {index[w]: at for w, at in plan.weight_chunks().items()}
 
     def forward(self, fw: fx.GraphModule) -> None:
-        """The forward graph AOTAutograd made: its placeholders are Dynamo's inputs."""
+        """The forward graph AOTAutograd made: its placeholders are Dynamo's inputs.
+
+        A saved weight is found in the backward by name: the partitioner names each
+        backward input after the forward node it saves (the weight's placeholder, or a view
+        of it).  By storage too, where a storage holds one chunk's weights only: a graph
+        traced inside a call (a recompile for an input that does not require grad) sees
+        the parameters in their slots, where layers sharing a slot share storage and
+        offsets, so the storage cannot tell them apart."""
         inputs = [n for n in fw.graph.nodes if n.op == "placeholder"]
         if len(inputs) != len(self.gi.placeholders):
             raise OffloadError(
                 f"training: the forward graph has {len(inputs)} inputs where Dynamo passed "
                 f"{len(self.gi.placeholders)}, so its offloaded weights cannot be told apart; "
                 "call the model under torch.no_grad(), or keep the layers resident")
-        self.storages = {}
+        self.names, held = {}, {}
         for i, at in self.weight_chunks.items():
+            todo = [inputs[i]]
+            while todo:
+                node = todo.pop()
+                self.names[node.name] = at
+                todo.extend(u for u in node.users if _is_view(u) or (
+                    u.target is operator.getitem and _is_view(node)))
             val = inputs[i].meta.get("val")
             if isinstance(val, torch.Tensor):
-                self.storages[StorageWeakRef(val.untyped_storage())] = at
+                held.setdefault(StorageWeakRef(val.untyped_storage()), set()).add(at)
+        self.storages = {ref: next(iter(ats)) for ref, ats in held.items() if len(ats) == 1}
         # what the forward saves of them (its outputs): the backward must find as many
         output = next(n for n in reversed(fw.graph.nodes) if n.op == "output")
-        self.saved = len(_holding(output.all_input_nodes, self.storages))
+        self.saved = len(self._matched(output.all_input_nodes))
+
+    def _matched(self, nodes) -> dict[fx.Node, tuple[int, int]]:
+        found = _holding(nodes, self.storages)
+        found.update((n, self.names[n.name]) for n in dict.fromkeys(nodes)
+                     if n.name in self.names)
+        return found
 
     def weights_of(self, bw: fx.GraphModule) -> dict[fx.Node, tuple[int, int]]:
         """Backward input -> (layer, chunk) of the offloaded weight whose bytes it holds."""
-        found = _holding([n for n in bw.graph.nodes if n.op == "placeholder"], self.storages)
+        found = self._matched([n for n in bw.graph.nodes if n.op == "placeholder"])
         if len(found) < self.saved:     # a backward reading slots unwaited: never silently
             raise OffloadError(
                 f"training: the forward saves {self.saved} offloaded weight(s) for backward, "

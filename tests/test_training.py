@@ -146,7 +146,7 @@ def test_a_backward_whose_saved_weights_cannot_be_matched_is_refused(monkeypatch
     real = training.BackwardOps.backward
 
     def unmatched(self, bw):
-        self.storages = {}
+        self.storages, self.names = {}, {}
         return real(self, bw)
     monkeypatch.setattr(training.BackwardOps, "backward", unmatched)
     model, x = frozen_mlp()
@@ -156,6 +156,35 @@ def test_a_backward_whose_saved_weights_cannot_be_matched_is_refused(monkeypatch
         compiled(x).sum().backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("pattern", ["recompiled_for_an_input_without_grad",
+                                     "two_calls_then_one_backward",
+                                     "two_calls_then_the_earlier_backward"])
+def test_backwards_of_graphs_traced_inside_a_call_and_of_earlier_calls(pattern):
+    """A graph compiled after the model was offloaded is traced inside a call, where the
+    parameters sit in their slots: layers sharing a slot share storage and offsets there,
+    so the backward must tell their saved weights apart by the forward's node names (by
+    storage alone it took one layer's for another: gradients silently wrong).  Gradient
+    accumulation over two calls before a backward, and the backward of the earlier call
+    after a later forward, give the reference's gradients bitwise too."""
+    model, x = frozen_mlp(num_layers=8)
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+    ref_compiled = torch.compile(reference, backend="aot_eager")
+    x2 = torch.randn(x.shape, generator=torch.Generator().manual_seed(5))
+    for f in (compiled, ref_compiled):
+        if pattern == "recompiled_for_an_input_without_grad":
+            f(x).sum().backward()               # the first compile, then a second graph
+            f(x2).square().mean().backward()
+        elif pattern == "two_calls_then_one_backward":
+            (f(x).square().mean() + 2 * f(x2).square().mean()).backward()
+        else:
+            earlier, later = f(x2).sum(), f(x).square().sum()
+            earlier.backward()
+            later.backward()
+    assert_grads(model, reference)
+    assert fx_offload.registry.state_for_model(model).stats["sync_loads"] == 0
 
 
 def test_inductor_inner_backend_trains_within_tolerance():
@@ -329,19 +358,23 @@ def lora_llama(num_layers=4):
 
 
 def test_lora_adapters_train_on_an_offloaded_llama(tmp_path, inner="aot_eager"):
-    """Three AdamW steps: the adapters' gradients equal those of the model compiled with the
-    inner compiler alone (bitwise with aot_eager; with inner="inductor", the same within 1e-6,
-    bitwise as measured, but four minutes of compiling on two cores: the MLP test above
-    covers Inductor), the frozen base is unchanged, then eval equals too, and
-    save_pretrained saves the trained adapters."""
+    """Three AdamW steps, the third of a new sequence length: the adapters' gradients equal
+    those of the model compiled with the inner compiler alone (bitwise with aot_eager; with
+    inner="inductor", the same within 1e-6, bitwise as measured, but four minutes of
+    compiling on two cores: the MLP test above covers Inductor), the frozen base is
+    unchanged, then eval equals too, and save_pretrained saves the trained adapters."""
     model, reference, ids = lora_llama()
     base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     compiled = torch.compile(model, backend="prefetch_offload",
                              options={**OPTIONS, "inner_backend": inner})
     ref_compiled = torch.compile(reference, backend=inner)
     opts = [torch.optim.AdamW(trained(m).values(), lr=1e-2) for m in (model, reference)]
-    for _ in range(3):
-        losses = [f(input_ids=ids, labels=ids).loss for f in (compiled, ref_compiled)]
+    # the third step's new length recompiles inside a call, the parameters in their slots
+    # (its gradients were silently wrong when the backward matched saved weights by storage)
+    longer = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
+    for step in range(3):
+        batch = ids if step < 2 else longer
+        losses = [f(input_ids=batch, labels=batch).loss for f in (compiled, ref_compiled)]
         for loss in losses:
             loss.backward()
         assert_grads(model, reference, exact=inner == "aot_eager")
