@@ -27,10 +27,12 @@ its weights, live at the wait.)  Backward reads a layer's chunks in about the re
 the forward's order (the MLP's first), so each chunk of the slot's next layer is begun once
 the bytes it overwrites were last read, and waited for before its own first read: the link
 works through the leaving layer's backward instead of waiting for its end.  A chunk whose
-reads are not all computed from what its first read takes (q, k and v's gradients come from
-one attention backward) is waited for with the chunks before it.  Each slot's first layer
-in backward is begun at the top of the graph, and copies only where the slot does not hold
-it already (what the forward left there depends on where its circular prefetch ran).
+reads are not all computed from what its first read takes (k's gradient comes out of the
+attention backward beside q's; a checkpointed layer's recomputation starts from its saved
+input) is tied to the values before its wait that those reads are computed from.  Each
+slot's first layer in backward is begun at the top of the graph, and copies only where the
+slot does not hold it already (what the forward left there depends on where its circular
+prefetch ran).
 
 Which backward inputs are offloaded weights: the forward compiler reads, from its graph's
 placeholders (one per input Dynamo passed, in order), the offloaded weights and the views
@@ -410,39 +412,46 @@ def place_backward_ops(bw: fx.GraphModule, reads: dict[int, dict[int, list[fx.No
 
 def _place_waits(graph, chain, layer, chunks, weights, handle) -> None:
     """A wait for each of ``layer``'s chunks before its first read, tied to the values its
-    reads take (``acts``).  Where a chunk's reads are not all computed from those, so that a
-    compiler could run one before the wait (q, k and v's gradients come from one attention
-    backward: the first read takes one of them), the chunk is waited for with the chunks
-    before it, at their wait, tied to what those reads take; if even the layer's first
-    read is too late for that, nothing can order the reads: refused."""
+    reads are computed from (:func:`_ties`), which it declares mutated: every compiler then
+    orders the reads after it.  A read computed from weights alone can be tied to
+    nothing: refused."""
     order = {n: k for k, n in enumerate(graph.nodes)}
-
-    def acts_at(reading, at):
-        return list(dict.fromkeys(a for n in reading for a in n.all_input_nodes
-                                  if a not in weights and order[a] < order[at]
-                                  and _is_tensor(a)))
-    groups: list[tuple[list[int], list[fx.Node]]] = []     # (chunks, their reads)
     for chunk, reading in chunks.items():
-        groups.append(([chunk], list(reading)))
-        while True:
-            ids, reading = groups[-1]
-            at = min(reading, key=order.__getitem__)
-            loose = _loose(graph, reading, acts_at(reading, at), at)
-            if not loose:
-                break
-            if len(groups) == 1:
-                raise ScheduleError(
-                    f"backward: {loose[0].format_node()} reads a weight of layer {layer} but "
-                    "takes nothing the layer's backward wait is tied to, so a compiler could "
-                    "run it before the wait; call the model under torch.no_grad(), or keep "
-                    "the layer resident")
-            groups[-2:] = [(groups[-2][0] + ids, groups[-2][1] + reading)]
-    for ids, reading in groups:
         at = min(reading, key=order.__getitem__)
-        acts = acts_at(reading, at)
+        acts = _ties(graph, reading, at, weights, order)
+        loose = _loose(graph, reading, acts, at)
+        if loose:
+            raise ScheduleError(
+                f"backward: {loose[0].format_node()} reads a weight of layer {layer} but "
+                "takes nothing the layer's backward wait can be tied to, so a compiler could "
+                "run it before the wait; call the model under torch.no_grad(), or keep the "
+                "layer resident")
         with graph.inserting_before(at):
-            for chunk in ([-1] if len(groups) == 1 and len(ids) > 1 else ids):
-                _call(graph, WAIT, ([chain, *acts], handle, layer, chunk))
+            _call(graph, WAIT, ([chain, *acts], handle, layer, chunk))
+
+
+def _ties(graph, reading, at, weights, order) -> list[fx.Node]:
+    """The values a wait placed before ``at`` (the first of the reads ``reading``) is tied
+    to: the reads' inputs computed before it, and, for a read none of whose inputs come
+    from those, the values before the wait that its inputs are computed from (k's
+    gradient, which comes out of the attention backward beside q's; a checkpointed
+    layer's recomputation from its saved input)."""
+    def before(nodes):
+        return [a for a in nodes if a not in weights and order[a] < order[at] and _is_tensor(a)]
+    acts = list(dict.fromkeys(before(a for n in reading for a in n.all_input_nodes)))
+    for read in _loose(graph, reading, acts, at):
+        todo, seen = list(read.all_input_nodes), set()
+        while todo:
+            node = todo.pop()
+            if node in seen or node in weights:
+                continue
+            seen.add(node)
+            if order[node] < order[at]:
+                if _is_tensor(node):
+                    acts.append(node)
+                continue
+            todo.extend(node.all_input_nodes)
+    return list(dict.fromkeys(acts))
 
 
 def _place_starts(graph, chain, layer, refill, chunks, nodes, layout, handle) -> None:
