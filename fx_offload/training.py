@@ -53,10 +53,11 @@ entry.
 at their slots, since the saved weights may be the parameter objects themselves);
 ``backward_leave`` ends it, or, where the backward raises before its last op,
 :class:`EndsOnError` around the compiled backward.  A backward after
-``fx_offload.restore`` is refused (views of freed slots may be among its saved tensors).  The compilers: ``aot_eager``'s own (our ops
-called in place, then run as they are), Inductor's ``compile_fx_inner`` behind
-``compile_fx``'s ``inner_compile``.  What trains and what is refused, and why:
-docs/training.md, "How the backward gets the weights" and "What works and what is refused".
+``fx_offload.restore`` is refused (views of freed slots may be among its saved tensors).
+The compilers: ``aot_eager``'s own (our ops called in place, then run as they are),
+Inductor's ``compile_fx_inner`` behind ``compile_fx``'s ``inner_compile``.  What trains
+and what is refused, and why: docs/training.md, "How the backward gets the weights" and
+"What works and what is refused".
 """
 from __future__ import annotations
 
@@ -375,8 +376,8 @@ def place_backward_ops(bw: fx.GraphModule, reads: dict[int, dict[int, list[fx.No
     and waited for before its own first read.  A whole-layer refill would leave the link
     idle for the leaving layer's whole backward (with one slot: every layer's)."""
     graph = bw.graph
-    flat = {layer: sorted({n for ns in chunks.values() for n in ns},
-                          key={n: i for i, n in enumerate(graph.nodes)}.__getitem__)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    flat = {layer: sorted({n for ns in chunks.values() for n in ns}, key=order.__getitem__)
             for layer, chunks in reads.items()}
     weights = weights | {n for ns in flat.values() for n in ns if _is_view(n)}
     device = _device_of(next(iter(flat.values()))[0])

@@ -23,9 +23,9 @@ frozen weights of the offloaded layers, twice (forward, and backward for the inp
 
 Each row prints the median step time of ``--steps`` timed steps after two warm-up steps, the
 peak device memory, and the bound: the larger of the resident step and the row's copied
-bytes over the pinned host-to-device rate measured in the same process.  The adapters' gradients after the first step are compared with the
-resident row's.  ``--device cpu --quick`` is a smoke run of seconds (a tiny model,
-``aot_eager``, no bound).
+bytes over the pinned host-to-device rate measured in the same process.  The adapters'
+gradients after the first step are compared with the resident row's.  ``--device cpu
+--quick`` is a smoke run of seconds (a tiny model, ``aot_eager``, no bound).
 """
 from __future__ import annotations
 
