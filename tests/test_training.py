@@ -462,6 +462,46 @@ def test_lora_adapters_train_on_the_gpu_bitwise_with_chunked_refills():
     assert fx_offload.registry.state_for_model(model).stats["sync_loads"] == 0
 
 
+@pytest.mark.cuda
+def test_lora_adapters_train_under_cuda_graphs_as_inductor_alone():
+    """mode="reduce-overhead": the forward and the backward graphs are both captured (no
+    CUDA graph skipped) and replayed, their copies inside; four steps over two sequence
+    lengths give the adapter gradients of the same model compiled with Inductor's own CUDA
+    graphs, within Inductor's spread (the offload ops change its fusions on this tiny model,
+    and the last bits of a gradient with them), and the frozen weights come back
+    unchanged."""
+    from torch._dynamo.utils import counters
+    model, reference, ids = lora_llama(num_layers=6)
+    model, reference = model.cuda(), reference.cuda()
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options=dict(OPTIONS, inner_backend="inductor",
+                                          mode="reduce-overhead"))
+    ref_compiled = torch.compile(reference, mode="reduce-overhead")
+    batches = [torch.randint(0, 64, (2, n), generator=torch.Generator().manual_seed(n)).cuda()
+               for n in (8, 8, 12, 8)]
+    grads = {}
+    # one model's steps after the other's: CUDA graph trees take a forward then its backward
+    for name, m, f in (("reference", reference, ref_compiled), ("offloaded", model, compiled)):
+        opt = torch.optim.AdamW(trained(m).values(), lr=1e-2)
+        for i, x in enumerate(batches):
+            f(input_ids=x, labels=x).loss.backward()
+            grads[name, i] = {n: p.grad.clone() for n, p in trained(m).items()}
+            opt.step()
+            opt.zero_grad()
+    for i in range(len(batches)):
+        for n, g in grads["reference", i].items():
+            torch.testing.assert_close(grads["offloaded", i][n], g, atol=1e-6, rtol=1e-4,
+                                       msg=lambda m, i=i, n=n: f"step {i}, {n}: {m}")
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    fx_offload.restore(model)
+    for n, p in model.named_parameters():
+        if n in frozen:
+            assert torch.equal(p, frozen[n]), n
+
+
 def test_hugging_face_gradient_checkpointing_trains_the_adapters_bitwise():
     # graph breaks under torch.compile, as the docs say: transformers' hook that makes the
     # embeddings' output require grad (not needed with use_reentrant=False), and its warning

@@ -73,3 +73,46 @@ def accelerate_offload(layers: nn.ModuleList, offloaded: list[int], device) -> b
     for i in offloaded:
         cpu_offload(layers[i], execution_device=torch.device(device))
     return True
+
+
+# DeepSpeed keeps a parameter of fewer elements than this on the device (its default for
+# ``stage3_param_persistence_threshold``, set here so the copied bytes can be counted).
+DEEPSPEED_RESIDENT_BELOW = 100_000
+
+
+def deepspeed_zero3(model: nn.Module, batch: int, device):
+    """DeepSpeed's ZeRO-3 engine over ``model``, every parameter of at least
+    ``DEEPSPEED_RESIDENT_BELOW`` elements offloaded to pinned host memory (``offload_param``,
+    the ZeRO-Infinity path; one rank) and gathered onto the device per module for forward and
+    backward; torch's AdamW over the trainable parameters.  None if DeepSpeed is missing.
+    ZeRO-3 has no choice of layers: it offloads the whole model it wraps."""
+    try:
+        import deepspeed
+    except ImportError:
+        return None
+    import os
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29533")):
+        os.environ.setdefault(name, value)
+    deepspeed.init_distributed(dist_backend="nccl" if torch.device(device).type == "cuda"
+                               else "gloo")
+    config = {
+        "train_micro_batch_size_per_gpu": batch,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "cpu", "pin_memory": True},
+            "stage3_param_persistence_threshold": DEEPSPEED_RESIDENT_BELOW,
+        },
+        # torch's AdamW, as every other row (DeepSpeed's own Adam is a compiled extension)
+        "zero_allow_untested_optimizer": True,
+    }
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    return engine
+
+
+def deepspeed_full_grad(param):
+    """The whole gradient of a ZeRO-3 parameter after backward (each rank holds a part)."""
+    from deepspeed.utils import safe_get_full_grad
+    return safe_get_full_grad(param)

@@ -14,17 +14,22 @@ adapters over one batch of ``--seq`` tokens.  Rows:
   gradients of the backward;
 * ``fsdp2``: torch's ``fully_shard`` with ``CPUOffloadPolicy`` on the same layers, one rank
   (parameters on the host, copied in per layer for forward and backward, eager);
-* ``accelerate``: accelerate's ``cpu_offload`` hooks on the same layers (eager).
+* ``accelerate``: accelerate's ``cpu_offload`` hooks on the same layers (eager);
+* ``deepspeed``: DeepSpeed's ZeRO-3 engine with its parameters on the host (``offload_param``,
+  one rank, eager), if DeepSpeed is installed.  It has no choice of layers: every parameter of
+  at least 100k elements is offloaded, so it copies more than the other rows;
+* ``fx_offload-graphs`` (not run unless asked): ``fx_offload`` with ``mode="reduce-overhead"``.
 
 ``copied GiB``: for ``fx_offload`` what its last timed step copied (``report``'s
 ``copied_bytes_last_call``, forward and backward: the layers a slot still holds where the
 backward begins, or the next forward, are not copied again); for the other offloaded rows the
-frozen weights of the offloaded layers, twice (forward, and backward for the input gradients).
+frozen weights of the offloaded layers, twice (forward, and backward for the input gradients);
+for ``deepspeed`` every offloaded parameter twice, the embedding once.
 
 Each row prints the median step time of ``--steps`` timed steps after two warm-up steps, the
 peak device memory, and the bound: the larger of the resident step and the row's copied
 bytes over the pinned host-to-device rate measured in the same process.  The adapters'
-gradients after the first step are compared with the resident row's.  ``--device cpu
+gradients of the first step (the first warm-up step) are compared with the resident row's.  ``--device cpu
 --quick`` is a smoke run of seconds (a tiny model, ``aot_eager``, no bound).
 """
 from __future__ import annotations
@@ -40,7 +45,8 @@ import torch
 from .. import report, restore
 from .common import at_least
 
-METHODS = ("resident", "fx_offload", "fsdp2", "accelerate")
+METHODS = ("resident", "fx_offload", "fsdp2", "accelerate", "deepspeed")
+EXTRA_METHODS = ("fx_offload-graphs",)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -109,9 +115,11 @@ def _prepare(method, model, args, device):
     inner = "inductor" if device.type == "cuda" else "aot_eager"
     if method == "resident":
         return torch.compile(model, backend=inner)
-    if method == "fx_offload":
+    if method in ("fx_offload", "fx_offload-graphs"):
+        graphs = dict(mode="reduce-overhead") if method == "fx_offload-graphs" else {}
         return torch.compile(model, backend="prefetch_offload", options=dict(
-            group_size=args.group_size, num_in_group=args.num_in_group, inner_backend=inner))
+            group_size=args.group_size, num_in_group=args.num_in_group, inner_backend=inner,
+            **graphs))
     if method == "fsdp2":
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
         if not torch.distributed.is_initialized():
@@ -130,15 +138,45 @@ def _prepare(method, model, args, device):
         if not accelerate_offload(layers, _offloaded(args), device):
             return None
         return model
-    raise SystemExit(f"unknown method {method!r}: one of {', '.join(METHODS)}")
+    raise SystemExit(f"unknown method {method!r}: one of {', '.join(METHODS + EXTRA_METHODS)}")
 
 
-def _step(run, model, opt, ids):
-    loss = run(input_ids=ids, labels=ids).loss
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss.detach()
+class _Step:
+    """One training step of a row, in two halves: ``backward`` (forward and backward) and
+    ``update`` (the optimizer's step, gradients cleared); ``grad(p)`` reads a gradient after
+    ``backward``."""
+
+    def __init__(self, method, model, args, device, ids):
+        self.ids, self.engine = ids, None
+        if method == "deepspeed":
+            from .baselines import deepspeed_zero3
+            self.engine = deepspeed_zero3(model, args.batch, device)
+            self.run = self.engine
+        else:
+            self.run = _prepare(method, model, args, device)
+            self.opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                         lr=1e-4)
+
+    def backward(self):
+        loss = self.run(input_ids=self.ids, labels=self.ids).loss
+        if self.engine is not None:
+            self.engine.backward(loss)
+        else:
+            loss.backward()
+
+    def update(self):
+        if self.engine is not None:
+            self.engine.step()
+        else:
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+
+    def grad(self, p):
+        if self.engine is not None:
+            from .baselines import deepspeed_full_grad
+            return deepspeed_full_grad(p)
+        g = p.grad
+        return g.full_tensor() if hasattr(g, "full_tensor") else g     # FSDP2's DTensors
 
 
 def _sync(device):
@@ -146,48 +184,58 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _adapter_grads(run, model, ids):
-    loss = run(input_ids=ids, labels=ids).loss
-    loss.backward()
-    grads = {}
-    for n, p in model.named_parameters():
-        if p.requires_grad and p.grad is not None and "lora" in n:
-            g = p.grad.detach()
-            g = g.full_tensor() if hasattr(g, "full_tensor") else g    # FSDP2's DTensors
-            grads[n] = g.float().cpu().clone()
-    model.zero_grad(set_to_none=True)
-    return grads
+def _copied(method, model, args) -> int:
+    """The bytes a step copies, counted from the model before it is changed (``fx_offload``'s
+    own count replaces it after the run)."""
+    if method == "resident":
+        return 0
+    if method == "deepspeed":
+        from .baselines import DEEPSPEED_RESIDENT_BELOW
+        embedding = model.get_input_embeddings().weight
+        return sum((1 if p is embedding else 2) * p.numel() * p.element_size()
+                   for p in model.parameters() if p.numel() >= DEEPSPEED_RESIDENT_BELOW)
+    layers = model.base_model.model.model.layers
+    return 2 * sum(p.numel() * p.element_size() for i in _offloaded(args)
+                   for p in layers[i].parameters() if not p.requires_grad)
 
 
 def _row(method, args, device, ids, reference):
     model = _build(args, device)
-    layers = model.base_model.model.model.layers
-    copied = 0 if method == "resident" else 2 * sum(
-        p.numel() * p.element_size() for i in _offloaded(args)
-        for p in layers[i].parameters() if not p.requires_grad)
-    run = _prepare(method, model, args, device)
-    if run is None:
+    copied = _copied(method, model, args)
+    names = [n for n, p in model.named_parameters() if p.requires_grad and "lora" in n]
+    step = _Step(method, model, args, device, ids)
+    if step.run is None:
         return dict(method=method, note="not installed")
-    grads = _adapter_grads(run, model, ids)
+    step.backward()         # the first warm-up step: its gradients are compared
+    params = dict(model.named_parameters())
+    grads = {}
+    for n in names:
+        g = step.grad(params[n])
+        if g is not None:
+            grads[n] = g.detach().float().cpu().clone()
+    step.update()
     diff = None
     if reference is not None and grads:
         diff = max((grads[n] - reference[n]).abs().max().item() /
                    max(reference[n].abs().max().item(), 1e-30) for n in reference if n in grads)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    for _ in range(2):
-        _step(run, model, opt, ids)
+    step.backward()
+    step.update()
     _sync(device)
-    if device.type == "cuda":
+    if device.type == "cuda":     # what the model was built in is cached, not needed
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     times = []
     for _ in range(args.steps):
         _sync(device)
         start = time.perf_counter()
-        _step(run, model, opt, ids)
+        step.backward()
+        step.update()
         _sync(device)
         times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-    if method == "fx_offload":
+    # CUDA graphs' private pools hold their memory as reserved, not allocated
+    reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0
+    if method.startswith("fx_offload"):
         rep = report(model)
         if 2 * rep.offloaded_bytes != copied:
             print(f"note: fx_offload offloaded {rep.offloaded_bytes} bytes, the frozen weights "
@@ -196,9 +244,10 @@ def _row(method, args, device, ids, reference):
         # where backward begins, or where the next forward begins, is not copied again
         copied = rep.copied_bytes_last_call or copied
         restore(model)
-    out = dict(method=method, ms=1e3 * statistics.median(times), peak=peak, copied=copied,
+    out = dict(method=method, ms=1e3 * statistics.median(times), peak=peak,
+               reserved=reserved, copied=copied,
                grads=grads, diff=diff)
-    del run, model, opt
+    del step, model
     gc.collect()
     torch._dynamo.reset()
     if device.type == "cuda":
@@ -221,16 +270,16 @@ def run(args) -> int:
           f", {args.layers} layers, LoRA r={args.rank} on q/k/v/o, seq {args.seq} x batch "
           f"{args.batch}, offloaded layers {_offloaded(args)}"
           + (f", pinned H2D {link / 1e9:.1f} GB/s" if link else ""))
-    print("| method | step ms | x bound | bound ms | copied GiB | peak GiB | adapter grads vs "
-          "resident (max rel) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |", flush=True)
+    print("| method | step ms | x bound | bound ms | copied GiB | peak GiB | reserved GiB | "
+          "adapter grads vs resident (max rel) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |", flush=True)
     reference = resident = None
     for method in methods:          # each row printed as it is measured
         r = _row(method, args, device, ids, reference)
         if method == "resident" and "grads" in r:
             reference, resident = r["grads"], r["ms"]
         if "ms" not in r:
-            print(f"| {r['method']} | {r['note']} | - | - | - | - | - |", flush=True)
+            print(f"| {r['method']} | {r['note']} | - | - | - | - | - | - |", flush=True)
             continue
         bound = None
         if resident is not None:
@@ -239,7 +288,8 @@ def run(args) -> int:
         bound_ms = "-" if bound is None else f"{bound:.1f}"
         diff = "-" if r["diff"] is None else f"{r['diff']:.2e}"
         print(f"| {r['method']} | {r['ms']:.1f} | {ratio} | {bound_ms} | "
-              f"{r['copied'] / 2**30:.2f} | {r['peak'] / 2**30:.2f} | {diff} |", flush=True)
+              f"{r['copied'] / 2**30:.2f} | {r['peak'] / 2**30:.2f} | "
+              f"{r['reserved'] / 2**30:.2f} | {diff} |", flush=True)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return 0
