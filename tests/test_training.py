@@ -195,6 +195,22 @@ def test_inductor_inner_backend_trains_within_tolerance():
     steps(compiled, torch.compile(reference), model, reference, x, n=2, exact=False)
 
 
+def test_reduce_overhead_trains_bitwise_with_the_hooks_of_cuda_graphs():
+    """mode="reduce-overhead" (Inductor inside) trains: the call hooks refill as under CUDA
+    graphs (on the CPU no graph is captured, so this checks the copies' bookkeeping of that
+    mode; the replays are the CUDA test's); gradients and losses equal the same model
+    compiled with Inductor in that mode, bitwise, and every layer was prefetched."""
+    model, x = frozen_mlp()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={**OPTIONS, "inner_backend": "inductor",
+                                      "mode": "reduce-overhead"})
+    steps(compiled, torch.compile(reference, mode="reduce-overhead"), model, reference, x)
+    state = fx_offload.registry.state_for_model(model)
+    assert state.hook_copies.under_cuda_graphs
+    assert state.stats["sync_loads"] == 0
+
+
 class Checkpointed(torch.nn.Module):
     def __init__(self, stack):
         super().__init__()
