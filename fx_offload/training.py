@@ -280,7 +280,7 @@ class BackwardOps:
 
         def fw(g, inputs):
             self.forward(g)
-            return fw_nop(g, inputs)
+            return TrainingForward(fw_nop(g, inputs), self.handle)
 
         def bw(g, inputs):
             self.backward(g)
@@ -297,7 +297,7 @@ class BackwardOps:
                 self.backward(g)
                 return EndsOnError(compile_fx_inner(g, inputs, **kwargs), self.handle)
             self.forward(g)
-            return compile_fx_inner(g, inputs, **kwargs)
+            return TrainingForward(compile_fx_inner(g, inputs, **kwargs), self.handle)
         with _no_autograd_cache():
             return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
 
@@ -319,6 +319,33 @@ class EndsOnError:
         except BaseException:
             _backward_leave(None, None, self.handle)
             raise
+
+    def __getattr__(self, name):
+        return getattr(self.compiled, name)
+
+
+class TrainingForward:
+    """A compiled forward that a backward will follow: while it runs, its circular prefetch
+    (the start after a slot's last layer, of the next call's first) is not begun.  The
+    backward reads the layers in reverse, so it needs first what that copy would evict, and
+    it ends with the next forward's first layers in their slots: the copy would be made
+    twice over for nothing (two layers a step with one slot, where the caller lets the
+    copies run on between calls).  A forward that no backward follows leaves it to the next
+    call's entry refill.  Called boxed, as the compiled graph it wraps."""
+
+    def __init__(self, compiled, handle: int):
+        self.compiled, self.handle = compiled, handle
+        self._boxed_call = True
+
+    def __call__(self, args):
+        copies = getattr(registry.state_for_handle(self.handle), "copies", None)
+        if copies is None:          # a restored model's stand-in
+            return self.compiled(args)
+        copies.training_forward = True
+        try:
+            return self.compiled(args)
+        finally:
+            copies.training_forward = False
 
     def __getattr__(self, name):
         return getattr(self.compiled, name)

@@ -121,6 +121,28 @@ def test_the_reversed_ring_prefetches_every_layer(options):
     assert state.stats["sync_loads"] == 0 and state.stats["prefetches"] > 0
 
 
+def test_a_training_step_copies_only_what_its_slot_does_not_hold():
+    """One slot, layers 1, 3 and 5 offloaded: a step's forward copies 3 and 5 (the last
+    backward left 1 in the slot) and its backward 3 and 1 (the forward left 5): four layers.
+    The forward's circular prefetch, of layer 1 after layer 5 for the next call, would evict
+    the layer the backward reads first, and make six.  (The CPU's calls begin it at their
+    end, as a GPU's do where the caller lets the copies run on between steps.)"""
+    model, x = frozen_mlp()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+    steps(compiled, torch.compile(reference, backend="aot_eager"), model, reference, x, n=1)
+    layer = fx_offload.report(model).offloaded_bytes // 3
+    for _ in range(2):
+        compiled(x).square().mean().backward()
+        assert fx_offload.report(model).copied_bytes_last_call == 4 * layer
+    model.zero_grad()
+    # a forward with no backward after it: the next call's entry copies layer 1 back
+    with torch.no_grad():
+        compiled(x)
+    steps(compiled, torch.compile(reference, backend="aot_eager"), model, reference, x, n=2)
+    assert fx_offload.registry.state_for_model(model).stats["sync_loads"] == 0
+
+
 def test_the_verifier_proves_the_backward_schedule(monkeypatch):
     """A backward whose waits are left out is refused by the verifier when it is compiled (at
     the first backward), before it runs; the weights are intact."""

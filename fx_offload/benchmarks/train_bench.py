@@ -26,7 +26,8 @@ backward begins, or the next forward, are not copied again); for the other offlo
 frozen weights of the offloaded layers, twice (forward, and backward for the input gradients);
 for ``deepspeed`` every offloaded parameter twice, the embedding once.
 
-Each row prints the median step time of ``--steps`` timed steps after two warm-up steps, the
+Each row prints the median step time of ``--steps`` timed steps after two warm-up steps
+(``--unsynced``: their mean, timed as one stretch, as a loop that never waits runs them), the
 peak device memory, and the bound: the larger of the resident step and the row's copied
 bytes over the pinned host-to-device rate measured in the same process.  The adapters'
 gradients of the first step (the first warm-up step) are compared with the resident row's.  ``--device cpu
@@ -59,6 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="num_in_group: offloaded layers of each group")
     parser.add_argument("--steps", type=at_least(1, "timed steps"), default=5,
                         help="timed steps of each row (after two warm-up steps)")
+    parser.add_argument("--unsynced", action="store_true",
+                        help="time the steps as one stretch with no wait between them (a loop "
+                             "that never reads the loss), the mean a step; default: each step "
+                             "on its own, waited for, the median")
     parser.add_argument("--methods", default=",".join(METHODS),
                         help="comma-separated among " + ", ".join(METHODS))
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
@@ -225,7 +230,15 @@ def _row(method, args, device, ids, reference):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     times = []
-    for _ in range(args.steps):
+    if args.unsynced:       # the copies begun as a step ends run on into the next
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            step.backward()
+            step.update()
+        _sync(device)
+        times.append((time.perf_counter() - start) / args.steps)
+    for _ in range(0 if args.unsynced else args.steps):
         _sync(device)
         start = time.perf_counter()
         step.backward()

@@ -41,6 +41,9 @@ class SlotCopies:
         # a backward runs (fx_offload.training): its refills go to earlier layers, the
         # reverse ring, and none of them is the circular prefetch
         self.backward = False
+        # a forward that a backward will follow runs (fx_offload.training.TrainingForward):
+        # its circular prefetch is not begun
+        self.training_forward = False
 
     @property
     def ahead(self):
@@ -89,6 +92,8 @@ class SlotCopies:
         held, capturing = self.contents.slot(refill), _capturing()
         at_end = chunk >= 0 and not self.backward and Schedule.wraps(layer, refill)
         # (an entry start's chunk: -1)
+        if at_end and self.training_forward:
+            return          # the backward reads the slot's layer first (training.py)
         if at_end and not self.circular.copies_at_end(capturing):
             return          # left to the next call's entry start (fx_offload.schedule)
         for c in self.contents.chunks(refill, chunk):
