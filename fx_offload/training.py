@@ -72,6 +72,7 @@ from . import registry
 from .errors import GradModeError, OffloadError, ScheduleError
 from .ops import START, WAIT
 from .passes.verify import SlotModel, verify_graph
+from .runtime.copies.slot_copies import IN_TRAINING_FORWARD
 from .runtime.ownership.ownership import ShapeChanged
 from .runtime.phase import Phase
 
@@ -280,7 +281,7 @@ class BackwardOps:
 
         def fw(g, inputs):
             self.forward(g)
-            return TrainingForward(fw_nop(g, inputs), self.handle)
+            return TrainingForward(fw_nop(g, inputs))
 
         def bw(g, inputs):
             self.backward(g)
@@ -297,7 +298,7 @@ class BackwardOps:
                 self.backward(g)
                 return EndsOnError(compile_fx_inner(g, inputs, **kwargs), self.handle)
             self.forward(g)
-            return TrainingForward(compile_fx_inner(g, inputs, **kwargs), self.handle)
+            return TrainingForward(compile_fx_inner(g, inputs, **kwargs))
         with _no_autograd_cache():
             return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
 
@@ -333,19 +334,16 @@ class TrainingForward:
     copies run on between calls).  A forward that no backward follows leaves it to the next
     call's entry refill.  Called boxed, as the compiled graph it wraps."""
 
-    def __init__(self, compiled, handle: int):
-        self.compiled, self.handle = compiled, handle
-        self._boxed_call = True
+    def __init__(self, compiled):
+        self.compiled = compiled
+        self._boxed_call = True     # (on the instance: Dynamo's wrapper copies its __dict__)
 
     def __call__(self, args):
-        copies = getattr(registry.state_for_handle(self.handle), "copies", None)
-        if copies is None:          # a restored model's stand-in
-            return self.compiled(args)
-        copies.training_forward = True
+        was, IN_TRAINING_FORWARD.on = IN_TRAINING_FORWARD.on, True
         try:
             return self.compiled(args)
         finally:
-            copies.training_forward = False
+            IN_TRAINING_FORWARD.on = was
 
     def __getattr__(self, name):
         return getattr(self.compiled, name)

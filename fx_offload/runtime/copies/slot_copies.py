@@ -15,6 +15,7 @@ the slots are, and recorded again on every call.
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
@@ -25,6 +26,16 @@ from ..memory.streams import current_stream
 from ..memory.streams import capturing as _capturing
 
 log = logging.getLogger("fx_offload")
+
+
+class _InTrainingForward(threading.local):
+    """Set while a forward that a backward will follow runs on this thread
+    (``fx_offload.training.TrainingForward``): its circular prefetch is not begun.  Per
+    thread, not per state: the graph may run in another model's call (``registry``)."""
+    on = False
+
+
+IN_TRAINING_FORWARD = _InTrainingForward()
 
 
 class SlotCopies:
@@ -41,9 +52,6 @@ class SlotCopies:
         # a backward runs (fx_offload.training): its refills go to earlier layers, the
         # reverse ring, and none of them is the circular prefetch
         self.backward = False
-        # a forward that a backward will follow runs (fx_offload.training.TrainingForward):
-        # its circular prefetch is not begun
-        self.training_forward = False
 
     @property
     def ahead(self):
@@ -92,7 +100,7 @@ class SlotCopies:
         held, capturing = self.contents.slot(refill), _capturing()
         at_end = chunk >= 0 and not self.backward and Schedule.wraps(layer, refill)
         # (an entry start's chunk: -1)
-        if at_end and self.training_forward:
+        if at_end and IN_TRAINING_FORWARD.on:
             return          # the backward reads the slot's layer first (training.py)
         if at_end and not self.circular.copies_at_end(capturing):
             return          # left to the next call's entry start (fx_offload.schedule)
