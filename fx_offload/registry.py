@@ -21,6 +21,7 @@ import weakref
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.modules.module import (register_module_module_registration_hook,
                                      register_module_parameter_registration_hook)
 
@@ -38,7 +39,8 @@ _BY_PARAM: dict[int, tuple] = {}             # id of a Parameter -> (weakref to 
 _BY_TOKEN: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 _MODEL_OF_TOKEN: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 _NOTHING_OFFLOADED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_RESTORED: dict[int, tuple] = {}              # handle -> (the schedule, the chunks) it had
+_RESTORED: dict[int, tuple] = {}              # handle -> (the schedule, the chunks) it had,
+#   its host modules, and weak references to the storages of the slots it freed
 _BY_SUBMODULE: dict[int, "weakref.ref"] = {}  # id of a module inside an offloaded layer ->
 #   its state, told when a child module is set (``layer.fc1 = new``).  Ids, not the modules:
 #   Dynamo finds objects through a global dict keyed by them and names them by that path.
@@ -475,13 +477,15 @@ def _host_modules(state) -> dict:
     return found
 
 
-def unregister(state, model: nn.Module | None) -> None:
-    """Forget ``state``; its handle is remembered as restored, so its ops do nothing."""
+def unregister(state, model: nn.Module | None, slots: tuple = ()) -> None:
+    """Forget ``state``; its handle is remembered as restored, so its ops do nothing.
+    ``slots``: the storages of the slots it freed (:func:`reads_freed_slots`)."""
+    freed = tuple(StorageWeakRef(s) for s in slots)
     with _LOCK:
         _HANDLES.pop(state.handle, None)
         _BY_TOKEN.pop(state.token, None)
         _RESTORED[state.handle] = (state.schedule, dict(state.learned.layout),
-                                   _host_modules(state))
+                                   _host_modules(state), freed)
         if model is not None and _BY_MODEL.get(model) is state:
             del _BY_MODEL[model]
         for ps in state.params.values():
@@ -493,6 +497,18 @@ def unregister(state, model: nn.Module | None) -> None:
             if _BY_SUBMODULE.get(key, lambda: None)() is state:
                 del _BY_SUBMODULE[key]
         state.ownership.watched.clear()
+
+
+def reads_freed_slots(handle: int, tensors) -> bool:
+    """True where ``handle``'s model was restored and one of ``tensors`` views a slot that
+    restore freed (a backward of a forward from before it); a tensor of a storage alive
+    now cannot be a freed one whose reference expired, so the test is exact."""
+    entry = _RESTORED.get(handle)
+    if entry is None:
+        return False
+    live = {ref for ref in entry[3] if not ref.expired()}
+    return bool(live) and any(StorageWeakRef(t.untyped_storage()) in live
+                              for t in tensors if isinstance(t, torch.Tensor))
 
 
 def replace_param(state, layer: int, old, new) -> None:

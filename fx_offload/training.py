@@ -90,9 +90,10 @@ RESTORED = ("backward after fx_offload.restore(model): the forward saved offload
 def _backward_enter(activations, handle):
     # the state the graph was compiled for (no call of the model is active to find it by)
     state = registry.state_for_handle(handle)
-    # (a restored model's handle finds a stand-in with no phase)
+    # (a restored model's handle finds a stand-in with no phase: the forward ran after
+    # restore, or EndsOnError would have refused, and saved the parameters' own weights)
     if getattr(state, "phase", Phase.RESTORED) is Phase.RESTORED:
-        raise OffloadError(RESTORED)
+        return
     try:
         state.enter(root=False)
         state.copies.backward = True
@@ -307,14 +308,18 @@ class EndsOnError:
     """A compiled backward that ends the call its ``backward_enter`` began where it raises
     (its ``backward_leave``, the graph's last op, does not run then): the parameters point
     at their true weights again, and another thread may call, as after a forward that
-    raised.  Called boxed, as the compiled graph it wraps; any other attribute is that
-    graph's."""
+    raised.  After ``fx_offload.restore`` it refuses a backward that reads slots restore
+    freed (its forward ran before); one whose forward ran after reads the parameters' own
+    weights, and its ops do nothing.  Called boxed, as the compiled graph it wraps; any
+    other attribute is that graph's."""
 
     def __init__(self, compiled, handle: int):
         self.compiled, self.handle = compiled, handle
         self._boxed_call = True     # (on the instance: Dynamo's wrapper copies its __dict__)
 
     def __call__(self, args):
+        if registry.reads_freed_slots(self.handle, args):
+            raise OffloadError(RESTORED)    # its forward ran before restore
         try:
             return self.compiled(args)
         except BaseException:

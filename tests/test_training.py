@@ -305,13 +305,42 @@ def test_retained_graph_backward_twice_and_optimizer_over_frozen_weights():
             assert torch.equal(p, frozen[name]), name
 
 
-def test_backward_after_restore_is_refused_and_loses_nothing():
+def test_backward_after_restore_reads_no_freed_slot_and_the_forward_again_trains():
+    """A backward whose forward ran before ``restore``: refused where it would read a slot
+    restore freed (a saved view of it); here the forward saved the parameters themselves,
+    which hold their true weights again, so it computes the reference's gradients.  A
+    forward after restore trains through the same callable, its ops doing nothing."""
     model, x = frozen_mlp()
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+    ref_compiled = torch.compile(reference, backend="aot_eager")
     compiled(x).sum().backward()
+    ref_compiled(x).sum().backward()
+    state = fx_offload.registry.state_for_model(model)
+    handle, slot_view = state.handle, state.buffers.flat[0][:8]
+    loss, ref_loss = compiled(x).sum(), ref_compiled(x).sum()
+    fx_offload.restore(model)
+    assert fx_offload.registry.reads_freed_slots(handle, [x, slot_view])
+    assert not fx_offload.registry.reads_freed_slots(handle, list(model.parameters()))
+    loss.backward()
+    ref_loss.backward()
+    assert_grads(model, reference)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q), name
+    model.zero_grad()
+    reference.zero_grad()
+    steps(compiled, ref_compiled, model, reference, x, n=2)
+
+
+def test_a_backward_that_reads_a_freed_slot_is_refused_and_loses_nothing(monkeypatch):
+    """Where a saved tensor views a slot that restore freed, the backward is refused before
+    it runs, and the weights stay the reference's."""
+    model, x = frozen_mlp()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
     loss = compiled(x).sum()
     fx_offload.restore(model)
+    monkeypatch.setattr(fx_offload.registry, "reads_freed_slots", lambda handle, args: True)
     with pytest.raises(fx_offload.OffloadError, match="backward after fx_offload.restore"):
         loss.backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):

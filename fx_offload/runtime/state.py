@@ -204,11 +204,13 @@ class OffloadState:
         _untwin_unchanged(self.params, self.masters)
         _remove_hooks(self.hooks, self.model_ref() if anew else None)
         self.hooks.clear()
-        if self.buffers is not None:
+        slots = ()
+        if self.buffers is not None:    # (a backward saved views of them: training.py)
+            slots = tuple(flat.untyped_storage() for flat in self.buffers.flat)
             self.buffers.release()
             self.routed.release()
         self.phase = self.phase.to(Phase.RESTORED, self.model_name)
-        registry.unregister(self, self.model_ref())
+        registry.unregister(self, self.model_ref(), slots)
 
     def synchronize(self) -> None:
         """Wait for copies in flight and host jobs the streams still hold (they read the
