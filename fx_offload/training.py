@@ -182,11 +182,12 @@ def trained_offloaded_error(what: str, names: list[str]) -> GradModeError:
     call that met them)."""
     return GradModeError(
         f"trains only parameters that are not offloaded: {what} with grad enabled, and "
-        f"offloaded parameters require grad ({names[:3]}...). Freeze them "
-        "(requires_grad_(False)) before the first compile: only frozen weights are then "
-        "offloaded and the trainable ones stay on the device (after a compile, call "
-        "fx_offload.restore(model) first). For inference, call the model under "
-        "torch.no_grad() or torch.inference_mode()")
+        f"offloaded parameters require grad ({names[:3]}...). Offloaded with grad enabled, "
+        "only frozen weights are offloaded and those that require grad stay on the device: "
+        "to train these, call fx_offload.restore(model), then the compiled model again "
+        "(grad enabled, model.train()); not to train them, freeze them "
+        "(requires_grad_(False)) before the first compile. For inference, call the model "
+        "under torch.no_grad() or torch.inference_mode()")
 
 
 def _is_view(node: fx.Node) -> bool:
