@@ -452,6 +452,11 @@ def _place_waits(graph, chain, layer, chunks, weights, handle) -> None:
         at = min(reading, key=order.__getitem__)
         acts = _ties(graph, reading, at, weights, order)
         loose = _loose(graph, reading, acts, at)
+        # a read of weights alone (Gemma's norm recomputes 1 + weight in backward): the
+        # wait is tied to those weights themselves, which it then declares mutated
+        acts += list(dict.fromkeys(_base(a) for n in loose for a in n.all_input_nodes
+                                   if a in weights))
+        loose = _loose(graph, reading, acts, at)
         if loose:
             raise ScheduleError(
                 f"backward: {loose[0].format_node()} reads a weight of layer {layer} but "
@@ -460,6 +465,13 @@ def _place_waits(graph, chain, layer, chunks, weights, handle) -> None:
                 "layer resident")
         with graph.inserting_before(at):
             _call(graph, WAIT, ([chain, *acts], handle, layer, chunk))
+
+
+def _base(node: fx.Node) -> fx.Node:
+    """The graph input a chain of views starts from."""
+    while _is_view(node):
+        node = node.args[0]
+    return node
 
 
 def _ties(graph, reading, at, weights, order) -> list[fx.Node]:

@@ -481,6 +481,51 @@ def _backward_graphs(monkeypatch):
     return graphs
 
 
+def test_a_read_of_a_weight_alone_in_backward_waits_for_it_gemma(monkeypatch,
+                                                                  inner="aot_eager"):
+    """Gemma's norm computes ``x * (1 + weight)``, and the backward recomputes
+    ``1 + weight`` from the weight alone: nothing of it can carry the wait's order, so the
+    wait is tied to that weight itself (it was refused: "takes nothing the layer's backward
+    wait can be tied to").  A LoRA trains as without offloading, over two steps of two
+    lengths, bitwise (with Inductor inside too, in a script: Gemma bitwise, Gemma2 within
+    2e-6, as Inductor's fusions differ)."""
+    transformers = pytest.importorskip("transformers", reason="install the test extra")
+    peft = pytest.importorskip("peft", reason="install the test extra")
+    from fx_offload.ops import WAIT
+    graphs = _backward_graphs(monkeypatch)
+    torch.manual_seed(0)
+    config = transformers.GemmaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+    model = peft.get_peft_model(
+        transformers.GemmaForCausalLM(config),
+        peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    model.train()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload",
+                             options={**OPTIONS, "inner_backend": inner})
+    ref_compiled = torch.compile(reference, backend=inner)
+    opts = [torch.optim.AdamW(trained(m).values(), lr=1e-2) for m in (model, reference)]
+    for n in (8, 12):
+        ids = torch.randint(0, 64, (2, n), generator=torch.Generator().manual_seed(n))
+        for f in (compiled, ref_compiled):
+            f(input_ids=ids, labels=ids).loss.backward()
+        assert_grads(model, reference)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    found = 0
+    for bw in (g.graph for g in graphs):
+        nodes = list(bw.nodes)
+        for read in (n for n in nodes if n.target is torch.ops.aten.add.Tensor and
+                     n.args[1] == 1 and n.args[0].op == "placeholder"):
+            tied = [w for w in nodes if w.target is WAIT and read.args[0] in w.args[0]]
+            if tied:
+                found += 1
+                assert nodes.index(tied[0]) < nodes.index(read)
+    assert found
+
+
 def test_backward_refills_the_slot_chunk_by_chunk_as_its_bytes_come_free(monkeypatch):
     """A layer's backward reads its MLP's chunks before its attention's.  The next layer of
     the slot is begun chunk by chunk, each once the bytes it overwrites were last read (not
