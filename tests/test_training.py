@@ -59,6 +59,19 @@ def steps(compiled, reference_compiled, model, reference, x, n=3, exact=True):
             opt.zero_grad()
 
 
+def lm_steps(compiled, reference_compiled, model, reference, batches):
+    """An AdamW step of both language models on each of ``batches`` (token ids, their own
+    labels); the trained parameters' gradients compared bitwise at each."""
+    opts = [torch.optim.AdamW(trained(m).values(), lr=1e-2) for m in (model, reference)]
+    for ids in batches:
+        for f in (compiled, reference_compiled):
+            f(input_ids=ids, labels=ids).loss.backward()
+        assert_grads(model, reference)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+
+
 def test_frozen_weights_offloaded_trained_ones_resident_bitwise_gradients(caplog):
     """Biases and a wholly trained layer stay resident (one INFO line names it); the
     gradients of the biases and of the input equal the model's without offloading, bitwise,
@@ -505,15 +518,9 @@ def test_a_read_of_a_weight_alone_in_backward_waits_for_it_gemma(monkeypatch,
     compiled = torch.compile(model, backend="prefetch_offload",
                              options={**OPTIONS, "inner_backend": inner})
     ref_compiled = torch.compile(reference, backend=inner)
-    opts = [torch.optim.AdamW(trained(m).values(), lr=1e-2) for m in (model, reference)]
-    for n in (8, 12):
-        ids = torch.randint(0, 64, (2, n), generator=torch.Generator().manual_seed(n))
-        for f in (compiled, ref_compiled):
-            f(input_ids=ids, labels=ids).loss.backward()
-        assert_grads(model, reference)
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
+    lm_steps(compiled, ref_compiled, model, reference,
+             [torch.randint(0, 64, (2, n), generator=torch.Generator().manual_seed(n))
+              for n in (8, 12)])
     found = 0
     for bw in (g.graph for g in graphs):
         nodes = list(bw.nodes)
@@ -563,14 +570,7 @@ def test_lora_adapters_train_on_the_gpu_bitwise_with_chunked_refills():
     model, reference, ids = model.cuda(), reference.cuda(), ids.cuda()
     compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
     ref_compiled = torch.compile(reference, backend="aot_eager")
-    opts = [torch.optim.AdamW(trained(m).values(), lr=1e-2) for m in (model, reference)]
-    for _ in range(3):
-        for f in (compiled, ref_compiled):
-            f(input_ids=ids, labels=ids).loss.backward()
-        assert_grads(model, reference)
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
+    lm_steps(compiled, ref_compiled, model, reference, [ids] * 3)
     assert fx_offload.registry.state_for_model(model).stats["sync_loads"] == 0
 
 
