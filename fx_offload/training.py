@@ -141,7 +141,10 @@ def check_grad_mode(gi, choice, learned, handle: int, example_inputs, options,
             "embeddings' require-grad hook: call model.disable_input_require_grads(), and "
             "torch._dynamo.reset() if the model was called before), where "
             "no backward prefetch can be placed. Remove the graph break, or call the model "
-            "under torch.no_grad()")
+            "under torch.no_grad(). A break in the model's first call only (a Hugging Face "
+            "MoE with output_router_logits=True: transformers' output capturing takes a "
+            "lock there) is gone from the second: call torch._dynamo.reset() and the model "
+            "again, or call the model once before compiling it")
     reads = [name for name, _ in gi.params.values() if name in offloaded]
     if not reads:
         return None
