@@ -499,8 +499,8 @@ def test_a_read_of_a_weight_alone_in_backward_waits_for_it_gemma(monkeypatch,
     """Gemma's norm computes ``x * (1 + weight)``, and the backward recomputes
     ``1 + weight`` from the weight alone: nothing of it can carry the wait's order, so the
     wait is tied to that weight itself (it was refused: "takes nothing the layer's backward
-    wait can be tied to").  A LoRA trains as without offloading, over two steps of two
-    lengths, bitwise (with Inductor inside too, in a script: Gemma bitwise, Gemma2 within
+    wait can be tied to").  A LoRA trains as without offloading (layer 1 offloaded), over
+    two steps, bitwise (with Inductor inside too, in a script: Gemma bitwise, Gemma2 within
     2e-6, as Inductor's fusions differ)."""
     transformers = pytest.importorskip("transformers", reason="install the test extra")
     peft = pytest.importorskip("peft", reason="install the test extra")
@@ -508,7 +508,7 @@ def test_a_read_of_a_weight_alone_in_backward_waits_for_it_gemma(monkeypatch,
     graphs = _backward_graphs(monkeypatch)
     torch.manual_seed(0)
     config = transformers.GemmaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
     model = peft.get_peft_model(
         transformers.GemmaForCausalLM(config),
@@ -519,8 +519,8 @@ def test_a_read_of_a_weight_alone_in_backward_waits_for_it_gemma(monkeypatch,
                              options={**OPTIONS, "inner_backend": inner})
     ref_compiled = torch.compile(reference, backend=inner)
     lm_steps(compiled, ref_compiled, model, reference,
-             [torch.randint(0, 64, (2, n), generator=torch.Generator().manual_seed(n))
-              for n in (8, 12)])
+             [torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(n))
+              for n in range(2)])
     found = 0
     for bw in (g.graph for g in graphs):
         nodes = list(bw.nodes)
