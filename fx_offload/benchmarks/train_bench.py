@@ -30,8 +30,8 @@ Each row prints the median step time of ``--steps`` timed steps after two warm-u
 (``--unsynced``: their mean, timed as one stretch, as a loop that never waits runs them), the
 peak device memory, and the bound: the larger of the resident step and the row's copied
 bytes over the pinned host-to-device rate measured in the same process.  The adapters'
-gradients of the first step (the first warm-up step) are compared with the resident row's.  ``--device cpu
---quick`` is a smoke run of seconds (a tiny model, ``aot_eager``, no bound).
+gradients of the first step (the first warm-up step) are compared with the resident row's.
+``--device cpu --quick`` is a smoke run of seconds (a tiny model, ``aot_eager``, no bound).
 """
 from __future__ import annotations
 
@@ -65,7 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "that never reads the loss), the mean a step; default: each step "
                              "on its own, waited for, the median")
     parser.add_argument("--methods", default=",".join(METHODS),
-                        help="comma-separated among " + ", ".join(METHODS))
+                        help="comma-separated among " + ", ".join(METHODS + EXTRA_METHODS) +
+                             " (default: all but " + ", ".join(EXTRA_METHODS) + ")")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
     parser.add_argument("--quick", action="store_true",
                         help="a tiny model (with --device cpu: a smoke run of seconds)")
@@ -229,22 +230,17 @@ def _row(method, args, device, ids, reference):
     if device.type == "cuda":     # what the model was built in is cached, not needed
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    # --unsynced: one stretch, the copies begun as a step ends running on into the next
+    stretches = [args.steps] if args.unsynced else [1] * args.steps
     times = []
-    if args.unsynced:       # the copies begun as a step ends run on into the next
+    for n in stretches:
         _sync(device)
         start = time.perf_counter()
-        for _ in range(args.steps):
+        for _ in range(n):
             step.backward()
             step.update()
         _sync(device)
-        times.append((time.perf_counter() - start) / args.steps)
-    for _ in range(0 if args.unsynced else args.steps):
-        _sync(device)
-        start = time.perf_counter()
-        step.backward()
-        step.update()
-        _sync(device)
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start) / n)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     # CUDA graphs' private pools hold their memory as reserved, not allocated
     reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0
