@@ -26,10 +26,12 @@ backward begins, or the next forward, are not copied again); for the other offlo
 frozen weights of the offloaded layers, twice (forward, and backward for the input gradients);
 for ``deepspeed`` every offloaded parameter twice, the embedding once.
 
-Each row prints the median step time of ``--steps`` timed steps after two warm-up steps
-(``--unsynced``: their mean, timed as one stretch, as a loop that never waits runs them), the
-peak device memory, and the bound: the larger of the resident step and the row's copied
-bytes over the pinned host-to-device rate measured in the same process.  The adapters'
+Each row prints two times after two warm-up steps: ``step ms``, the median of ``--steps``
+steps each waited for (a loop that reads the loss every step), and ``loop ms``, the mean of
+``--steps`` steps timed as one stretch with no wait between them (a loop that never reads
+it, as Hugging Face's ``Trainer`` between its logging steps: what a step queues runs on into
+the next); the peak device memory; and the bound: the larger of the resident step and the
+row's copied bytes over the pinned host-to-device rate measured in the same process.  The adapters'
 gradients of the first step (the first warm-up step) are compared with the resident row's.
 ``--device cpu --quick`` is a smoke run of seconds (a tiny model, ``aot_eager``, no bound).
 """
@@ -60,10 +62,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="num_in_group: offloaded layers of each group")
     parser.add_argument("--steps", type=at_least(1, "timed steps"), default=5,
                         help="timed steps of each row (after two warm-up steps)")
-    parser.add_argument("--unsynced", action="store_true",
-                        help="time the steps as one stretch with no wait between them (a loop "
-                             "that never reads the loss), the mean a step; default: each step "
-                             "on its own, waited for, the median")
     parser.add_argument("--methods", default=",".join(METHODS),
                         help="comma-separated among " + ", ".join(METHODS + EXTRA_METHODS) +
                              " (default: all but " + ", ".join(EXTRA_METHODS) + ")")
@@ -230,10 +228,10 @@ def _row(method, args, device, ids, reference):
     if device.type == "cuda":     # what the model was built in is cached, not needed
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    # --unsynced: one stretch, the copies begun as a step ends running on into the next
-    stretches = [args.steps] if args.unsynced else [1] * args.steps
+    # each step waited for, then one stretch of steps: the copies begun as a step ends run
+    # on into the next
     times = []
-    for n in stretches:
+    for n in [1] * args.steps + [args.steps]:
         _sync(device)
         start = time.perf_counter()
         for _ in range(n):
@@ -253,7 +251,8 @@ def _row(method, args, device, ids, reference):
         # where backward begins, or where the next forward begins, is not copied again
         copied = rep.copied_bytes_last_call or copied
         restore(model)
-    out = dict(method=method, ms=1e3 * statistics.median(times), peak=peak,
+    out = dict(method=method, ms=1e3 * statistics.median(times[:-1]), loop=1e3 * times[-1],
+               peak=peak,
                reserved=reserved, copied=copied,
                grads=grads, diff=diff)
     del step, model
@@ -279,24 +278,26 @@ def run(args) -> int:
           f", {args.layers} layers, LoRA r={args.rank} on q/k/v/o, seq {args.seq} x batch "
           f"{args.batch}, offloaded layers {_offloaded(args)}"
           + (f", pinned H2D {link / 1e9:.1f} GB/s" if link else ""))
-    print("| method | step ms | x bound | bound ms | copied GiB | peak GiB | reserved GiB | "
-          "adapter grads vs resident (max rel) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |", flush=True)
+    print("| method | step ms | x bound | loop ms | x bound | bound ms | copied GiB | peak GiB "
+          "| reserved GiB | adapter grads vs resident (max rel) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |", flush=True)
     reference = resident = None
     for method in methods:          # each row printed as it is measured
         r = _row(method, args, device, ids, reference)
         if method == "resident" and "grads" in r:
             reference, resident = r["grads"], r["ms"]
         if "ms" not in r:
-            print(f"| {r['method']} | {r['note']} | - | - | - | - | - | - |", flush=True)
+            print(f"| {r['method']} | {r['note']} |" + " - |" * 8, flush=True)
             continue
         bound = None
         if resident is not None:
             bound = max(resident, 1e3 * r["copied"] / link if link and r["copied"] else 0.0)
         ratio = "-" if bound is None else f"{r['ms'] / bound:.3f}"
+        loop_ratio = "-" if bound is None else f"{r['loop'] / bound:.3f}"
         bound_ms = "-" if bound is None else f"{bound:.1f}"
         diff = "-" if r["diff"] is None else f"{r['diff']:.2e}"
-        print(f"| {r['method']} | {r['ms']:.1f} | {ratio} | {bound_ms} | "
+        print(f"| {r['method']} | {r['ms']:.1f} | {ratio} | {r['loop']:.1f} | {loop_ratio} | "
+              f"{bound_ms} | "
               f"{r['copied'] / 2**30:.2f} | {r['peak'] / 2**30:.2f} | "
               f"{r['reserved'] / 2**30:.2f} | {diff} |", flush=True)
     if torch.distributed.is_initialized():
