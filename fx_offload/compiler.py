@@ -31,7 +31,7 @@ from torch import fx, nn
 
 from . import registry
 from .errors import OffloadError
-from .graph_inputs import GraphInputs, read_graph_inputs
+from .graph_inputs import GraphInputs, compiled_frame, read_graph_inputs
 from .inner import compile_inner
 from .kv import run_kv_pass
 from .learned import Learned
@@ -263,7 +263,9 @@ def _state_for_graph(gm, gi: GraphInputs, options: OffloadOptions, defaulted: bo
     state = registry.state_for_model(gi.root)
     if state is not None:
         _check_same_options(state, options, defaulted)
-        return state, state.choice, gi.root, False
+        # (a function inside the model's call, compiled on its own: no path in its graph
+        # begins at the model, so it runs as a layer's frame does)
+        return state, state.choice, gi.root, gi.inside_call
     # a graph of one layer's own frame (a graph break in or around it, a user's exception
     # raised inside it) belongs to the model whose stack holds that layer
     holder = registry.state_with_layer(gi.root) if gi.frame_is_root_forward else None
@@ -310,11 +312,12 @@ def _state_for_graph(gm, gi: GraphInputs, options: OffloadOptions, defaulted: bo
         return None, None, model, False
     if kept is not None:        # its layers changed since: planned anew from this graph
         registry.forget_nothing_offloaded(model)
-    choice = choose(model, options, graph=(gm, gi), layer_frame=parent is not None)
+    apart = parent is not None or gi.inside_call
+    choice = choose(model, options, graph=(gm, gi), layer_frame=apart)
     if isinstance(choice, NothingOffloaded):
         kept_whole(model, choice, "")
         return None, None, model, False
-    return None, choice, model, parent is not None
+    return None, choice, model, apart
 
 
 # models warned about (weakly held): a state Dynamo's restart of a trace abandoned has a
@@ -330,11 +333,11 @@ def _warn_layer_frame(state, gi) -> None:
         return
     _WARNED_LAYER_FRAMES.add(model)
     log.warning(
-        "fx_offload: Dynamo compiled %s.forward on its own (a graph break in or between the "
+        "fx_offload: Dynamo compiled %s on its own (a graph break in or between the "
         "layers of %s; recent graph breaks: %s). No prefetch is placed in such a graph (a "
         "layer's is reused for every layer): offloaded layers are loaded synchronously before "
         "each call instead (correct, but the copy is not hidden). Remove the graph break to get "
-        "prefetching%s", type(gi.root).__name__, state.model_name, _recent_graph_breaks(),
+        "prefetching%s", compiled_frame(gi), state.model_name, _recent_graph_breaks(),
         eager_experts_hint(state.model_ref()) if state.model_ref() is not None else "")
 
 

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import os
 import re
+import sys
 
 import torch
 from torch import fx, nn
+from torch._dynamo.eval_frame import OptimizedModule
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import dtensor
@@ -24,11 +27,14 @@ from .errors import OffloadError
 @dataclasses.dataclass
 class GraphInputs:
     root: nn.Module | None
-    frame_is_root_forward: bool               # hooks of ``root`` ran eagerly, outside the graph
+    # hooks of ``root`` ran eagerly, outside the graph (its forward's frame, or one its
+    # call runs around)
+    frame_is_root_forward: bool
     root_expr: str | None                     # "L['self']": how nn_module_stack paths begin
     params: dict[fx.Node, tuple[str, nn.Parameter]]  # parameter placeholder -> name, object
     placeholders: list[fx.Node]
     code: object = None                       # the code object of the frame Dynamo traced
+    inside_call: bool = False                 # a function ``root``'s call runs, not its forward
 
 
 def _source_name(source) -> str:
@@ -82,6 +88,48 @@ def _held_as_parameter(node: fx.Node) -> bool:
         getattr(getattr(source, "base", None), "member", None) == "_parameters"
 
 
+MAX_CALLER_FRAMES = 256         # how far up the call stack a layer's model is looked for
+# Frames of a module's call: their locals hold the calling model as ``self`` and die with the
+# call.  Only these are read: on Python before 3.13 reading a frame's ``f_locals`` stores a
+# snapshot of its locals in the frame, which would keep a user's ``del model`` from freeing
+# the model until that user's function returns.
+_MODULE_CALL_FRAMES = ("forward", "_call_impl", "_wrapped_call_impl")
+_RESUME_PREFIX = "torch_dynamo_resume_in_"      # the rest of a forward after a graph break
+# torch.compile's wrapper around what it compiles (named so in torch 2.11 and 2.13)
+_COMPILE_ENTRY_FRAMES = ("compile_wrapper", "_fn")
+_COMPILE_ENTRY_FILE = os.path.join("_dynamo", "eval_frame.py")
+
+
+def caller_module(module: nn.Module, wanted, max_frames: int, outermost: bool,
+                  within_call: bool = False):
+    """The nearest (or outermost) module ``wanted`` accepts among the ``self`` locals of the
+    module-call frames above the function calling this one's caller; the outermost stops at
+    the call ``torch.compile`` wrapped (a module calling the compiled model is not it), and
+    ``within_call`` stops there even before one is found."""
+    frame = sys._getframe(2)
+    seen = set()
+    found = None
+    for _ in range(max_frames):
+        if frame is None:
+            break
+        name = frame.f_code.co_name
+        if (found is not None or within_call) and name in _COMPILE_ENTRY_FRAMES and \
+                frame.f_code.co_filename.endswith(_COMPILE_ENTRY_FILE):
+            break
+        if name in _MODULE_CALL_FRAMES or name.startswith(_RESUME_PREFIX):
+            for value in list(frame.f_locals.values()):
+                if not isinstance(value, nn.Module) or value is module or \
+                        id(value) in seen or isinstance(value, OptimizedModule):
+                    continue        # (torch.compile's wrapper: the model it wraps is found)
+                seen.add(id(value))
+                if wanted(value):
+                    if not outermost:
+                        return value
+                    found = value
+        frame = frame.f_back
+    return found
+
+
 def read_graph_inputs(gm: fx.GraphModule, example_inputs) -> GraphInputs:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     f_locals, f_globals, f_code = _frame()
@@ -102,18 +150,49 @@ def read_graph_inputs(gm: fx.GraphModule, example_inputs) -> GraphInputs:
         param_nodes.append((node, value, obj))
     if not roots:
         return GraphInputs(None, False, None, {}, placeholders, f_code)
-    if len(roots) > 1:
-        raise OffloadError(
-            "compiles one model per graph, but this graph reads parameters of "
-            f"{len(roots)} models ({[type(m).__name__ for m, _ in roots.values()]}); compile "
-            "each model separately")
-    (root, expr), = roots.values()
+    root, expr, in_call = _one_model(list(roots.values()))
     names = {}
     for name, p in root.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
     params = {node: (names[id(p)], p) for node, p, _ in param_nodes if id(p) in names}
-    return GraphInputs(root, _is_forward_frame(root, f_code), expr, params, placeholders,
-                       f_code)
+    return GraphInputs(root, in_call or _is_forward_frame(root, f_code), expr, params,
+                       placeholders, f_code, in_call)
+
+
+def compiled_frame(gi: GraphInputs) -> str:
+    """The frame Dynamo compiled, as messages name it: ``LlamaDecoderLayer.forward``, or a
+    function inside a module's call, ``DoraLinearLayer.forward (inside Linear.forward)``."""
+    name = f"{type(gi.root).__name__}.forward"
+    if not gi.inside_call or gi.code is None:
+        return name
+    function = getattr(gi.code, "co_qualname", gi.code.co_name)
+    resumed = re.fullmatch(rf"{_RESUME_PREFIX}(.+)_at_\d+", function)
+    return f"{resumed.group(1) if resumed else function} (inside {name})"
+
+
+def _one_model(roots: list[tuple[nn.Module, str]]) -> tuple[nn.Module, str | None, bool]:
+    """(the model, its expression in the frame, the frame runs inside that model's call)
+    for the modules the frame holds parameters of.  Several are one model where one of them
+    holds the others, or where a module whose call runs around the frame holds them all: a
+    function a layer calls with its submodules as arguments (PEFT's DoRA passes ``lora_A``,
+    ``lora_B`` and ``base_layer``), compiled on its own after a graph break in it.  That
+    module's hooks ran eagerly, as for a frame of its own forward; no path in the frame
+    begins at it."""
+    if len(roots) == 1:
+        return roots[0][0], roots[0][1], False
+    def holds_all(value):
+        held = {id(m) for m in value.modules()}
+        return all(id(m) in held for m, _ in roots)
+    for module, expr in roots:
+        if holds_all(module):
+            return module, expr, False
+    caller = caller_module(roots[0][0], holds_all, MAX_CALLER_FRAMES, outermost=False)
+    if caller is None:
+        raise OffloadError(
+            "compiles one model per graph, but this graph reads parameters of "
+            f"{len(roots)} models ({[type(m).__name__ for m, _ in roots]}); compile "
+            "each model separately")
+    return caller, None, True
 
 
 def _is_forward_frame(root: nn.Module, f_code) -> bool:

@@ -70,6 +70,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import registry
 from .errors import GradModeError, OffloadError, ScheduleError
+from .graph_inputs import compiled_frame
 from .ops import START, WAIT
 from .passes.verify import SlotModel, verify_graph
 from .runtime.copies.slot_copies import IN_TRAINING_FORWARD
@@ -135,7 +136,7 @@ def check_grad_mode(gi, choice, learned, handle: int, example_inputs, options,
         # (its parameters are named from the layer, not the model: checked here)
         raise GradModeError(
             "trains only a model whose layers run in its own graph: Dynamo compiled "
-            f"{type(gi.root).__name__}.forward on its own (a graph break in or between the "
+            f"{compiled_frame(gi)} on its own (a graph break in or between the "
             "layers, or in the model's forward around them: TORCH_LOGS=graph_breaks shows "
             "where; a Hugging Face model training with gradient checkpointing breaks at its "
             "embeddings' require-grad hook: call model.disable_input_require_grads(), and "

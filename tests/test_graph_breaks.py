@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fx_offload
-from fx_offload.tools.models import MLPBlock
+from fx_offload.tools.models import MLPBlock, MLPStack
 
 
 class BreakingBlock(MLPBlock):
@@ -220,3 +220,87 @@ def test_a_decoder_offloaded_on_its_own_then_its_causal_lm_compiled_is_refused_t
                                                      reference.state_dict().values()))
         assert torch.equal(compiled(ids).logits, reference(ids).logits)
     assert fx_offload.report(model).model == "LlamaForCausalLM"
+
+
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_peft_dora_breaks_inside_each_layer_and_is_one_model(caplog, mode):
+    """PEFT's DoRA breaks the graph inside each adapted projection (``dequantize_module_
+    weight``), and Dynamo compiles DoRA's forward on its own: a frame whose parameters are
+    held by ``lora_A``, ``lora_B`` and ``base_layer``, arguments of one layer's call, not
+    the "2 models" it was refused as.  Inference: right outputs, the layer-frame warning;
+    training: the error for layers compiled apart (errors.md row 90), nothing lost."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = peft.get_peft_model(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)),
+        peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], use_dora=True,
+                        init_lora_weights=False))
+    model.train(mode == "training")
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload", options={
+        "group_size": 2, "num_in_group": 1, "prefetch_step": 1, "inner_backend": "aot_eager"})
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    if mode == "training":
+        with pytest.raises(Exception, match=r"trains only a model whose layers run in its "
+                                            r"own graph: Dynamo compiled DoraLinearLayer"
+                                            r"\.forward \(inside Linear\.forward\) on its own"):
+            compiled(input_ids=ids, labels=ids)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert torch.equal(p, q), name
+        return
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="fx_offload"):
+        want = reference(input_ids=ids, use_cache=False).logits
+        for _ in range(2):
+            assert torch.equal(compiled(input_ids=ids, use_cache=False).logits, want)
+    assert "on its own (a graph break in or between the layers of PeftModel" in caplog.text
+    names = fx_offload.report(model).params[1]
+    assert any("lora_magnitude_vector" in n for n in names)
+
+
+def _two_layers(a, b, x):
+    torch._dynamo.graph_break()
+    return b(a(x))
+
+
+class HelperStack(nn.Module):
+    """Its first two layers run in a function given both (a break in it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(16))
+        self.layers = nn.ModuleList(MLPBlock(16, 32) for _ in range(4))
+
+    def forward(self, x):
+        x = _two_layers(self.layers[0], self.layers[1], x * self.scale)
+        for layer in self.layers[2:]:
+            x = layer(x)
+        return x
+
+
+def test_a_function_given_two_layers_is_a_part_of_the_model(caplog):
+    """The rest of ``_two_layers`` after its break is compiled on its own, holding two
+    layers of the model: a part of the model, whose call runs around it (it was refused as
+    "2 models"), run as a layer's frame is: right outputs and the warning naming it."""
+    torch.manual_seed(0)
+    model = HelperStack().eval()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload", options={
+        "group_size": 2, "num_in_group": 1, "inner_backend": "aot_eager"})
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="fx_offload"):
+        for _ in range(3):
+            x = torch.randn(4, 16)
+            assert torch.equal(compiled(x), reference(x))
+    assert "compiled _two_layers (inside HelperStack.forward) on its own" in caplog.text
+    assert fx_offload.report(model).layers == [1, 3]
+
+
+def test_two_models_read_in_one_graph_are_still_refused():
+    """Two models called from one compiled function: no module's call runs around the
+    frame and holds both, so they are two models (DoRA's frame above is one)."""
+    a, b = MLPStack().eval(), MLPStack().eval()
+    both = torch.compile(lambda x: a(x) + b(x), backend="prefetch_offload")
+    with torch.no_grad(), pytest.raises(Exception, match=r"reads parameters of 2 models "
+                                                         r"\(\['MLPStack', 'MLPStack'\]\)"):
+        both(torch.randn(2, a.layers[0].fc1.in_features))

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import sys
 
 from torch import nn
-from torch._dynamo.eval_frame import OptimizedModule
 
 from ..errors import OffloadError
-from ..graph_inputs import layers_of_nodes
+from ..graph_inputs import MAX_CALLER_FRAMES, caller_module, layers_of_nodes
 
 log = logging.getLogger("fx_offload")
 
@@ -226,25 +224,13 @@ def _common_inner_lists(layers: nn.Module) -> set[str]:
     return common or set()
 
 
-MAX_CALLER_FRAMES = 256         # how far up the call stack a layer's model is looked for
-# Frames of a module's call: their locals hold the calling model as ``self`` and die with the
-# call.  Only these are read: on Python before 3.13 reading a frame's ``f_locals`` stores a
-# snapshot of its locals in the frame, which would keep a user's ``del model`` from freeing
-# the model until that user's function returns.
-_MODULE_CALL_FRAMES = ("forward", "_call_impl", "_wrapped_call_impl")
-_RESUME_PREFIX = "torch_dynamo_resume_in_"      # the rest of a forward after a graph break
-# torch.compile's wrapper around what it compiles (named so in torch 2.11 and 2.13)
-_COMPILE_ENTRY_FRAMES = ("compile_wrapper", "_fn")
-_COMPILE_ENTRY_FILE = os.path.join("_dynamo", "eval_frame.py")
-
-
 def find_parent_model(module: nn.Module, max_frames: int = MAX_CALLER_FRAMES):
     """The outermost caller whose ``self`` is a model with ``module`` in its layer stack, for
     a graph Dynamo compiled from one layer's own ``forward`` frame (a graph break around it):
     the model a graph without the break would have had as its root (a causal LM, not the
     decoder inside it whose stack is the same).  Reads the locals of module-call frames only
-    (see ``_MODULE_CALL_FRAMES``)."""
-    return _caller(module, lambda value: any(
+    (see ``graph_inputs._MODULE_CALL_FRAMES``)."""
+    return caller_module(module, lambda value: any(
         layer is module for _, stack in top_level_lists(value) for layer in stack), max_frames,
         outermost=True)
 
@@ -256,7 +242,7 @@ def find_enclosing_model(module: nn.Module, max_frames: int = MAX_CALLER_FRAMES)
     weights."""
     def holds(value):
         return bool(top_level_lists(value)) and any(m is module for m in value.modules())
-    return _caller(module, holds, max_frames, outermost=False)
+    return caller_module(module, holds, max_frames, outermost=False)
 
 
 def find_outer_model(module: nn.Module, max_frames: int = MAX_CALLER_FRAMES):
@@ -269,36 +255,6 @@ def find_outer_model(module: nn.Module, max_frames: int = MAX_CALLER_FRAMES):
     mine = {id(stack) for _, stack in top_level_lists(module)}
     if not mine:
         return None
-    return _caller(module, lambda value: any(
+    return caller_module(module, lambda value: any(
         id(stack) in mine for _, stack in top_level_lists(value)), max_frames,
         outermost=True, within_call=True)
-
-
-def _caller(module: nn.Module, wanted, max_frames: int, outermost: bool,
-            within_call: bool = False):
-    """The nearest (or outermost) module ``wanted`` accepts among the ``self`` locals of the
-    module-call frames above the function calling this one's caller; the outermost stops at
-    the call ``torch.compile`` wrapped (a module calling the compiled model is not it), and
-    ``within_call`` stops there even before one is found."""
-    frame = sys._getframe(2)
-    seen = set()
-    found = None
-    for _ in range(max_frames):
-        if frame is None:
-            break
-        name = frame.f_code.co_name
-        if (found is not None or within_call) and name in _COMPILE_ENTRY_FRAMES and \
-                frame.f_code.co_filename.endswith(_COMPILE_ENTRY_FILE):
-            break
-        if name in _MODULE_CALL_FRAMES or name.startswith(_RESUME_PREFIX):
-            for value in list(frame.f_locals.values()):
-                if not isinstance(value, nn.Module) or value is module or \
-                        id(value) in seen or isinstance(value, OptimizedModule):
-                    continue        # (torch.compile's wrapper: the model it wraps is found)
-                seen.add(id(value))
-                if wanted(value):
-                    if not outermost:
-                        return value
-                    found = value
-        frame = frame.f_back
-    return found
