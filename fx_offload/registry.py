@@ -197,11 +197,15 @@ def state_for_op(handle: int):
         compiled_for.turns.stop_if_interrupted()  # its call, ended by Ctrl-C, runs on
     # (an entry of a call whose hold another thread ended, runtime.turns, may be left)
     if active is None:
-        # a state's own calls always begin through its hooks on the calling thread: this is
-        # another model's call, and that model is not offloaded
+        # a state's own calls begin through its hooks on the calling thread, but for one
+        # begun before another thread's first call put them on; else this is another
+        # model's call, and that model is not offloaded
         if compiled_for is None:
             return state_for_handle(handle)
-        _warn_shared_graph(compiled_for)
+        if compiled_for.turns.runs_a_call_here():
+            _warn_call_before_hooks(compiled_for)
+        else:
+            _warn_shared_graph(compiled_for)
         return _Restored()
     schedule, chunks = ((compiled_for.schedule, compiled_for.learned.layout)
                         if compiled_for is not None else _RESTORED.get(handle, (None, None))[:2])
@@ -254,7 +258,8 @@ def state_for_host_op(handle: int):
     state = state_for_op(handle)
     phase = getattr(state, "phase", None)
     if phase is not None and not phase.called and \
-            handle not in getattr(_FIRST_RUNS, "handles", ()):
+            handle not in getattr(_FIRST_RUNS, "handles", ()) and \
+            not state.turns.runs_a_call_here():     # (its own call, begun on another thread)
         _warn_shared_graph(state)
         return _Restored()
     return state
@@ -306,6 +311,18 @@ def _warn_shared_graph(compiled_for) -> None:
         "fx_offload.place(model, device, <the same options>) before calling it, or call "
         "torch._dynamo.reset() before compiling it", compiled_for.model_name,
         compiled_for.model_name)
+
+
+def _warn_call_before_hooks(state) -> None:
+    if state.handle in _WARNED_SHARED:
+        return
+    _WARNED_SHARED.add(state.handle)
+    log.warning(
+        "fx_offload: a call of %s began before another thread's first call offloaded it: "
+        "it runs its graph as a plain model's (its copies skipped) and takes no turn, so its "
+        "outputs are wrong where another thread's call of the model runs at the same time. "
+        "Make the model's first call on one thread before calling it from several",
+        state.model_name)
 
 
 def live_state(state):

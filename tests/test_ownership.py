@@ -5,6 +5,7 @@ right outputs (bitwise, same inner compiler) and leaves the true weights intact,
 error.  An 8-layer MLP stack, layers 1, 3, 5, 7 offloaded into one slot."""
 import copy
 import gc
+import logging
 import threading
 import time
 import weakref
@@ -1197,3 +1198,71 @@ def test_the_state_moves_through_its_phases_one_way():
         Phase.PLANNED.to(Phase.ON_TRUTH)
     assert_weights(model, reference)
 
+
+
+_GATES: dict = {}       # thread ident -> (entered, release): that thread's call waits there
+
+
+@torch._dynamo.disable
+def _gate(x):
+    gate = _GATES.get(threading.get_ident())
+    if gate is not None:
+        gate[0].set()
+        gate[1].wait(10)
+    return x
+
+
+class GatedStack(models.MLPStack):
+    """An MLP stack whose call can be held at its start (a graph break), for the test
+    below: what runs after the gate is the graph of the layers."""
+
+    def forward(self, x):
+        return super().forward(_gate(x))
+
+
+def test_a_first_call_begun_before_another_threads_first_call_set_up_is_not_another_model(
+        caplog):
+    """Two threads make the model's first calls at once: one is held inside its call, begun
+    before the hooks were on, while the other's first call compiles and offloads the model
+    and its second runs through the hooks; the held call then runs the graph.  It is the
+    same model, not "another GatedStack that is not offloaded" (it was warned so): right
+    outputs, and the warning that such a call takes no turn (a call of the other thread at
+    the same time would make it wrong).  Three times, each a new model."""
+    for round in range(3):
+        torch._dynamo.reset()
+        torch.manual_seed(round)
+        model = GatedStack(num_layers=8).eval()
+        reference = copy.deepcopy(model)
+        compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+        inputs = [torch.randn(4, 32, generator=torch.Generator().manual_seed(i))
+                  for i in range(2)]
+        with torch.no_grad():
+            want = [reference(t) for t in inputs]
+        start, entered, release, got = threading.Barrier(2), threading.Event(), \
+            threading.Event(), {}
+
+        def held():
+            _GATES[threading.get_ident()] = (entered, release)
+            start.wait()
+            with torch.no_grad():
+                got["held"] = compiled(inputs[1])
+
+        def first():
+            start.wait()
+            entered.wait(10)                # the other call began before any hook
+            with torch.no_grad():
+                got["first"] = [compiled(inputs[0]) for _ in range(2)]
+            release.set()
+        threads = [threading.Thread(target=held), threading.Thread(target=first)]
+        with caplog.at_level(logging.WARNING, logger="fx_offload"):
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        _GATES.clear()
+        assert all(torch.equal(g, want[0]) for g in got["first"])
+        assert torch.equal(got["held"], want[1])
+        assert "that is not offloaded" not in caplog.text, round
+        assert caplog.text.count("began before another thread's first call") == 1, round
+        caplog.clear()
+        assert fx_offload.report(model).layers == [1, 3, 5, 7]

@@ -99,6 +99,12 @@ class Turns:
                 return True
         return False
 
+    def runs_a_call_here(self) -> bool:
+        """This thread runs a call of the model, through its hooks or not (one begun before
+        another thread's first call put them on)."""
+        return any(frame.f_code is _CALL and self._runs_model(frame.f_locals.get("self"))
+                   for frame in _frames(threading.get_ident()))
+
     # ---- a call Ctrl-C ended that runs on ----------------------------------------------
     def note_interrupted(self) -> None:
         """Ctrl-C ends this thread's call (:mod:`.interrupts`): remember the outermost frame
