@@ -202,10 +202,7 @@ def state_for_op(handle: int):
         # model's call, and that model is not offloaded
         if compiled_for is None:
             return state_for_handle(handle)
-        if compiled_for.turns.runs_a_call_here():
-            _warn_call_before_hooks(compiled_for)
-        else:
-            _warn_shared_graph(compiled_for)
+        _warn_unhooked_call(compiled_for)
         return _Restored()
     schedule, chunks = ((compiled_for.schedule, compiled_for.learned.layout)
                         if compiled_for is not None else _RESTORED.get(handle, (None, None))[:2])
@@ -313,9 +310,29 @@ def _warn_shared_graph(compiled_for) -> None:
         compiled_for.model_name)
 
 
-def _warn_call_before_hooks(state) -> None:
+def _warn_unhooked_call(state) -> None:
+    """A graph of ``state``'s ran in a call that did not begin through its hooks: say what
+    that call is (once; the frames are read only then)."""
     if state.handle in _WARNED_SHARED:
         return
+    if state.turns.runs_a_call_here():
+        _warn_call_before_hooks(state)
+        return
+    part = state.turns.part_called_here(state.stack.modules)
+    if part is None:
+        _warn_shared_graph(state)
+        return
+    _WARNED_SHARED.add(state.handle)
+    log.warning(
+        "fx_offload: %s, which holds the offloaded layers of %s (merge_and_unload() returns "
+        "such a part), was called on its own through a graph of its own: its layers are not "
+        "streamed, their weights are read where the parameters point (on the host between "
+        "calls), and the call takes no turn. Call fx_offload.restore on the %s first to use "
+        "the part as a plain model, or call the %s itself", type(part).__name__,
+        state.model_name, state.model_name, state.model_name)
+
+
+def _warn_call_before_hooks(state) -> None:
     _WARNED_SHARED.add(state.handle)
     log.warning(
         "fx_offload: a call of %s began before another thread's first call offloaded it: "

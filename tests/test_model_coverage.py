@@ -3,6 +3,7 @@ ModelMixin, PEFT's wrappers), a diffusers Flux transformer, a PEFT LoRA adapter 
 base; and the ``torch.compile`` wrappers accepted where a model is expected.  Each compiled
 with the backend and compared with the model run by the same inner compiler."""
 import copy
+import logging
 
 import pytest
 import torch
@@ -207,6 +208,36 @@ def test_peft_lora_on_an_offloaded_base():
     assert rep.layers == [1, 3]
     names = [n for ns in rep.params.values() for n in ns]
     assert any("lora_A" in n for n in names)     # the adapter's weights move with the layer
+
+
+def test_a_merged_peft_model_compiled_apart_is_not_called_another_model(caplog):
+    """``merge_and_unload()`` of an offloaded PEFT model returns its inner model, whose layers
+    are the offloaded ones; compiled with another backend, its graph traces the layers' waits
+    and ran them outside the PeftModel's call, which was warned about as "another PeftModel
+    that is not offloaded".  The warning now names the part and what to do; outputs are
+    right, and after restoring the PeftModel the merged model runs plain, unwarned."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64)
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(transformers.LlamaForCausalLM(config), lora).eval()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload", options={
+        "group_size": 2, "num_in_group": 1, "prefetch_step": 1, "inner_backend": "aot_eager"})
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="fx_offload"):
+        for _ in range(2):      # (the second through its hooks)
+            compiled(input_ids=ids, use_cache=False)
+        merged = torch.compile(model.merge_and_unload(), backend="aot_eager")
+        want = reference.merge_and_unload()(input_ids=ids, use_cache=False).logits
+        assert torch.equal(merged(input_ids=ids, use_cache=False).logits, want)
+        assert "not offloaded" not in caplog.text
+        assert "LlamaForCausalLM, which holds the offloaded layers of PeftModel" in caplog.text
+        caplog.clear()
+        fx_offload.restore(model)
+        assert torch.equal(merged(input_ids=ids, use_cache=False).logits, want)
+    assert caplog.text == ""
 
 
 def test_compiled_wrappers_are_accepted_where_a_model_is():

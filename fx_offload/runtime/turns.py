@@ -105,6 +105,16 @@ class Turns:
         return any(frame.f_code is _CALL and self._runs_model(frame.f_locals.get("self"))
                    for frame in _frames(threading.get_ident()))
 
+    def part_called_here(self, layers) -> nn.Module | None:
+        """The module of the outermost call on this thread that holds one of ``layers`` (a
+        part of the model called on its own), or None."""
+        ids, found = {id(layer) for layer in layers}, None
+        for frame in _frames(threading.get_ident()):
+            module = frame.f_locals.get("self") if frame.f_code is _CALL else None
+            if isinstance(module, nn.Module) and any(id(m) in ids for m in module.modules()):
+                found = getattr(module, "_orig_mod", module)
+        return found
+
     # ---- a call Ctrl-C ended that runs on ----------------------------------------------
     def note_interrupted(self) -> None:
         """Ctrl-C ends this thread's call (:mod:`.interrupts`): remember the outermost frame
