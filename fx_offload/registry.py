@@ -202,6 +202,8 @@ def state_for_op(handle: int):
         # model's call, and that model is not offloaded
         if compiled_for is None:
             return state_for_handle(handle)
+        if compiled_for.holder not in (None, me) and compiled_for.turns.runs_a_call_here():
+            _refuse_unhooked_call(compiled_for)
         _warn_unhooked_call(compiled_for)
         return _Restored()
     schedule, chunks = ((compiled_for.schedule, compiled_for.learned.layout)
@@ -330,6 +332,16 @@ def _warn_unhooked_call(state) -> None:
         "calls), and the call takes no turn. Call fx_offload.restore on the %s first to use "
         "the part as a plain model, or call the %s itself", type(part).__name__,
         state.model_name, state.model_name, state.model_name)
+
+
+def _refuse_unhooked_call(state) -> None:
+    """A call begun before the hooks were on reads the parameters where they point: while
+    another thread's call holds the turn, that is its slots, so the output would be wrong."""
+    raise OffloadError(
+        f"a call of {state.model_name} began before another thread's first call offloaded "
+        "it, and ran while another thread's call of the model held its slots: its weights "
+        "would have been that call's. Make the model's first call on one thread before "
+        "calling it from several")
 
 
 def _warn_call_before_hooks(state) -> None:

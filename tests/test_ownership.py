@@ -1266,3 +1266,53 @@ def test_a_first_call_begun_before_another_threads_first_call_set_up_is_not_anot
         assert caplog.text.count("began before another thread's first call") == 1, round
         caplog.clear()
         assert fx_offload.report(model).layers == [1, 3, 5, 7]
+
+
+def test_a_call_begun_before_the_hooks_is_refused_while_another_threads_call_holds_the_slots():
+    """As above, but the held call runs its graph while the other thread is inside a call
+    (held there in its turn): it would read that call's slots, so it is refused with the
+    advice, and the other call's output and the model's weights are right."""
+    torch._dynamo.reset()
+    model = GatedStack(num_layers=8).eval()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = reference(x)
+    start, got = threading.Barrier(2), {}
+    held_gate = (threading.Event(), threading.Event())
+    inside_gate = (threading.Event(), threading.Event())
+
+    def held():
+        _GATES[threading.get_ident()] = held_gate
+        start.wait()
+        try:
+            with torch.no_grad():
+                compiled(x)
+        except fx_offload.OffloadError as e:
+            got["error"] = str(e)
+
+    def first():
+        start.wait()
+        held_gate[0].wait(10)               # the other call began before any hook
+        with torch.no_grad():
+            compiled(x)                     # compiles and offloads the model
+            _GATES[threading.get_ident()] = inside_gate
+            got["first"] = compiled(x)      # held inside, in its turn
+    threads = [threading.Thread(target=held), threading.Thread(target=first)]
+    for t in threads:
+        t.start()
+    inside_gate[0].wait(10)                 # the second call of the other thread holds
+    held_gate[1].set()                      # the held call runs its graph now
+    threads[0].join(10)
+    inside_gate[1].set()
+    threads[1].join(10)
+    _GATES.clear()
+    assert "began before another thread's first call" in got["error"]
+    assert "on one thread" in got["error"]
+    assert torch.equal(got["first"], want)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), want)
+    fx_offload.restore(model)
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(mine, theirs)
