@@ -220,9 +220,11 @@ def test_decode_attends_on_the_host_tokens_and_cache_equal(kv, monkeypatch):
 def test_dynamic_shapes_attend_on_the_host_call_by_call():
     """compile_forward(dynamic=True): graphs of symbolic sizes (the cache's length, the
     prompt's) are rewritten too, and each call chooses by its own shapes: two generates with
-    caches of two lengths give the reference's tokens, their decode steps on the host."""
+    caches of two lengths give the reference's tokens, their decode steps on the host (two
+    layers: what is checked is per layer)."""
     torch.manual_seed(0)
-    reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
+    reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **{**CONFIG, "num_hidden_layers": 2})).eval()
     reference.generation_config.eos_token_id = None
     model = copy.deepcopy(reference)
     fx_offload.compile_forward(reference, inner_backend="aot_eager", dynamic=True)
@@ -233,7 +235,7 @@ def test_dynamic_shapes_attend_on_the_host_call_by_call():
         expected = _generate(reference, ids, _cache(reference, 1, length), new=4)
         got = _generate(model, ids, _cache(model, 1, length), new=4)
         assert torch.equal(got.sequences, expected.sequences)
-        assert fx_offload.report(model).kv["attended"] == [0, 1, 2, 3]
+        assert fx_offload.report(model).kv["attended"] == [0, 1]
     assert set(runtime_of(model).hosting["dynamic"].values()) == {"host"}
 
 
