@@ -174,7 +174,7 @@ def test_hidden_states_in_an_encoder_decoders_first_call_are_right():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     model = transformers.T5ForConditionalGeneration(transformers.T5Config(
-        vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=4, num_decoder_layers=4,
+        vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
         num_heads=4, decoder_start_token_id=0)).eval()
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend="prefetch_offload",
