@@ -547,7 +547,7 @@ def test_a_layer_deleted_after_planning_is_planned_again_as_a_fresh_model_would_
     assert rep.planner.cost_model.num_layers == 5
     assert list(rep.planner.chosen.candidate.layers) == rep.layers
     fresh = copy.deepcopy(reference)
-    compiled_fresh = torch.compile(fresh, backend="prefetch_offload", dynamic=True, options=dict(
+    compiled_fresh = torch.compile(fresh, backend="prefetch_offload", options=dict(
         memory_budget=budget, inner_backend="aot_eager", **RATES))
     with torch.no_grad():
         assert torch.equal(compiled_fresh(*inputs), out)
