@@ -295,8 +295,8 @@ def test_a_second_instance_of_a_class_is_not_offloaded_silently(caplog):
 
 
 def _t5():
-    config = transformers.T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=4,
-                                   num_decoder_layers=4, num_heads=4, decoder_start_token_id=0,
+    config = transformers.T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                                   num_decoder_layers=2, num_heads=4, decoder_start_token_id=0,
                                    pad_token_id=0)
     return transformers.T5ForConditionalGeneration(config), {
         "input_ids": torch.randint(1, 256, (1, 10))}
@@ -304,7 +304,7 @@ def _t5():
 
 def _whisper():
     config = transformers.WhisperConfig(
-        vocab_size=256, num_mel_bins=16, encoder_layers=4, decoder_layers=4,
+        vocab_size=256, num_mel_bins=16, encoder_layers=2, decoder_layers=2,
         encoder_attention_heads=4, decoder_attention_heads=4, d_model=64, encoder_ffn_dim=128,
         decoder_ffn_dim=128, max_source_positions=32, max_target_positions=64,
         decoder_start_token_id=1, pad_token_id=0, eos_token_id=2, bos_token_id=1)
@@ -318,7 +318,8 @@ def _whisper():
 def test_encoder_decoder_models_offload_both_stacks(build, stacks):
     """The encoder's and the decoder's layers are found together and offloaded in one
     schedule; logits equal the model run by the same inner compiler; greedy generate (the
-    encoder runs once, outside the compiled forward) gives the same tokens."""
+    encoder runs once, outside the compiled forward) gives the same tokens.  Two layers a
+    stack: layers 1 and 3, one of each stack, share the slot."""
     torch.manual_seed(0)
     model, inputs = build()
     model.eval()
@@ -332,6 +333,7 @@ def test_encoder_decoder_models_offload_both_stacks(build, stacks):
         want = expected(**inputs, decoder_input_ids=decoder_ids, use_cache=False).logits
     assert torch.equal(got, want)
     assert fx_offload.registry.state_for_model(model).stack.paths == stacks
+    assert fx_offload.report(model).layers == [1, 3]
     fx_offload.restore(model)
     model.forward = torch.compile(model.forward, backend="prefetch_offload",
                                   options={"inner_backend": "aot_eager"})
