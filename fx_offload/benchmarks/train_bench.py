@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-in-group", type=int, default=3,
                         help="num_in_group: offloaded layers of each group")
     parser.add_argument("--steps", type=at_least(1, "timed steps"), default=5,
-                        help="timed steps of each row (after two warm-up steps)")
+                        help="timed steps of each row, each way (waited for one by one, then as one stretch), after two warm-up steps")
     parser.add_argument("--methods", default=",".join(METHODS),
                         help="comma-separated among " + ", ".join(METHODS + EXTRA_METHODS) +
                              " (default: all but " + ", ".join(EXTRA_METHODS) + ")")
