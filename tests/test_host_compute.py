@@ -469,26 +469,30 @@ def test_on_a_gpu_auto_splits_a_layers_picks_between_device_and_host(monkeypatch
         assert rep.expert_cache[0] == cached and rep.expert_cache[3] == 2 * cached
 
 
-@pytest.mark.parametrize("host_faster", [True, False])
-def test_under_cuda_graphs_auto_takes_the_host_alone_or_streams_never_a_split(host_faster,
-                                                                              monkeypatch):
-    """A CUDA graph records a layer's experts as a host job or streams them, never a split
-    (its device share needs the routed gather): under mode="reduce-overhead" "auto" takes
-    the faster of the host alone and streaming, by the rule's own times, where the rule
-    would split (once a 1.75x slower decode: the capture streamed the split layers).  The
-    GPU test of the capture: test_moe's ..._recorded_as_host_jobs_inside_cuda_graphs."""
+@pytest.mark.parametrize("split_seconds, host_faster, want", [
+    (0.5, True, 1), (0.5, False, 1),            # the split clearly faster: recorded
+    (0.9, True, 0), (0.9, False, 8),            # only a little: the better of the other two
+])
+def test_under_cuda_graphs_auto_records_a_split_only_where_the_rule_finds_it_clearly_faster(
+        split_seconds, host_faster, want, monkeypatch):
+    """No trial times a CUDA graph's replays, so under mode="reduce-overhead" "auto" records
+    the rule's split only where it predicts it at most GRAPH_SPLIT_SHARE (0.85) of the
+    better of the host alone and streaming (the rule has predicted one-token splits faster
+    than they ran); else the faster of those two, by the rule's own times (once a 1.75x
+    slower decode: the capture streamed every layer the rule would split).  The GPU test of
+    the capture: test_moe's ..._recorded_as_host_jobs_inside_cuda_graphs."""
     from fx_offload.host_compute import native
     from fx_offload.runtime.experts.host_experts import HostExperts
     monkeypatch.setattr(native, "library", lambda: object())    # (a C compiler)
     alone, streamed = (1.0, 2.0) if host_faster else (2.0, 1.0)
     # the rule's (m, seconds with m, with 0, with k): it would split, 1 pick on the device
     runtime = types.SimpleNamespace(
-        mode="auto", _predicted=lambda entry, layer, tokens, k: (1, 0.5, alone, streamed),
+        mode="auto", GRAPH_SPLIT_SHARE=HostExperts.GRAPH_SPLIT_SHARE,
+        _predicted=lambda entry, layer, tokens, k: (1, split_seconds, alone, streamed),
         _state=types.SimpleNamespace(hook_copies=types.SimpleNamespace(
             under_cuda_graphs=True)))
     runtime._graphed = types.MethodType(HostExperts._graphed, runtime)
     entry = types.SimpleNamespace(queueable=True)
-    want = 0 if host_faster else 8
     assert runtime._graphed(entry, 3, 1, 8) == want
     # a call under CUDA graphs outside a capture (the warm-up that makes a recorded job's
     # buffers) plans the same
@@ -497,9 +501,39 @@ def test_under_cuda_graphs_auto_takes_the_host_alone_or_streams_never_a_split(ho
     # queued kernel does not take, streams as its capture does
     assert runtime._graphed(entry, 3, 9, 8) == 8
     assert runtime._graphed(types.SimpleNamespace(queueable=False), 3, 1, 8) == 8
+    # without CUDA graphs the rule's split stands (the trial times it)
     runtime._state.hook_copies.under_cuda_graphs = False
     assert HostExperts._plan(types.SimpleNamespace(**vars(runtime), _call=None),
                              entry, 3, 1, 8) == 1
+
+
+def test_the_device_share_computes_only_the_first_picks_where_nothing_else_is_kept():
+    """A split with no expert cache keeps each token's first m picks: device_experts given
+    ``first=m`` computes those alone (a temporary of m instead of k experts a token) and
+    gives what it gives computing all k with the rest dropped, stale slot rows (NaN)
+    included."""
+    from fx_offload.host_compute import split
+    torch.manual_seed(0)
+    E, H, I, T, k, m = 6, 16, 8, 3, 4, 2
+    gate_up, down = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+    x, gates = torch.randn(T, H), torch.rand(T, k)
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    keep = split.keep_on_device(ids, m, None)
+    sentinel = torch.full_like(ids, E)
+    ids_device = torch.where(keep, ids, sentinel)
+    # rows no kept pick names may hold any bytes
+    stale = [e for e in range(E) if e not in ids[:, :m].flatten().tolist()]
+    assert stale
+    gate_up[stale], down[stale] = float("nan"), float("nan")
+    every = split.device_experts(x, ids_device, gates, gate_up, down, keep)
+    first = split.device_experts(x, ids_device, gates, gate_up, down, keep, m)
+    assert torch.isfinite(first).all()
+    torch.testing.assert_close(first, every, rtol=1e-6, atol=1e-6)
+    want = sum(gates[:, j, None] * torch.einsum(
+        "thi,ti->th", down[ids[:, j]],
+        torch.nn.functional.silu(torch.einsum("tih,th->ti", gate_up[ids[:, j], :I], x)) *
+        torch.einsum("tih,th->ti", gate_up[ids[:, j], I:], x)) for j in range(m))
+    torch.testing.assert_close(first, want, rtol=1e-4, atol=1e-4)
 
 
 def test_the_read_probe_reads_more_than_a_cache_holds_through_a_job_thread(monkeypatch):

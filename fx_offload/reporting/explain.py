@@ -120,9 +120,10 @@ class Explanation:
                 for layer, why in sorted(self.learned.hosting.items()))]
         if hosting and choice.under_cuda_graphs:
             hosting.append("  under CUDA graphs: a host_experts op is recorded as a host job "
-                           "(a host node) where the host alone is predicted faster than "
-                           "streaming at the call's size, else its experts stream in the "
-                           "graph; a host_mlp op streams (report(model) says where each ran)")
+                           "(a host node) where the host alone, or a split with the device, "
+                           "is predicted faster than streaming at the call's size, else its "
+                           "experts stream in the graph; a host_mlp op streams "
+                           "(report(model) says where each ran)")
         return "\n".join(head + [""] + render_table(self.plan_rows()) + [""] + params
                          + hosting + planner) + "\n"
 

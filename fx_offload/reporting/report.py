@@ -57,7 +57,8 @@ class Report:
     ahead: tuple[int, int] | None = None
     # host_compute: routed MoE layer, or layer with a dense MLP -> where its experts or MLP
     # ran in the latest call ("host", "device", "split <m>": the device took each token's
-    # first m picks and the cached ones), or why they are no host op ("streamed: <why>",
+    # first m picks and the cached ones; "host (CUDA graph)", "split <m> (CUDA graph)": a
+    # replay's recorded job), or why they are no host op ("streamed: <why>",
     # "resident: <why>")
     ran_on: dict[int, str] = dataclasses.field(default_factory=dict)
     # bytes of host memory the latest call's host-computed experts and MLPs read in place
@@ -191,18 +192,18 @@ class Report:
 
 def _cache_unread(ran: dict[int, str]) -> str:
     """Why a replayed host job's layers found nothing in the expert cache: a recorded job
-    computes every pick on the host, cached or not (an eager call gives the cached ones to
-    the device beside the host's job; a capture records no such device share)."""
+    computes every pick its plan leaves the host, cached or not (an eager call gives the
+    cached ones to the device beside the host's job; a capture records no such share)."""
     replayed = _replayed(ran)
     if not replayed:
         return ""
     return (f" (layers {replayed} ran as a CUDA graph's host jobs, which compute every pick "
-            "on the host, cached or not; the cache serves the calls that stream)")
+            "left to the host, cached or not; the cache serves the calls that stream)")
 
 
 def _replayed(ran: dict[int, str]) -> list[int]:
-    """The layers a CUDA graph's replay ran as recorded host jobs."""
-    return [layer for layer, r in ran.items() if r == "host (CUDA graph)"]
+    """The layers a CUDA graph's replay ran as recorded host jobs (split or not)."""
+    return [layer for layer, r in ran.items() if r.endswith("(CUDA graph)")]
 
 
 def _host_line(ran: dict[int, str], read: int) -> str:

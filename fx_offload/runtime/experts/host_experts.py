@@ -20,9 +20,9 @@ function becomes a host node of the graph, and every replay runs the job with no
 between the layers.  A recorded job takes buffers, job arguments and a record of its own
 (:class:`_Fixed`), made at an earlier call of the same size outside the capture (the
 warm-up every CUDA graph runs first), for its graph's replays to find in place.  What
-``"auto"`` records on the host: where its rule finds the host alone faster than streaming
-for the call's size (:meth:`HostExperts.records_on_host`; a split is no choice there);
-elsewhere the capture streams the experts.
+``"auto"`` records for the call's size (:meth:`HostExperts.recorded_plan`): the host alone,
+a split (the device's share gathered on the compute stream while the host job runs) where
+the rule finds it clearly faster than both, or streaming.
 
 Elsewhere (a CPU device, another layout, no C compiler) :meth:`HostExperts.on_host` stages,
 waits for the stream once, computes and copies back.  A call predicted to run on the host
@@ -227,7 +227,8 @@ class HostExperts:
         self._tokens = None         # the call in progress's tokens, as its entry saw them
         self._began = 0             # the host's monotonic clock (ns) as it began
         # jobs recorded into CUDA graphs: call tokens -> layer -> (its record, bytes an
-        # expert); a replay runs no Python, so what its jobs read is read from their records
+        # expert, the picks a token the device took: 0 or a split's m); a replay runs no
+        # Python, so what its jobs read is read from their records
         self.recorded: dict[int, dict[int, tuple]] = {}
         self.mlps = HostMlps(self)  # the dense MLPs' host_mlp ops
 
@@ -296,12 +297,12 @@ class HostExperts:
         """Host memory the latest call's kernels read; waits for its queued jobs.  A replay
         of a CUDA graph: what its recorded jobs read (their records)."""
         self.synchronize()
-        replayed = sum(r[0] * b for layer, (r, b) in self._replayed().items())
+        replayed = sum(r[0] * b for r, b, _ in self._replayed().values())
         return self._read + sum(r[0] * b for r, b, _, _ in self._queued_reads) + replayed
 
     def _replayed(self) -> dict[int, tuple]:
         """The jobs recorded into CUDA graphs that a replay ran in the latest call: layer ->
-        (record, bytes an expert), those of the call's size whose records say they started
+        (record, bytes an expert, the device's picks a token), those of the call's size whose records say they started
         since the call began (another graph of that size may have streamed a layer).
         Waits for the device."""
         recorded = self.recorded.get(self._tokens, {})
@@ -326,7 +327,7 @@ class HostExperts:
         done = [(r[0] * size, r[1], r[2], began, queued)
                 for r, size, began, queued in self._queued_reads if r[2] >= r[1] > 0]
         done += [(r[0] * size, r[1], r[2], None, None)
-                 for r, size in self._replayed().values() if r[2] >= r[1] > 0]
+                 for r, size, _ in self._replayed().values() if r[2] >= r[1] > 0]
         if not done:
             return None
         launched = [(g, q, b) for _, b, _, g, q in done if g is not None]
@@ -347,36 +348,43 @@ class HostExperts:
             return self.mlps.skips(layer, chunk, names)
         on_host = self.on_host_now
         if capturing() and self.mode == "auto":     # what the capture of its op records
-            on_host = self._k is not None and self.records_on_host(layer, self._tokens,
-                                                                   self._k)
+            on_host = self._k is not None and \
+                self.recorded_plan(layer, self._tokens, self._k) < self._k
         return on_host and learned.routing.get(layer, {}).get(chunk.index) == "routed"
 
-    def records_on_host(self, layer: int, tokens: int | None, k: int) -> bool:
-        """Inside a capture under ``"auto"``: ``layer``'s experts at this call size are
-        recorded as a host job (a host node of the graph), not streamed.  So where the rule
-        finds the host alone faster than streaming at this size (:meth:`_graphed`) and a
-        call of this size outside the capture made the job's buffers (:class:`_Fixed`).
-        The expert cache does not split a recorded layer: the host computes every pick.
-        (Only the queued path on a CUDA device makes those buffers, so their presence says
-        the kernel can be queued.)"""
+    def recorded_plan(self, layer: int, tokens: int | None, k: int) -> int:
+        """Inside a capture under ``"auto"``: how many of each token's ``k`` picks the
+        device takes in what the capture records for ``layer`` at this call size; below
+        ``k``, a host job (a host node of the graph) computes the rest.  So the plan of
+        :meth:`_graphed` where a call of this size outside the capture made the job's
+        buffers (:class:`_Fixed`), else ``k`` (streamed).  The expert cache takes no
+        picks of a recorded layer: the host computes every pick the plan leaves it.  (Only
+        the queued path on a CUDA device makes those buffers, so their presence says the
+        kernel can be queued.)"""
         entry, jobs = self._layers.get(layer), self._jobs
         if not tokens or entry is None or jobs is None or (layer, tokens, k) not in jobs.fixed:
-            return False
-        return self._graphed(entry, layer, tokens, k) == 0
+            return k
+        return self._graphed(entry, layer, tokens, k)
+
+    # Under CUDA graphs a split is recorded only where the rule predicts it at most this
+    # share of the better of the host alone and streaming: no trial times a replay, and
+    # the rule has predicted splits faster than they ran where a layer's work is small
+    # (one token: docs/host_compute.md, "Under CUDA graphs").
+    GRAPH_SPLIT_SHARE = 0.85
 
     def _graphed(self, entry: HostWeights, layer: int, tokens: int, k: int) -> int:
-        """``"auto"``'s plan under CUDA graphs: 0 (the host alone) or ``k`` (streamed),
-        whichever the rule predicts faster.  A split is no choice there: its device share
-        needs the routed gather, which a capture does not record with a host job, so a
-        rule that would split (say, where the host reads slower than the link) would
-        otherwise stream a layer the host alone beats.  A size a capture cannot record as
-        a host job (more token picks than :attr:`_StreamJobs.FIXED_PAIRS`, a layout the
-        queued kernel does not take, no C compiler) streams, as its capture does, so that
-        the prefetches the hooks begin match what the graph recorded."""
+        """``"auto"``'s plan under CUDA graphs: the rule's split ``m`` where it predicts it
+        clearly faster (:attr:`GRAPH_SPLIT_SHARE`), else 0 (the host alone) or ``k``
+        (streamed), whichever it predicts faster.  A size a capture cannot record as a host
+        job (more token picks than :attr:`_StreamJobs.FIXED_PAIRS`, a layout the queued
+        kernel does not take, no C compiler) streams, as its capture does, so that the
+        prefetches the hooks begin match what the graph recorded."""
         if tokens * k > _StreamJobs.FIXED_PAIRS or not entry.queueable or \
                 native.library() is None:
             return k
-        _, _, host, streamed = self._predicted(entry, layer, tokens, k)
+        m, split_seconds, host, streamed = self._predicted(entry, layer, tokens, k)
+        if 0 < m < k and split_seconds <= self.GRAPH_SPLIT_SHARE * min(host, streamed):
+            return m
         return 0 if host < streamed else k
 
     @property
@@ -398,15 +406,16 @@ class HostExperts:
             self._call = None
 
     def queue(self, entry: HostWeights, layer: int, x, ids, gates,
-              device_part=None, fix: bool = False) -> torch.Tensor:
+              device_part=None, fix: bool = False, m: int = 0) -> torch.Tensor:
         """``layer``'s host job queued on a stream (:class:`_StreamJobs`), its read counted;
-        ``fix``: see :meth:`_StreamJobs.run`."""
+        ``fix``: see :meth:`_StreamJobs.run`; ``m``: the picks a token the device takes
+        (``device_part``), noted for the report of a capture's replays."""
         if self._jobs is None:
             self._jobs = _StreamJobs(native.library(), job_threads())
         began = time.monotonic_ns()     # the clock the jobs note (CLOCK_MONOTONIC)
         out, record = self._jobs.run(entry, layer, x, ids, gates, device_part, fix)
         if capturing():     # its replays run no Python: their reads come from the record
-            self.recorded.setdefault(x.shape[0], {})[layer] = (record, entry.expert_bytes)
+            self.recorded.setdefault(x.shape[0], {})[layer] = (record, entry.expert_bytes, m)
         else:
             self._queued_reads.append((record, entry.expert_bytes, began,
                                        self._jobs.launched))
@@ -425,9 +434,8 @@ class HostExperts:
         self._k = k
         if state.phase is Phase.RESTORED:
             return laid_out_as(x, entry.module(x, ids, gates))
-        # (a capture under "auto" records the host alone or streams: records_on_host)
         if capturing() and self.mode == "auto":
-            m = 0 if self.records_on_host(layer, tokens, k) else k
+            m = self.recorded_plan(layer, tokens, k)
         else:
             m = self._plan(entry, layer, tokens, k)
         host = m < k
@@ -448,18 +456,17 @@ class HostExperts:
                 m: int) -> torch.Tensor:
         """The host job queued on a stream; where ``m`` (``"auto"``'s rule) or the expert
         cache give the device picks of its own, they split (:mod:`~fx_offload.host_compute.
-        split`), which needs the routed gather.  A capture records the host alone: every
-        pick on the host, the expert cache's too (it learns nothing from a replay)."""
-        if capturing():
-            return self.queue(entry, layer, x, ids, gates)
-        # under CUDA graphs (where "auto" plans the host alone or streaming: _graphed) a
-        # call on the host makes what its size's capture will record (records_on_host)
+        split`), which needs the routed gather.  A capture records the plan's ``m`` alone:
+        the expert cache takes no picks there (it learns nothing from a replay), the host
+        computes every pick the plan leaves it."""
+        # under CUDA graphs (where "auto" plans with _graphed) a call on the host makes
+        # what its size's capture will record (recorded_plan)
         fix = self.mode == "auto" and self._state.hook_copies.under_cuda_graphs
         routed = getattr(self._state, "routed", None)
         if routed is None or not routed.usable:
             m, where = 0, None
         else:
-            where = routed.cache_rows(layer)
+            where = None if capturing() else routed.cache_rows(layer)
         if not m and where is None:
             return self.queue(entry, layer, x, ids, gates, fix=fix)
         self.ran[layer] = f"split {m}"
@@ -475,8 +482,9 @@ class HostExperts:
                 self._state.wait_routed(layer, chunk, ids_device)
             module = entry.module
             return split.device_experts(x, ids_device, gates, module.gate_up_proj,
-                                        module.down_proj, keep)
-        return self.queue(entry, layer, x, ids_host, gates, device_part, fix=fix)
+                                        module.down_proj, keep, None if where is not None
+                                        else m)
+        return self.queue(entry, layer, x, ids_host, gates, device_part, fix=fix, m=m)
 
     def _plan(self, entry: HostWeights, layer: int, tokens: int, k: int) -> int:
         """How many of each token's ``k`` picks the device computes: the rule's
@@ -559,8 +567,9 @@ class HostExperts:
 
     def last_call(self) -> dict[int, str]:
         """Layer -> where its experts ran in the latest call ("host", "device", "split
-        <m>": each token's first m picks and the cached ones on the device, or "host (CUDA
-        graph)": a replay's recorded job)."""
+        <m>": each token's first m picks and the cached ones on the device; "host (CUDA
+        graph)" or "split <m> (CUDA graph)": a replay's recorded job)."""
         ran = dict(self.ran)
-        ran.update({layer: "host (CUDA graph)" for layer in self._replayed()})
+        ran.update({layer: f"split {m} (CUDA graph)" if m else "host (CUDA graph)"
+                    for layer, (_, _, m) in self._replayed().items()})
         return ran
