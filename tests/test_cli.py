@@ -111,6 +111,8 @@ def test_explain_folds_layers_cut_alike_and_gives_sizes_in_binary_units():
     assert short.endswith(f"graph 0: {len(graph)} nodes, {inserted} inserted op(s)\n"), short
     assert full.startswith(plan) and full.endswith("\n".join(graph) + "\n")
     assert ">>>" not in short
+    # what a REPL shows for a bare explain(...): the short text, not the fields' reprs
+    assert repr(e) == short and "Chunk(" not in repr(e)
 
 
 def test_train_smoke_run_trains_the_adapters_offloaded_as_resident(capsys):

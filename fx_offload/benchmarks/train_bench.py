@@ -33,7 +33,8 @@ it, as Hugging Face's ``Trainer`` between its logging steps: what a step queues 
 the next); the peak device memory; and the bound: the larger of the resident step and the
 row's copied bytes over the pinned host-to-device rate measured in the same process.  The adapters'
 gradients of the first step (the first warm-up step) are compared with the resident row's.
-``--device cpu --quick`` is a smoke run of seconds (a tiny model, ``aot_eager``, no bound).
+``--device cpu --quick`` is a smoke run (a tiny model, 4 layers, 64 tokens, one timed step,
+``aot_eager``, no bound).
 """
 from __future__ import annotations
 
@@ -53,21 +54,37 @@ EXTRA_METHODS = ("fx_offload-graphs",)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layers", type=int, default=16, help="decoder layers")
-    parser.add_argument("--seq", type=int, default=2048, help="tokens per training sequence")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="decoder layers (default: 16; 4 with --quick)")
+    parser.add_argument("--seq", type=int, default=None,
+                        help="tokens per training sequence (default: 2048; 64 with --quick)")
     parser.add_argument("--batch", type=int, default=1, help="sequences per step")
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank on q/k/v/o")
     parser.add_argument("--group-size", type=int, default=4, help="group_size of the offload")
     parser.add_argument("--num-in-group", type=int, default=3,
                         help="num_in_group: offloaded layers of each group")
-    parser.add_argument("--steps", type=at_least(1, "timed steps"), default=5,
-                        help="timed steps of each row, each way (waited for one by one, then as one stretch), after two warm-up steps")
+    parser.add_argument("--steps", type=at_least(1, "timed steps"), default=None,
+                        help="timed steps of each row, each way (waited for one by one, then "
+                             "as one stretch), after two warm-up steps (default: 5; 1 with "
+                             "--quick)")
     parser.add_argument("--methods", default=",".join(METHODS),
                         help="comma-separated among " + ", ".join(METHODS + EXTRA_METHODS) +
                              " (default: all but " + ", ".join(EXTRA_METHODS) + ")")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
     parser.add_argument("--quick", action="store_true",
-                        help="a tiny model (with --device cpu: a smoke run of seconds)")
+                        help="a tiny model, 4 layers, 64 tokens, one timed step (with --device "
+                             "cpu: a smoke run of under a minute a row)")
+
+
+# (layers, seq, steps) left unset: the full run's, or --quick's
+DEFAULTS, QUICK = (16, 2048, 5), (4, 64, 1)
+
+
+def _sizes(args) -> None:
+    """Fill in the sizes the command line left unset (:data:`DEFAULTS`, or :data:`QUICK`)."""
+    for name, value in zip(("layers", "seq", "steps"), QUICK if args.quick else DEFAULTS):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
 
 
 def _config(args):
@@ -264,6 +281,7 @@ def _row(method, args, device, ids, reference):
 
 
 def run(args) -> int:
+    _sizes(args)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device here: run with --device cpu --quick for a smoke run")

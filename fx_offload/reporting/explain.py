@@ -54,7 +54,7 @@ class GraphRecord:
                             input_tags=self.input_tags)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(repr=False)
 class Explanation:
     model: str
     options: str
@@ -129,6 +129,11 @@ class Explanation:
 
     def __str__(self) -> str:
         return self.text()
+
+    def __repr__(self) -> str:
+        # what a REPL shows for a bare explain(...): the plan and a line per graph, not the
+        # fields' own reprs (every tensor's values, raw byte offsets: 200 lines at 4 layers)
+        return self.text(graphs=False)
 
     def text(self, graphs: bool = True) -> str:
         """The plan, then each rewritten graph; ``graphs=False``: a line per graph instead."""

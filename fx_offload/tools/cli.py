@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import sys
 import textwrap
 
@@ -108,20 +109,26 @@ TOOLS = (
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Keeps the description's line breaks (the example on a line of its own) and ends each
-    flag's help with its default, unless the flag is off by default or its help already
-    says what the default is."""
+    flag's help with its default, unless the flag is a switch (off by default) or its help
+    already says what the default is; a flag taking a value that is unset by default says
+    ``(default: none)``."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if (not action.option_strings or action.default in (None, False, argparse.SUPPRESS)
-                or "default" in text):
+        if not action.option_strings or action.nargs == 0 or "default" in text or \
+                action.default is argparse.SUPPRESS:
             return text
+        if action.default in (None, ""):
+            return f"{text} (default: none)"
         return f"{text} (default: %(default)s)"
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The top-level parser and each subcommand's own parser, by name."""
-    parser = argparse.ArgumentParser(prog="python -m fx_offload",
+    # the installed command is named as it was called; python -m, as it is typed
+    prog = "fx-offload" if os.path.basename(sys.argv[0]) == "fx-offload" else \
+        "python -m fx_offload"
+    parser = argparse.ArgumentParser(prog=prog,
                                      description="fx_offload: compile-time weight prefetch")
     sub = parser.add_subparsers(dest="command", required=True)
     parsers = {}
