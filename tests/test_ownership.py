@@ -1316,3 +1316,76 @@ def test_a_call_begun_before_the_hooks_is_refused_while_another_threads_call_hol
     fx_offload.restore(model)
     for mine, theirs in zip(model.parameters(), reference.parameters()):
         assert torch.equal(mine, theirs)
+
+
+def test_a_compile_on_another_thread_sees_the_parameters_pointed_one_way_throughout(
+        monkeypatch):
+    """The call begun before the hooks, of another batch size, is compiled (Dynamo: a new
+    shape) while the other thread's call holds the slots; that call then ends, pointing the
+    parameters back at their host blocks (other storage offsets) in the middle of the
+    compile, between Dynamo's trace and AOT autograd's second look at each parameter:
+    ``AssertionError: int(sym)=2048 != hint=0`` inside ``BackendCompilerFailed``.  The
+    pointing now waits for the compile (Dynamo's compile lock), so the held call gets the
+    advice or its output, never that crash, and the other call's output is right."""
+    from fx_offload import compiler
+    torch._dynamo.reset()
+    model = GatedStack(num_layers=8).eval()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="prefetch_offload", options=OPTIONS)
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0))
+    other = torch.randn(5, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, want_other = reference(x), reference(other)
+    start, got = threading.Barrier(2), {}
+    held_gate = (threading.Event(), threading.Event())
+    inside_gate = (threading.Event(), threading.Event())
+    first_done, held_ident = threading.Event(), []
+    real = compiler.compile_inner
+
+    def compile_then_let_the_other_call_end(*args, **kwargs):
+        if held_ident and threading.get_ident() == held_ident[0] and not first_done.is_set():
+            inside_gate[1].set()            # the other call ends meanwhile, if it can
+            first_done.wait(3)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(compiler, "compile_inner", compile_then_let_the_other_call_end)
+
+    def held():
+        held_ident.append(threading.get_ident())
+        _GATES[threading.get_ident()] = held_gate
+        start.wait()
+        try:
+            with torch.no_grad():
+                got["held"] = compiled(other)
+        except fx_offload.OffloadError as e:
+            got["error"] = str(e)
+        except Exception as e:      # (what the test is about: none other)
+            got["other"] = f"{type(e).__name__}: {e}"
+
+    def first():
+        start.wait()
+        held_gate[0].wait(10)
+        with torch.no_grad():
+            compiled(x)
+            _GATES[threading.get_ident()] = inside_gate
+            got["first"] = compiled(x)      # held inside until the other thread compiles
+        first_done.set()
+    threads = [threading.Thread(target=held), threading.Thread(target=first)]
+    for t in threads:
+        t.start()
+    inside_gate[0].wait(10)
+    held_gate[1].set()                      # the held call runs on: its frame compiles
+    for t in threads:
+        t.join(30)
+    inside_gate[1].set()
+    _GATES.clear()
+    assert "other" not in got, got["other"]
+    assert torch.equal(got["first"], want)
+    if "error" in got:
+        assert "on one thread" in got["error"]
+    else:
+        assert torch.equal(got["held"], want_other)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), want)
+    fx_offload.restore(model)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 reference.state_dict().values()))

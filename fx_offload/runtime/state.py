@@ -278,8 +278,10 @@ class OffloadState:
         """What the user did to the offloaded parameters since the last call
         (:meth:`.Ownership.look`): a slot holding a layer changed is reloaded, and (unless
         ``restoring``) its compressed copy encoded again and its cached experts copied."""
-        found = self.ownership.look(self.buffers, self.synchronize,
-                                    functools.partial(registry.replace_param, self), restoring)
+        with _no_compile_meanwhile():       # the look may point parameters anew
+            found = self.ownership.look(self.buffers, self.synchronize,
+                                        functools.partial(registry.replace_param, self),
+                                        restoring)
         if found is None:
             return
         moved, stale = found
@@ -350,7 +352,8 @@ class OffloadState:
     def _point_at(self, truth: bool) -> None:
         """The parameters point at their host blocks (``truth``) or their slots."""
         after = self.phase.to(Phase.ON_TRUTH if truth else Phase.ON_SLOTS, self.model_name)
-        self.ownership.point_at(self.buffers, truth)    # (a move refused: nothing pointed)
+        with _no_compile_meanwhile():
+            self.ownership.point_at(self.buffers, truth)    # (a move refused: none pointed)
         self.phase = after
 
     def settle(self) -> None:
@@ -443,6 +446,20 @@ def _untwin_unchanged(params, masters) -> None:
         for p in ps:
             if p.host is not None and p.ptrs(p.host) == p.ptrs_in(masters[layer]):
                 p.untwin()
+
+
+def _no_compile_meanwhile():
+    """Dynamo's compile lock, held while this thread points the parameters anew (their
+    ``.data``: slot or host block, with other storage offsets).  A compile holds it from
+    Dynamo's trace to the end of the backend, and reads each parameter's sizes, strides and
+    storage offset twice: Dynamo fakeifies it, and AOT autograd fakeifies it again against
+    the symbols that trace cached.  A compile on another thread that holds no turn (its call
+    began before another thread's first call put the hooks on, and Dynamo compiled it again
+    after that one) must not see them pointed anew in between: ``BackendCompilerFailed:
+    AssertionError: int(sym)=2048 != hint=0``.  Uncontended, one acquire; a call's pointing
+    waits for a compile running on another thread."""
+    from torch._dynamo import convert_frame
+    return getattr(convert_frame, "compile_lock", None) or contextlib.nullcontext()
 
 
 def _hold_masters(params, placed, layer: int, masters) -> None:
