@@ -476,9 +476,9 @@ def test_on_a_gpu_auto_splits_a_layers_picks_between_device_and_host(monkeypatch
 def test_under_cuda_graphs_auto_records_a_split_only_where_the_rule_finds_it_clearly_faster(
         split_seconds, host_faster, want, monkeypatch):
     """No trial times a CUDA graph's replays, so under mode="reduce-overhead" "auto" records
-    the rule's split only where it predicts it at most GRAPH_SPLIT_SHARE (0.85) of the
-    better of the host alone and streaming (the rule has predicted one-token splits faster
-    than they ran); else the faster of those two, by the rule's own times (once a 1.75x
+    the rule's split only for calls of several tokens and where it predicts it at most
+    GRAPH_SPLIT_SHARE (0.85) of the better of the host alone and streaming (the rule has
+    predicted one-token splits much faster than they ran); else the faster of those two, by the rule's own times (once a 1.75x
     slower decode: the capture streamed every layer the rule would split).  The GPU test of
     the capture: test_moe's ..._recorded_as_host_jobs_inside_cuda_graphs."""
     from fx_offload.host_compute import native
@@ -493,10 +493,12 @@ def test_under_cuda_graphs_auto_records_a_split_only_where_the_rule_finds_it_cle
             under_cuda_graphs=True)))
     runtime._graphed = types.MethodType(HostExperts._graphed, runtime)
     entry = types.SimpleNamespace(queueable=True)
-    assert runtime._graphed(entry, 3, 1, 8) == want
+    assert runtime._graphed(entry, 3, 2, 8) == want
     # a call under CUDA graphs outside a capture (the warm-up that makes a recorded job's
     # buffers) plans the same
-    assert HostExperts._plan(runtime, entry, 3, 1, 8) == want
+    assert HostExperts._plan(runtime, entry, 3, 2, 8) == want
+    # one token: never a split
+    assert runtime._graphed(entry, 3, 1, 8) == (0 if host_faster else 8)
     # a size no capture records as a host job (more than 64 token picks), or a layout the
     # queued kernel does not take, streams as its capture does
     assert runtime._graphed(entry, 3, 9, 8) == 8

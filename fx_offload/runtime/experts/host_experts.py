@@ -366,15 +366,16 @@ class HostExperts:
             return k
         return self._graphed(entry, layer, tokens, k)
 
-    # Under CUDA graphs a split is recorded only where the rule predicts it at most this
-    # share of the better of the host alone and streaming: no trial times a replay, and
-    # the rule has predicted splits faster than they ran where a layer's work is small
-    # (one token: docs/host_compute.md, "Under CUDA graphs").
+    # Under CUDA graphs a split is recorded only for calls of several tokens, where the
+    # rule predicts it at most this share of the better of the host alone and streaming:
+    # no trial times a replay, and the rule has predicted one-token splits much faster
+    # than they ran (docs/host_compute.md, "Under CUDA graphs").
     GRAPH_SPLIT_SHARE = 0.85
 
     def _graphed(self, entry: HostWeights, layer: int, tokens: int, k: int) -> int:
-        """``"auto"``'s plan under CUDA graphs: the rule's split ``m`` where it predicts it
-        clearly faster (:attr:`GRAPH_SPLIT_SHARE`), else 0 (the host alone) or ``k``
+        """``"auto"``'s plan under CUDA graphs: the rule's split ``m`` where the call has
+        several tokens and the rule predicts it clearly faster (:attr:`GRAPH_SPLIT_SHARE`),
+        else 0 (the host alone) or ``k``
         (streamed), whichever it predicts faster.  A size a capture cannot record as a host
         job (more token picks than :attr:`_StreamJobs.FIXED_PAIRS`, a layout the queued
         kernel does not take, no C compiler) streams, as its capture does, so that the
@@ -383,7 +384,8 @@ class HostExperts:
                 native.library() is None:
             return k
         m, split_seconds, host, streamed = self._predicted(entry, layer, tokens, k)
-        if 0 < m < k and split_seconds <= self.GRAPH_SPLIT_SHARE * min(host, streamed):
+        if 0 < m < k and tokens > 1 and \
+                split_seconds <= self.GRAPH_SPLIT_SHARE * min(host, streamed):
             return m
         return 0 if host < streamed else k
 
