@@ -58,12 +58,12 @@ def static_cache(model, batch, length):
 @pytest.mark.parametrize("device", DEVICES)
 def test_tokens_and_cache_equal_the_device_cache(device):
     """Batch 2, a prompt of 37 tokens (two full blocks of 16 and one ending mid-block), ten
-    new tokens, three generates in a row: the tokens and every valid position of every
+    new tokens, two generates in a row: the tokens and every valid position of every
     layer's keys and values equal the device cache's, bitwise (aot_eager both); report gives
     the host bytes and what a step copies in and writes back."""
     reference, model = pair(device, dynamic=True)      # (the other tests: static shapes)
     ids = torch.randint(0, 128, (2, 37), device=device)
-    for _ in range(3):
+    for _ in range(2):
         cache_ref, cache = static_cache(reference, 2, 64), static_cache(model, 2, 64)
         expected = generate(reference, ids, past_key_values=cache_ref)
         got = generate(model, ids, past_key_values=cache)

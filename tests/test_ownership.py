@@ -1345,7 +1345,7 @@ def test_a_compile_on_another_thread_sees_the_parameters_pointed_one_way_through
     def compile_then_let_the_other_call_end(*args, **kwargs):
         if held_ident and threading.get_ident() == held_ident[0] and not first_done.is_set():
             inside_gate[1].set()            # the other call ends meanwhile, if it can
-            first_done.wait(3)
+            first_done.wait(1)
         return real(*args, **kwargs)
     monkeypatch.setattr(compiler, "compile_inner", compile_then_let_the_other_call_end)
 
