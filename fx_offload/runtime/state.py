@@ -448,6 +448,9 @@ def _untwin_unchanged(params, masters) -> None:
                 p.untwin()
 
 
+_COMPILE_LOCK = None       # Dynamo's, looked up at the first call (_no_compile_meanwhile)
+
+
 def _no_compile_meanwhile():
     """Dynamo's compile lock, held while this thread points the parameters anew (their
     ``.data``: slot or host block, with other storage offsets).  A compile holds it from
@@ -457,9 +460,13 @@ def _no_compile_meanwhile():
     began before another thread's first call put the hooks on, and Dynamo compiled it again
     after that one) must not see them pointed anew in between: ``BackendCompilerFailed:
     AssertionError: int(sym)=2048 != hint=0``.  Uncontended, one acquire; a call's pointing
-    waits for a compile running on another thread."""
-    from torch._dynamo import convert_frame
-    return getattr(convert_frame, "compile_lock", None) or contextlib.nullcontext()
+    waits for a compile running on another thread.  Looked up once: it is taken twice a
+    call."""
+    global _COMPILE_LOCK
+    if _COMPILE_LOCK is None:
+        from torch._dynamo import convert_frame
+        _COMPILE_LOCK = getattr(convert_frame, "compile_lock", None) or contextlib.nullcontext()
+    return _COMPILE_LOCK
 
 
 def _hold_masters(params, placed, layer: int, masters) -> None:

@@ -302,9 +302,9 @@ class HostExperts:
 
     def _replayed(self) -> dict[int, tuple]:
         """The jobs recorded into CUDA graphs that a replay ran in the latest call: layer ->
-        (record, bytes an expert, the device's picks a token), those of the call's size whose records say they started
-        since the call began (another graph of that size may have streamed a layer).
-        Waits for the device."""
+        (record, bytes an expert, the device's picks a token), those of the call's size
+        whose records say they started since the call began (another graph of that size
+        may have streamed a layer).  Waits for the device."""
         recorded = self.recorded.get(self._tokens, {})
         if recorded:
             torch.cuda.synchronize(self._state.device)
@@ -375,11 +375,11 @@ class HostExperts:
     def _graphed(self, entry: HostWeights, layer: int, tokens: int, k: int) -> int:
         """``"auto"``'s plan under CUDA graphs: the rule's split ``m`` where the call has
         several tokens and the rule predicts it clearly faster (:attr:`GRAPH_SPLIT_SHARE`),
-        else 0 (the host alone) or ``k``
-        (streamed), whichever it predicts faster.  A size a capture cannot record as a host
-        job (more token picks than :attr:`_StreamJobs.FIXED_PAIRS`, a layout the queued
-        kernel does not take, no C compiler) streams, as its capture does, so that the
-        prefetches the hooks begin match what the graph recorded."""
+        else 0 (the host alone) or ``k`` (streamed), whichever it predicts faster.  A size
+        a capture cannot record as a host job (more token picks than
+        :attr:`_StreamJobs.FIXED_PAIRS`, a layout the queued kernel does not take, no C
+        compiler) streams, as its capture does, so that the prefetches the hooks begin
+        match what the graph recorded."""
         if tokens * k > _StreamJobs.FIXED_PAIRS or not entry.queueable or \
                 native.library() is None:
             return k
